@@ -1,0 +1,213 @@
+"""The public API: connect to the cluster as a worker, wrap your optimizer, step.
+
+::
+
+    cluster = psdk.ClusterSpec({"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1"] * 2})
+    with psdk.connect(cluster, task_index=0, steps=1000, sync="sync") as session:
+        opt = psdk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, session)
+        opt.broadcast_parameters()
+        while not session.should_stop():
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        session.finish()        # the chief also waits here for the other workers
+        if session.is_chief:
+            opt.pull()          # the final parameters of the ps, into the model
+    # leaving the block, the chief shuts the ps tasks down
+
+The MNIST job (:mod:`psdk.jobs.mnist`) is written on this same API.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from psdk.backend import Backend
+from psdk.client import ClientOptions, ParameterClient, StepResult
+from psdk.cluster import ClusterSpec
+from psdk.consistency import SyncSpec
+from psdk.errors import PsdkError
+from psdk.jobspec import JobSpec
+from psdk.plugins import backend_for
+from psdk.transport import Transport
+from psdk.zmq_transport import ZmqOptions, ZmqTransport
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSession:
+    """One worker's membership in a job; the chief (task 0) also configures and ends it."""
+
+    def __init__(
+        self, client: ParameterClient, job: JobSpec, sharding: str, transport: Transport | None = None
+    ):
+        self.client = client
+        self.job = job
+        self.sharding = sharding
+        self._own_transport = transport
+        self._last: StepResult | None = None
+        self._finished = False
+
+    @property
+    def task_index(self) -> int:
+        return self.client.task_index
+
+    @property
+    def is_chief(self) -> bool:
+        return self.client.task_index == 0
+
+    @property
+    def global_step(self) -> int:
+        return self.client.global_step
+
+    def should_stop(self) -> bool:
+        """True once the ps said the job reached its target step (or was stopped)."""
+        return self._last is not None and self._last.done
+
+    def record(self, result: StepResult) -> StepResult:
+        self._last = result
+        return result
+
+    def finish(self, report: Mapping[str, Any] | None = None, wait_s: float = 120.0) -> dict[str, Any]:
+        """Tell the ps this worker is done training.
+
+        The chief then waits (at most ``wait_s``) until every other worker has
+        finished or is known dead, and returns each worker's state; the ps
+        tasks keep serving pulls until the chief's session closes.
+        """
+        self.client.finish(report or {})
+        self._finished = True
+        if not self.is_chief:
+            return {}
+        return self.client.wait_for_workers(wait_s)
+
+    def close(self) -> None:
+        self.client.close()
+        if self._own_transport is not None:
+            self._own_transport.close()
+            self._own_transport = None
+
+    def __enter__(self) -> WorkerSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if exc is not None:
+                if self.is_chief and self.client.initialized:
+                    self.client.abort(f"{exc_type.__name__ if exc_type else 'error'}: {exc}")
+                return
+            if self.client.initialized and not self._finished:
+                self.finish()
+            if self.is_chief and self.client.initialized:
+                self.client.shutdown()
+        finally:
+            self.close()
+
+
+def connect(
+    cluster: ClusterSpec,
+    task_index: int,
+    *,
+    steps: int,
+    sync: str | SyncSpec = "async",
+    replicas_to_aggregate: int | None = None,
+    sharding: str = "round_robin",
+    options: ClientOptions | None = None,
+    transport: Transport | None = None,
+) -> WorkerSession:
+    """Join ``cluster`` as worker ``task_index``.
+
+    ``steps`` (the target global step), ``sync`` and ``replicas_to_aggregate``
+    configure the job; only the chief's values reach the ps, as only the
+    chief's graph mattered in TensorFlow.
+    """
+    spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
+    job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers)
+    options = options or ClientOptions()
+    own = None
+    if transport is None:
+        own = transport = ZmqTransport(
+            ZmqOptions(
+                heartbeat_interval_s=options.heartbeat_interval_s,
+                heartbeat_timeout_s=options.heartbeat_timeout_s,
+            )
+        )
+    try:
+        client = ParameterClient(transport, cluster, task_index, options)
+    except BaseException:
+        if own is not None:
+            own.close()
+        raise
+    return WorkerSession(client, job, sharding, own)
+
+
+class DistributedOptimizer:
+    """Wraps a framework optimizer so that each step goes through the ps.
+
+    What happens to the optimizer you pass: it is never stepped. Its type and
+    hyper-parameters (e.g. ``torch.optim.Adam(lr=1e-3)``) select the update
+    rule that runs on the ps, in numpy, with its slots held there; the
+    chief's choice is the one the ps uses. ``zero_grad()`` is passed through.
+    ``step()`` reads the gradients your backward pass left in the model,
+    pushes them, and writes the fresh parameters back into the model.
+    """
+
+    def __init__(self, optimizer: Any, model: Any, session: WorkerSession, backend: Backend | None = None):
+        self.optimizer = optimizer
+        self.model = model
+        self.session = session
+        self.backend = backend or backend_for(optimizer)
+        self.rule = self.backend.optimizer_rule(optimizer)
+
+    def broadcast_parameters(self) -> int:
+        """Chief: put the model's weights on the ps. Others: wait for them and take them.
+
+        A chief that finds the store already initialised (it restarted) takes
+        the ps's weights instead of overwriting them. Returns the global step.
+        """
+        client = self.session.client
+        if self.session.is_chief:
+            weights = self.backend.read_weights(self.model)
+            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding)
+            if not fresh:
+                log.warning("worker 0: the ps was already initialised; continuing from its weights")
+        else:
+            client.wait_initialized()
+        self._check_variables(client.variable_shapes())
+        return self.pull()
+
+    def _check_variables(self, remote: dict[str, tuple[int, ...]]) -> None:
+        local = {n: tuple(s) for n, s in self.backend.variables(self.model).items()}
+        if local != remote:
+            only_here = sorted(set(local) - set(remote))
+            only_there = sorted(set(remote) - set(local))
+            shapes = sorted(n for n in set(local) & set(remote) if local[n] != remote[n])
+            raise PsdkError(
+                f"worker {self.session.task_index}: this model does not match the variables on "
+                f"the ps (only here: {only_here}, only on the ps: {only_there}, shapes differ: "
+                f"{shapes}); every worker must build the same model"
+            )
+
+    def pull(self) -> int:
+        """Fetch the current parameters of the ps into the model; returns the global step."""
+        step = self.session.client.pull()
+        self.backend.write_weights(self.model, self.session.client.params)
+        return step
+
+    def zero_grad(self) -> None:
+        zero = getattr(self.optimizer, "zero_grad", None)
+        if callable(zero):
+            zero()
+
+    def step(self) -> StepResult:
+        """Push this worker's gradients, pull the new parameters into the model."""
+        client = self.session.client
+        self.backend.read_gradients(self.model, client.grads)
+        result = client.push_pull()
+        self.backend.write_weights(self.model, client.params)
+        return self.session.record(result)

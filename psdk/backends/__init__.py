@@ -1,0 +1,1 @@
+"""Backends that ship with psdk's core (the numpy reference)."""

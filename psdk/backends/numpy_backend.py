@@ -1,0 +1,110 @@
+"""The numpy reference backend: the dense models by hand, forward and backward.
+
+It serves the core's tests (no framework needed) and shows the backend
+contract at its plainest. Its "framework optimizer" is a psdk update rule
+(:mod:`psdk.optim`), which is also what the ps runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from psdk.backend import Backend
+from psdk.errors import ConfigError
+from psdk.models import ModelSpec
+from psdk.optim import UpdateRule
+from psdk.sharding import flat_size, layout, views
+
+
+class NumpyModel:
+    """Weights and gradients as named views of two flat float32 buffers."""
+
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]):
+        self.spec = spec
+        self.specs = layout(spec.variables())
+        self.flat = np.zeros(flat_size(self.specs), np.float32)
+        self.grad_flat = np.zeros_like(self.flat)
+        self.params = views(self.flat, self.specs)
+        self.grads = views(self.grad_flat, self.specs)
+        for name, view in self.params.items():
+            view[...] = weights[name]
+
+    def logits(self, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Output logits and every layer's input (kept for the backward pass)."""
+        inputs = []
+        h = x
+        layers = self.spec.layers()
+        for i, (name, _, _) in enumerate(layers):
+            inputs.append(h)
+            h = h @ self.params[f"{name}/kernel"] + self.params[f"{name}/bias"]
+            if i < len(layers) - 1:
+                h = np.maximum(h, 0.0)
+        return h, inputs
+
+    def forward_backward(self, x: np.ndarray, y: np.ndarray) -> float:
+        logits, inputs = self.logits(x)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        exp = np.exp(shifted)
+        total = exp.sum(axis=1, keepdims=True)
+        rows = np.arange(len(y))
+        loss = float(np.mean(np.log(total[:, 0]) - shifted[rows, y]))
+        dz = exp / total
+        dz[rows, y] -= 1.0
+        dz /= np.float32(len(y))
+        layers = self.spec.layers()
+        for i in range(len(layers) - 1, -1, -1):
+            name = layers[i][0]
+            h = inputs[i]
+            np.matmul(h.T, dz, out=self.grads[f"{name}/kernel"])
+            np.sum(dz, axis=0, out=self.grads[f"{name}/bias"])
+            if i:
+                dz = (dz @ self.params[f"{name}/kernel"].T) * (h > 0)
+        return loss
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    framework = "psdk"
+
+    def setup(
+        self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None
+    ) -> None:
+        self.device = "cpu"  # numpy has no GPU: soft placement
+
+    def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> NumpyModel:
+        return NumpyModel(spec, weights)
+
+    def make_optimizer(self, model: Any, rule: UpdateRule) -> UpdateRule:
+        return rule
+
+    def optimizer_rule(self, optimizer: Any) -> UpdateRule:
+        if not isinstance(optimizer, UpdateRule):
+            raise ConfigError("optimizer", f"the numpy backend takes a psdk.optim rule, not {optimizer!r}")
+        return optimizer
+
+    def variables(self, model: NumpyModel) -> dict[str, tuple[int, ...]]:
+        return {s.name: s.shape for s in model.specs}
+
+    def read_weights(self, model: NumpyModel) -> dict[str, np.ndarray]:
+        return {name: view.copy() for name, view in model.params.items()}
+
+    def write_weights(self, model: NumpyModel, weights: Mapping[str, np.ndarray]) -> None:
+        for name, value in weights.items():
+            np.copyto(model.params[name], value)
+
+    def read_gradients(self, model: NumpyModel, out: Mapping[str, np.ndarray]) -> None:
+        for name, view in out.items():
+            np.copyto(view, model.grads[name])
+
+    def forward_backward(self, model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
+        return model.forward_backward(x, y)
+
+    def accuracy(self, model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
+        correct = 0
+        for start in range(0, len(x), 2000):
+            logits, _ = model.logits(x[start : start + 2000])
+            correct += int(np.sum(np.argmax(logits, axis=1) == y[start : start + 2000]))
+        return correct / max(1, len(x))

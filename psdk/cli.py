@@ -1,0 +1,170 @@
+"""``python -m psdk <command> [overrides]``: Hydra has no subcommands, so psdk dispatches.
+
+``run`` starts the whole job here; ``ps`` and ``worker`` run one task each,
+as TensorFlow 1.x users ran ``--job_name=ps --task_index=0`` in separate
+terminals (those flags are accepted too); ``plugins`` lists the backends.
+A bare comma-separated host list (``ps_hosts=h1:2222,h2:2222``), which Hydra
+alone would read as a sweep, is taken as one list.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from psdk.errors import ConfigError, PsdkError
+from psdk.logs import set_task_label
+
+log = logging.getLogger("psdk")
+
+TASK_COMMANDS = ("run", "ps", "worker", "task")
+COMMANDS = (*TASK_COMMANDS, "plugins")
+TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
+HOST_KEYS = ("ps_hosts", "worker_hosts")
+
+USAGE = """\
+usage: python -m psdk <command> [key=value ...] [hydra options]
+
+commands:
+  run       start the whole job on this machine: ps and worker tasks as processes
+  ps        run one ps task:      python -m psdk ps task_index=0 ps_hosts=... worker_hosts=...
+  worker    run one worker task:  python -m psdk worker task_index=1 ps_hosts=... worker_hosts=...
+  task      run the task named by job_name=ps|worker (TensorFlow 1.x style)
+  plugins   list the installed backends and the distributions that provide them
+
+examples:
+  python -m psdk run backend=torch
+  python -m psdk run sync=sync sync.replicas_to_aggregate=2 topology.num_workers=3
+  python -m psdk run -m sync=sync,async          # a Hydra multirun
+  python -m psdk run --cfg job                   # print the composed config
+
+`python -m psdk run --help` shows every config group and key.
+"""
+
+
+def normalize_args(args: Sequence[str]) -> list[str]:
+    """TensorFlow-style ``--flag=value`` and bare host lists, turned into Hydra overrides."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        match = re.fullmatch(r"--(\w+)(?:=(.*))?", arg)
+        if match and match.group(1) in TF_FLAGS:
+            key, value = match.group(1), match.group(2)
+            if value is None:
+                if i + 1 >= len(args):
+                    raise ConfigError(key, f"--{key} needs a value")
+                value = args[i + 1]
+                i += 1
+            arg = f"{key}={value}"
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") in HOST_KEYS and "," in value and value[:1] not in "[\"'":
+            arg = f"{key}='{value}'"
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _given(args: Sequence[str], key: str) -> str | None:
+    for arg in args:
+        k, sep, v = arg.partition("=")
+        if sep and k.lstrip("+") == key:
+            return v
+    return None
+
+
+def _task(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+
+    job = cfg.job_name
+    set_task_label("launcher" if job is None else f"{job} {cfg.task_index}")
+    try:
+        write_resolved_config(cfg, Path(HydraConfig.get().runtime.output_dir))
+        if job is None:
+            instantiate(cfg.launcher).launch(cfg, list(HydraConfig.get().overrides.task))
+        elif job == "ps":
+            from psdk.ps.main import run_ps
+
+            code = run_ps(cfg)
+            if code:
+                raise SystemExit(code)
+        elif job == "worker":
+            from psdk.jobs.mnist import run_worker
+
+            run_worker(cfg)
+        else:
+            raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
+    except PsdkError as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        raise SystemExit(130) from None
+
+
+def write_resolved_config(cfg: DictConfig, folder: Path) -> None:
+    """``config.yaml``: the task's config with every interpolation resolved."""
+    try:
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+    except Exception as exc:  # an interpolation that cannot resolve is a config error
+        raise ConfigError("config", f"cannot be resolved: {exc}") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(text)
+
+
+def run_hydra(command: str, args: list[str]) -> None:
+    import hydra
+
+    from psdk.config import config_dir, prepare_hydra
+
+    prepare_hydra()
+    if command in ("ps", "worker"):
+        given = _given(args, "job_name")
+        if given is not None and given != command:
+            raise ConfigError("job_name", f"is {given!r} but the command is {command!r}")
+        if given is None:
+            args = [f"job_name={command}", *args]
+    elif command == "task" and _given(args, "job_name") is None:
+        raise ConfigError("job_name", "`python -m psdk task` needs job_name=ps or job_name=worker")
+    elif command == "run" and _given(args, "job_name") not in (None, "null"):
+        raise ConfigError("job_name", "`run` starts every task itself; use `ps` or `worker` for one task")
+    if _given(args, "hydra.job.name") is None:
+        # Prepended: Hydra's parser wants overrides before flags such as `--cfg job`.
+        args = [f"hydra.job.name={command if command != 'task' else _given(args, 'job_name')}", *args]
+    sys.argv = [f"psdk {command}", *args]
+    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+
+
+def list_plugins() -> int:
+    from psdk.plugins import installed_backends
+
+    backends = installed_backends()
+    print(f"{'backend':<10} {'framework':<12} {'provided by':<28} description")
+    for name, entry in sorted(backends.items()):
+        r = entry.record
+        print(f"{name:<10} {r.framework:<12} {entry.distribution:<28} {r.description}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command = args[0]
+    try:
+        if command not in COMMANDS:
+            raise ConfigError("command", f"unknown command {command!r}", COMMANDS)
+        if command == "plugins":
+            return list_plugins()
+        run_hydra(command, normalize_args(args[1:]))
+    except PsdkError as exc:
+        print(f"psdk: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

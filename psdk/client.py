@@ -1,0 +1,339 @@
+"""The worker's side of the ps: the shard map, pipelined push-and-pull, heartbeats.
+
+Each step is one combined push-and-pull request per shard, all in flight at
+once. Gradients and parameters of a shard each travel as one contiguous
+float32 buffer; the client keeps one preallocated buffer of each per shard
+and hands out named views of them, so a step allocates no large array. A
+wait gives up when the ps it waits for stops answering heartbeats, or at the
+request timeout, and the error names that ps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from psdk.cluster import ClusterSpec
+from psdk.errors import PsdkError, RemoteError, TransportError
+from psdk.jobspec import JobSpec
+from psdk.optim import UpdateRule
+from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
+from psdk.transport import ClientEndpoint, Transport
+from psdk.wire import Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    request_timeout_s: float = 300.0
+    init_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one push-and-pull did, seen from shard 0 (which keeps the global step)."""
+
+    global_step: int
+    done: bool
+    outcome: str
+
+
+class Heartbeat(threading.Thread):
+    """Pings every shard from its own sockets, and remembers when each last answered."""
+
+    def __init__(
+        self, transport: Transport, addresses: list[str], names: list[str], worker: int, interval_s: float
+    ):
+        super().__init__(name=f"psdk-heartbeat-{worker}", daemon=True)
+        self.transport, self.addresses, self.names = transport, addresses, names
+        self.worker, self.interval_s = worker, interval_s
+        self.last_heard: list[float | None] = [None] * len(addresses)
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+
+    def run(self) -> None:
+        endpoint = self.transport.connect(self.addresses, self.names)
+        self._ready.set()
+        try:
+            while not self._stop_event.is_set():
+                for index in range(len(self.addresses)):
+                    ping = Message("ping", {"worker": self.worker}, rid=endpoint.new_rid())
+                    # A full queue means the ps is not reading: its silence tells the rest.
+                    with contextlib.suppress(TransportError):
+                        endpoint.send(index, ping)
+                deadline = time.monotonic() + self.interval_s
+                while not self._stop_event.is_set() and (left := deadline - time.monotonic()) > 0:
+                    for index, _ in endpoint.receive(min(left, 0.1)):
+                        self.last_heard[index] = time.monotonic()
+        finally:
+            endpoint.close()
+
+    def silence(self, index: int) -> float | None:
+        heard = self.last_heard[index]
+        return None if heard is None else time.monotonic() - heard
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=5.0)
+
+
+@dataclass
+class Shard:
+    """The client's copy of one shard: layout, version, and its two flat buffers."""
+
+    specs: list[VarSpec]
+    version: int
+    params: np.ndarray
+    grads: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.params.size)
+
+
+class ParameterClient:
+    """One worker's connection to every ps shard of the job."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        cluster: ClusterSpec,
+        task_index: int,
+        options: ClientOptions | None = None,
+        heartbeat: bool = True,
+    ):
+        cluster.check_task("worker", task_index)
+        self.cluster, self.task_index = cluster, task_index
+        self.options = options or ClientOptions()
+        self.addresses = [cluster.ps_address(i) for i in range(cluster.num_ps)]
+        self.names = [f"ps {i} ({a})" for i, a in enumerate(self.addresses)]
+        self.endpoint: ClientEndpoint = transport.connect(self.addresses, self.names)
+        self.shards: list[Shard] = []
+        self.job: JobSpec | None = None
+        self._seq = 0
+        self._params: dict[str, np.ndarray] = {}
+        self._grads: dict[str, np.ndarray] = {}
+        self.heartbeat: Heartbeat | None = None
+        if heartbeat:
+            self.heartbeat = Heartbeat(
+                transport, self.addresses, self.names, task_index, self.options.heartbeat_interval_s
+            )
+            self.heartbeat.start()
+            self.heartbeat._ready.wait(timeout=5.0)
+
+    # -------------------------------------------------------------- requests
+    def _fields(self, **extra: Any) -> dict[str, Any]:
+        return {"worker": self.task_index, **extra}
+
+    def _request(
+        self,
+        messages: Mapping[int, Message],
+        what: str,
+        timeout_s: float | None = None,
+        watch: bool = True,
+    ) -> dict[int, Message]:
+        silence = self.heartbeat.silence if (self.heartbeat is not None and watch) else None
+        replies = self.endpoint.request_many(
+            messages,
+            timeout_s if timeout_s is not None else self.options.request_timeout_s,
+            what,
+            silence_s=silence,
+            dead_after_s=self.options.heartbeat_timeout_s,
+        )
+        for index, reply in replies.items():
+            if reply.op == "error":
+                raise RemoteError(
+                    self.names[index], str(reply.fields.get("error")), str(reply.fields.get("kind"))
+                )
+        return replies
+
+    def _all(self, op: str, **fields: Any) -> dict[int, Message]:
+        return {i: Message(op, self._fields(**fields)) for i in range(self.cluster.num_ps)}
+
+    # ---------------------------------------------------------------- layout
+    def initialize(
+        self,
+        variables: Mapping[str, np.ndarray],
+        job: JobSpec,
+        rule: UpdateRule,
+        sharding: str = "round_robin",
+    ) -> bool:
+        """Chief only: place the variables on their shards; ``False`` if already initialised."""
+        order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
+        placement = assign_shards(order, self.cluster.num_ps, sharding)
+        messages = {}
+        for index in range(self.cluster.num_ps):
+            names = [name for name, _ in order if placement[name] == index]
+            arrays = [np.ascontiguousarray(variables[n], dtype=np.float32) for n in names]
+            fields = self._fields(job=job.to_json(), rule=rule.to_json(), names=names)
+            messages[index] = Message("init", fields, arrays)
+        replies = self._request(messages, "initialising the variables", self.options.init_timeout_s)
+        fresh = {reply.op == "ok" for reply in replies.values()}
+        if len(fresh) > 1:
+            raise PsdkError(
+                "some ps shards were already initialised and others were not; the shards belong "
+                "to different jobs: restart every ps task"
+            )
+        self._set_layout(replies)
+        return fresh == {True}
+
+    def wait_initialized(self) -> None:
+        """Non-chief workers: wait (bounded) until the chief has initialised every shard."""
+        replies = self._request(
+            self._all("wait_init"),
+            "the chief (worker 0) to initialise the variables",
+            self.options.init_timeout_s,
+            watch=False,
+        )
+        self._set_layout(replies)
+
+    def _set_layout(self, replies: Mapping[int, Message]) -> None:
+        self.shards, self._params, self._grads = [], {}, {}
+        jobs = set()
+        for index in range(self.cluster.num_ps):
+            fields = replies[index].fields
+            specs = layout([(n, tuple(s)) for n, s in zip(fields["names"], fields["shapes"], strict=True)])
+            size = flat_size(specs)
+            shard = Shard(
+                specs, int(fields["version"]), np.zeros(size, np.float32), np.zeros(size, np.float32)
+            )
+            self.shards.append(shard)
+            self._params.update(views(shard.params, specs))
+            self._grads.update(views(shard.grads, specs))
+            jobs.add(repr(fields["job"]))
+        self.job = JobSpec.from_json(replies[0].fields["job"])
+        if len(jobs) > 1:
+            raise PsdkError("the ps shards were initialised for different jobs: restart every ps task")
+        if self.job.num_workers != self.cluster.num_workers:
+            log.warning(
+                "worker %d: the chief started the job with %d workers but this task's cluster has %d",
+                self.task_index,
+                self.job.num_workers,
+                self.cluster.num_workers,
+            )
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.shards)
+
+    def variable_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {s.name: s.shape for shard in self.shards for s in shard.specs}
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """The latest pulled parameters, as named views of the client's buffers."""
+        return self._params
+
+    @property
+    def grads(self) -> dict[str, np.ndarray]:
+        """Named views of the gradient buffers; a backend may write straight into them."""
+        return self._grads
+
+    @property
+    def global_step(self) -> int:
+        return self.shards[0].version if self.shards else 0
+
+    def _live(self) -> list[int]:
+        return [i for i, shard in enumerate(self.shards) if shard.size]
+
+    # ----------------------------------------------------------------- steps
+    def pull(self) -> int:
+        """Fetch every shard's parameters; returns the global step."""
+        messages = {i: Message("pull", self._fields()) for i in self._live()}
+        for index, reply in self._request(messages, "pulling the parameters").items():
+            self._take_params(index, reply)
+        return self.global_step
+
+    def push_pull(self, grads: Mapping[str, np.ndarray] | None = None) -> StepResult:
+        """Push one gradient per shard and take back the fresh parameters.
+
+        ``grads`` defaults to what was written into :attr:`grads`.
+        """
+        if grads is not None:
+            for name, view in self._grads.items():
+                if grads[name] is not view:
+                    np.copyto(view, grads[name], casting="same_kind")
+        self._seq += 1
+        messages = {
+            i: Message(
+                "push_pull",
+                self._fields(version=self.shards[i].version, seq=self._seq),
+                [self.shards[i].grads],
+            )
+            for i in self._live()
+        }
+        replies = self._request(messages, "a push-and-pull")
+        done = False
+        for index, reply in replies.items():
+            self._take_params(index, reply)
+            done = done or bool(reply.fields.get("done"))
+        outcome = str(replies[0].fields.get("outcome", "")) if 0 in replies else ""
+        return StepResult(self.global_step, done, outcome)
+
+    def _take_params(self, index: int, reply: Message) -> None:
+        shard = self.shards[index]
+        if len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:
+            raise PsdkError(f"{self.names[index]} sent parameters of the wrong size")
+        np.copyto(shard.params, reply.arrays[0])
+        shard.version = int(reply.fields["version"])
+
+    # -------------------------------------------------------------- the end
+    def finish(self, report: Mapping[str, Any]) -> None:
+        """Tell every shard this worker is done (and, to shard 0, how it went)."""
+        messages = {
+            i: Message("finish", self._fields(report=dict(report) if i == 0 else None))
+            for i in range(self.cluster.num_ps)
+        }
+        self._request(messages, "acknowledging the end of training")
+
+    def status(self) -> dict[str, Any]:
+        return self._request({0: Message("status", self._fields())}, "status")[0].fields
+
+    def stats(self) -> list[dict[str, Any]]:
+        replies = self._request(self._all("stats"), "ps statistics")
+        return [replies[i].fields for i in range(self.cluster.num_ps)]
+
+    def wait_for_workers(self, timeout_s: float) -> dict[str, dict[str, str]]:
+        """Chief: wait until every other worker finished or is known dead."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.status()["workers"]
+            waiting = [
+                i
+                for i, w in workers.items()
+                if w["status"] in ("alive", "unseen") and int(i) != self.task_index
+            ]
+            if not waiting:
+                return dict(workers)
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"timed out after {timeout_s:.0f} s waiting for worker(s) {', '.join(waiting)} to finish"
+                )
+            time.sleep(0.05)
+
+    def shutdown(self) -> None:
+        """Chief: end the job; every ps task exits."""
+        self._request(self._all("shutdown"), "shutting the ps tasks down", timeout_s=10.0)
+
+    def abort(self, reason: str) -> None:
+        """Chief: stop the job after a failure; best effort, never raises."""
+        try:
+            self._request(self._all("abort", reason=reason), "aborting the job", timeout_s=5.0)
+        except PsdkError as exc:
+            log.warning("worker %d: could not abort every ps: %s", self.task_index, exc)
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.endpoint.close()

@@ -1,0 +1,34 @@
+"""Where the Hydra config tree is, and what psdk registers with Hydra before composing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from psdk.config.schema import register_configs
+
+__all__ = ["config_dir", "prepare_hydra", "register_configs"]
+
+
+def config_dir() -> Path:
+    """``conf/``: inside the installed package, or at the top of a source checkout."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"psdk's config tree (conf/config.yaml) is neither in {package} nor beside it; reinstall psdk"
+    )
+
+
+def _task_suffix(job_name: object, task_index: object) -> str:
+    """Per-task runs get their own output folder, so tasks started together never share one."""
+    return "" if job_name in (None, "None", "null", "") else f"-{job_name}{task_index}"
+
+
+def prepare_hydra() -> None:
+    """Register the schemas and resolvers (idempotent)."""
+    register_configs()
+    if not OmegaConf.has_resolver("psdk_task_suffix"):
+        OmegaConf.register_new_resolver("psdk_task_suffix", _task_suffix)

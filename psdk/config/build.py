@@ -1,0 +1,81 @@
+"""Turning a composed config into the objects the tasks run with."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from psdk.client import ClientOptions
+from psdk.cluster import ClusterSpec, Topology
+from psdk.consistency import SyncSpec
+from psdk.errors import ConfigError
+from psdk.models import ModelSpec
+from psdk.optim import UpdateRule
+from psdk.ps.server import ServerOptions
+from psdk.zmq_transport import ZmqOptions
+
+
+def plain(value: Any) -> Any:
+    """A config node as plain Python containers."""
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def cluster_from(cfg: DictConfig) -> ClusterSpec:
+    """The cluster of a per-task run, from ``ps_hosts`` and ``worker_hosts``."""
+    if cfg.ps_hosts is None or cfg.worker_hosts is None:
+        missing = [k for k in ("ps_hosts", "worker_hosts") if cfg[k] is None]
+        raise ConfigError(
+            " and ".join(missing),
+            "a per-task run needs both ps_hosts and worker_hosts, e.g. "
+            "ps_hosts=127.0.0.1:2222 worker_hosts='127.0.0.1:2223,127.0.0.1:2224' "
+            "(or use `python -m psdk run` to start the whole job here)",
+        )
+    return ClusterSpec({"ps": plain(cfg.ps_hosts), "worker": plain(cfg.worker_hosts)})
+
+
+def topology(cfg: DictConfig) -> Topology:
+    return cast(Topology, instantiate(cfg.topology))
+
+
+def model_spec(cfg: DictConfig) -> ModelSpec:
+    return cast(ModelSpec, instantiate(cfg.model, _convert_="all"))
+
+
+def update_rule(cfg: DictConfig) -> UpdateRule:
+    return cast(UpdateRule, instantiate(cfg.optimizer))
+
+
+def sync_spec(cfg: DictConfig) -> SyncSpec:
+    return cast(SyncSpec, instantiate(cfg.sync))
+
+
+def client_options(cfg: DictConfig) -> ClientOptions:
+    t = cfg.transport
+    return ClientOptions(
+        heartbeat_interval_s=float(t.heartbeat_interval_s),
+        heartbeat_timeout_s=float(t.heartbeat_timeout_s),
+        request_timeout_s=float(t.request_timeout_s),
+        init_timeout_s=float(t.init_timeout_s),
+    )
+
+
+def server_options(cfg: DictConfig) -> ServerOptions:
+    return ServerOptions(
+        heartbeat_timeout_s=float(cfg.transport.heartbeat_timeout_s),
+        startup_timeout_s=float(cfg.transport.startup_timeout_s),
+        log_every_s=float(cfg.ps.log_every_s),
+    )
+
+
+def zmq_options(cfg: DictConfig) -> ZmqOptions:
+    t = cfg.transport
+    return ZmqOptions(
+        io_threads=int(t.io_threads),
+        max_message_bytes=int(t.max_message_bytes),
+        heartbeat_interval_s=float(t.heartbeat_interval_s),
+        heartbeat_timeout_s=float(t.heartbeat_timeout_s),
+    )

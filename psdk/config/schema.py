@@ -1,0 +1,193 @@
+"""Schemas of the Hydra config tree: a typo in a key fails at composition, naming it.
+
+Each config group's YAML files extend one of these dataclasses (stored in
+Hydra's ConfigStore as ``base_<name>`` in that group) and carry a
+``_target_`` that :func:`hydra.utils.instantiate` turns into the object the
+code uses. Every option of the ``sync`` group shares one schema, so a sweep
+such as ``-m sync=sync,async sync.replicas_to_aggregate=2`` never fails on
+one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = "psdk.models.ModelSpec"
+    name: str = MISSING
+    hidden: list[int] = field(default_factory=list)
+    input_dim: int = 784
+    num_classes: int = 10
+
+
+@dataclass
+class SGDConfig:
+    _target_: str = "psdk.optim.SGD"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    decay_rate: float = 1.0
+    decay_steps: int = 1000
+
+
+@dataclass
+class AdamConfig:
+    _target_: str = "psdk.optim.Adam"
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    epsilon_mode: str = "torch"
+    decay_rate: float = 1.0
+    decay_steps: int = 1000
+
+
+@dataclass
+class AdagradConfig:
+    _target_: str = "psdk.optim.Adagrad"
+    lr: float = 0.01
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    weight_decay: float = 0.0
+    decay_rate: float = 1.0
+    decay_steps: int = 1000
+
+
+@dataclass
+class RMSPropConfig:
+    _target_: str = "psdk.optim.RMSProp"
+    lr: float = 0.01
+    alpha: float = 0.99
+    eps: float = 1e-8
+    momentum: float = 0.0
+    centered: bool = False
+    weight_decay: float = 0.0
+    decay_rate: float = 1.0
+    decay_steps: int = 1000
+
+
+@dataclass
+class SyncConfig:
+    _target_: str = "psdk.consistency.SyncSpec"
+    mode: str = "async"
+    replicas_to_aggregate: Any = None  # int, or null for "all workers"
+    staleness: int = 0
+
+
+@dataclass
+class TopologyConfig:
+    _target_: str = "psdk.cluster.Topology"
+    num_ps: int = 1
+    num_workers: int = 2
+    host: str = "127.0.0.1"
+    sharding: str = "round_robin"
+
+
+@dataclass
+class LocalLauncherConfig:
+    _target_: str = "psdk.launch.local.LocalLauncher"
+    ready_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 6000
+    batch_size: int = 100
+    validate_every: int = 500
+    log_every: int = 100
+    threads: int = 1
+    final_wait_s: float = 120.0
+
+
+@dataclass
+class DataConfig:
+    dir: Any = None
+    cache_dir: Any = None
+    download: bool = True
+    validation_size: int = 5000
+    mirrors: list[str] = field(
+        default_factory=lambda: [
+            "https://ossci-datasets.s3.amazonaws.com/mnist/",
+            "https://storage.googleapis.com/cvdf-datasets/mnist/",
+        ]
+    )
+
+
+@dataclass
+class TransportConfig:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    request_timeout_s: float = 300.0
+    init_timeout_s: float = 300.0
+    startup_timeout_s: float = 600.0
+    max_message_bytes: int = 1 << 30
+    io_threads: int = 1
+
+
+@dataclass
+class PsConfig:
+    bind: Any = None
+    announce_file: Any = None
+    log_every_s: float = 10.0
+
+
+@dataclass
+class PlacementConfig:
+    device: str = "auto"
+    gpu_memory_fraction: Any = None
+    isolate_gpus: bool = True
+
+
+@dataclass
+class PsdkConfig:
+    """The primary config (``conf/config.yaml`` extends it)."""
+
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    sync: Any = MISSING
+    topology: Any = MISSING
+    launcher: Any = MISSING
+    backend: str = "torch"
+    seed: int = 0
+    job_name: Any = None
+    task_index: int = 0
+    ps_hosts: Any = None
+    worker_hosts: Any = None
+    output_dir: Any = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"base_model": ModelConfig},
+    "optimizer": {
+        "base_sgd": SGDConfig,
+        "base_adam": AdamConfig,
+        "base_adagrad": AdagradConfig,
+        "base_rmsprop": RMSPropConfig,
+    },
+    "sync": {"base_sync": SyncConfig},
+    "topology": {"base_topology": TopologyConfig},
+    "launcher": {"base_local": LocalLauncherConfig},
+}
+
+
+def register_configs() -> None:
+    """Put the schemas into Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=PsdkConfig)
+    for group, schemas in GROUP_SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)

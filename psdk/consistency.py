@@ -1,0 +1,186 @@
+"""Consistency policies: when a pushed gradient is applied to a shard.
+
+* ``async``: each gradient is applied on arrival, one at a time per shard.
+* ``sync`` (``SyncReplicasOptimizer``): a worker pushes at most one gradient
+  per version, tagged with the version it was computed from; the shard
+  applies the mean of the first ``replicas_to_aggregate`` gradients for its
+  current version, once, and advances; gradients for an older version are
+  dropped and counted. A push is answered when the shard has moved past the
+  version it was computed from: that is the barrier. With fewer aggregated
+  replicas than workers the rest are backup workers.
+
+A policy decides; the ps server owns the sockets and answers the pushes a
+policy hands back.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from psdk.errors import ConfigError
+from psdk.store import ParameterStore
+
+MODES = ("async", "sync")
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """The job's sync mode; every option of the ``sync`` config group has these keys.
+
+    ``replicas_to_aggregate`` defaults to the number of workers; ``staleness``
+    is read by the bounded-staleness mode and ignored by the others.
+    """
+
+    mode: str = "async"
+    replicas_to_aggregate: int | None = None
+    staleness: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError("sync.mode", f"unknown sync mode {self.mode!r}", MODES)
+        if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
+            raise ConfigError(
+                "sync.replicas_to_aggregate", f"must be at least 1, got {self.replicas_to_aggregate}"
+            )
+        if self.staleness < 0:
+            raise ConfigError("sync.staleness", f"must be >= 0, got {self.staleness}")
+
+    def resolved(self, num_workers: int) -> SyncSpec:
+        """This spec with ``replicas_to_aggregate`` filled in and checked."""
+        replicas = self.replicas_to_aggregate or num_workers
+        if self.mode == "sync" and replicas > num_workers:
+            raise ConfigError(
+                "sync.replicas_to_aggregate",
+                f"is {replicas} but the job has only {num_workers} workers; it must be at most "
+                f"{num_workers} (set topology.num_workers >= {replicas} or lower it)",
+            )
+        return SyncSpec(self.mode, replicas, self.staleness)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "staleness": self.staleness,
+        }
+
+
+class Outcome(enum.Enum):
+    APPLIED = "applied"
+    PARKED = "parked"
+    DROPPED = "dropped"
+
+
+@dataclass
+class Push:
+    """One worker's gradient for one shard, waiting for its answer."""
+
+    peer: bytes
+    rid: int
+    worker: int
+    version: int
+    grad: np.ndarray
+    outcome: Outcome = Outcome.PARKED
+    staleness: int = 0
+
+
+@dataclass
+class Decision:
+    """What a submit did: the pushes to answer now and the workers whose gradients were applied."""
+
+    answer: list[Push] = field(default_factory=list)
+    applied_workers: list[int] = field(default_factory=list)
+    updates: int = 0
+
+
+class ConsistencyPolicy(ABC):
+    def __init__(self, store: ParameterStore, spec: SyncSpec):
+        self.store = store
+        self.spec = spec
+
+    @abstractmethod
+    def submit(self, push: Push) -> Decision:
+        """Take one push (its version already checked not to be in the future)."""
+
+    def parked(self) -> list[Push]:
+        """Pushes waiting for a round to close."""
+        return []
+
+    def release_parked(self) -> list[Push]:
+        """Hand back every parked push (the job ended or failed) and forget them."""
+        return []
+
+    def blocked_round(self, live_workers: Collection[int]) -> str | None:
+        """Why the current round can never complete with these workers, if it cannot."""
+        return None
+
+
+class AsyncPolicy(ConsistencyPolicy):
+    def submit(self, push: Push) -> Decision:
+        push.staleness = self.store.version - push.version
+        self.store.apply(push.grad)
+        push.outcome = Outcome.APPLIED
+        return Decision(answer=[push], applied_workers=[push.worker], updates=1)
+
+
+class SyncPolicy(ConsistencyPolicy):
+    """Aggregates ``replicas_to_aggregate`` gradients per version, in a float32 accumulator."""
+
+    def __init__(self, store: ParameterStore, spec: SyncSpec):
+        super().__init__(store, spec)
+        assert spec.replicas_to_aggregate is not None, "resolve the spec first"
+        self.replicas = spec.replicas_to_aggregate
+        self.accumulator = np.zeros(store.size, np.float32)
+        self._waiting: list[Push] = []
+
+    def submit(self, push: Push) -> Decision:
+        version = self.store.version
+        if push.version < version:
+            push.outcome = Outcome.DROPPED
+            push.staleness = version - push.version
+            return Decision(answer=[push])
+        if any(p.worker == push.worker for p in self._waiting):
+            # A second gradient from one worker for one version is never aggregated.
+            push.outcome = Outcome.DROPPED
+            return Decision(answer=[push])
+        self.accumulator += push.grad
+        self._waiting.append(push)
+        if len(self._waiting) < self.replicas:
+            return Decision()
+        self.accumulator *= np.float32(1.0 / self.replicas)
+        self.store.apply(self.accumulator)
+        self.accumulator.fill(0.0)
+        answered, self._waiting = self._waiting, []
+        for p in answered:
+            p.outcome = Outcome.APPLIED
+        return Decision(answer=answered, applied_workers=[p.worker for p in answered], updates=1)
+
+    def parked(self) -> list[Push]:
+        return list(self._waiting)
+
+    def release_parked(self) -> list[Push]:
+        released, self._waiting = self._waiting, []
+        self.accumulator.fill(0.0)
+        return released
+
+    def blocked_round(self, live_workers: Collection[int]) -> str | None:
+        contributed = {p.worker for p in self._waiting}
+        possible = len(contributed) + len(set(live_workers) - contributed)
+        if possible >= self.replicas:
+            return None
+        return (
+            f"the sync round at version {self.store.version} needs replicas_to_aggregate="
+            f"{self.replicas} gradients but only {possible} worker(s) can still send one "
+            f"(alive: {sorted(live_workers) or 'none'})"
+        )
+
+
+def make_policy(store: ParameterStore, spec: SyncSpec) -> ConsistencyPolicy:
+    if spec.mode == "sync":
+        return SyncPolicy(store, spec)
+    return AsyncPolicy(store, spec)

@@ -1,0 +1,1 @@
+"""Data sets for the bundled jobs."""

@@ -1,0 +1,226 @@
+"""MNIST from the four standard IDX files: found, or downloaded and checked.
+
+Where the files come from, in order: ``data.dir`` in the config (which
+defaults to ``$PSDK_DATA_DIR``), else a cache folder (``data.cache_dir``,
+default ``~/.cache/psdk/mnist``) that is filled by downloading from the
+mirrors when files are missing. Every file is checked against the published
+MD5 of its raw (ungzipped) bytes; a folder the user named is never written
+to. The training set's first ``validation_size`` images are held out for
+validation, as TensorFlow's ``read_data_sets`` did.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import logging
+import os
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from psdk.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FILES = {
+    "train_images": ("train-images-idx3-ubyte", "6bbc9ace898e44ae57da46a324031adb"),
+    "train_labels": ("train-labels-idx1-ubyte", "a25bea736e30d166cdddb491f175f624"),
+    "test_images": ("t10k-images-idx3-ubyte", "2646ac647ad5339dbf082846283269ea"),
+    "test_labels": ("t10k-labels-idx1-ubyte", "27ae3e4e09519cfbb04c329615203637"),
+}
+MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+)
+
+
+@dataclass
+class Mnist:
+    """Images as float32 in [0, 1], flattened to 784; labels as int64."""
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+
+
+@dataclass
+class Split:
+    """One worker's view: its shard of the training set, the validation and test sets."""
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    val_x: np.ndarray
+    val_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "psdk" / "mnist"
+
+
+def _find(folder: Path, stem: str) -> Path | None:
+    for candidate in (folder / f"{stem}.gz", folder / stem):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _raw_bytes(path: Path, gzipped: bool) -> bytes:
+    try:
+        return gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise DataError(f"{path} cannot be read: {exc}") from None
+
+
+def _checked(path: Path, md5: str, gzipped: bool | None = None) -> bytes:
+    raw = _raw_bytes(path, path.suffix == ".gz" if gzipped is None else gzipped)
+    digest = hashlib.md5(raw).hexdigest()
+    if digest != md5:
+        raise DataError(
+            f"{path} is corrupt (MD5 of its raw bytes is {digest}, expected {md5}); delete it and "
+            "run again, or put an intact copy there"
+        )
+    return raw
+
+
+def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
+    if len(raw) < 8 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
+        raise DataError(f"{path} is not an IDX file of unsigned bytes")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    offset = 4 + 4 * ndim
+    return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
+
+
+def _missing_message(folder: Path, missing: Sequence[str], why: str) -> str:
+    names = ", ".join(f"{FILES[k][0]}.gz" for k in missing)
+    return (
+        f"MNIST files missing in {folder}: {names}. {why} Put the four standard files "
+        f"(gzipped or not) in a folder and point PSDK_DATA_DIR (or data.dir=...) at it, "
+        f"or let psdk download them into {default_cache_dir()}."
+    )
+
+
+def download(
+    folder: Path,
+    mirrors: Sequence[str] = MIRRORS,
+    keys: Sequence[str] | None = None,
+    timeout_s: float = 30.0,
+    progress: bool = True,
+) -> None:
+    """Fetch the missing files into ``folder``, each checked before it is kept."""
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for key in keys or FILES:
+        stem, md5 = FILES[key]
+        target = folder / f"{stem}.gz"
+        errors = []
+        for mirror in mirrors:
+            url = f"{mirror.rstrip('/')}/{stem}.gz"
+            fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".part")
+            tmp = Path(tmp_name)
+            try:
+                with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                    total = int(resp.headers.get("Content-Length") or 0) or None
+                    with tqdm(
+                        total=total,
+                        unit="B",
+                        unit_scale=True,
+                        desc=f"{stem}.gz",
+                        disable=not progress,
+                        leave=False,
+                    ) as bar:
+                        while chunk := resp.read(1 << 16):
+                            out.write(chunk)
+                            bar.update(len(chunk))
+                _checked(tmp, md5, gzipped=True)
+                os.replace(tmp, target)
+                log.info("downloaded %s", url)
+                break
+            except (OSError, DataError) as exc:
+                errors.append(f"{url}: {exc}")
+            finally:
+                tmp.unlink(missing_ok=True)
+        else:
+            raise DataError(_missing_message(folder, [key], "Downloading failed:\n  " + "\n  ".join(errors)))
+
+
+def resolve_dir(
+    data_dir: str | None,
+    cache_dir: str | None = None,
+    allow_download: bool = True,
+    mirrors: Sequence[str] = MIRRORS,
+    progress: bool = True,
+) -> Path:
+    """The folder holding all four files, downloading into the cache if needed.
+
+    ``data_dir`` defaults to ``$PSDK_DATA_DIR``, so scripts on the public API
+    find the files the same way the CLI does.
+    """
+    data_dir = data_dir or os.environ.get("PSDK_DATA_DIR") or None
+    if data_dir:
+        folder = Path(data_dir).expanduser()
+        missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]
+        if missing:
+            why = (
+                "The folder does not exist."
+                if not folder.is_dir()
+                else "That folder was named by data.dir or PSDK_DATA_DIR."
+            )
+            raise DataError(_missing_message(folder, missing, why))
+        return folder
+    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]
+    if missing:
+        if not allow_download:
+            raise DataError(_missing_message(folder, missing, "Downloading is off (data.download=false)."))
+        download(folder, mirrors, missing, progress=progress)
+    return folder
+
+
+def load(folder: Path) -> Mnist:
+    """Read and check the four files in ``folder``."""
+    arrays = {}
+    for key, (stem, md5) in FILES.items():
+        path = _find(folder, stem)
+        if path is None:
+            raise DataError(_missing_message(folder, [key], ""))
+        arrays[key] = _parse_idx(_checked(path, md5), path)
+    return Mnist(
+        train_x=arrays["train_images"].reshape(-1, 784),
+        train_y=arrays["train_labels"].astype(np.int64),
+        test_x=arrays["test_images"].reshape(-1, 784),
+        test_y=arrays["test_labels"].astype(np.int64),
+    )
+
+
+def to_float(images: np.ndarray) -> np.ndarray:
+    return images.astype(np.float32) / np.float32(255.0)
+
+
+def split(
+    data: Mnist, worker: int, num_workers: int, validation_size: int = 5000, with_test: bool = True
+) -> Split:
+    """Worker ``worker``'s contiguous shard of the training images left after validation."""
+    if not 0 <= validation_size < len(data.train_x):
+        raise DataError(f"data.validation_size must be in [0, {len(data.train_x)}), got {validation_size}")
+    rest = np.arange(validation_size, len(data.train_x))
+    mine = np.array_split(rest, num_workers)[worker]
+    empty_x, empty_y = np.zeros((0, 784), np.float32), np.zeros(0, np.int64)
+    return Split(
+        train_x=to_float(data.train_x[mine]),
+        train_y=data.train_y[mine],
+        val_x=to_float(data.train_x[:validation_size]),
+        val_y=data.train_y[:validation_size],
+        test_x=to_float(data.test_x) if with_test else empty_x,
+        test_y=data.test_y if with_test else empty_y,
+    )

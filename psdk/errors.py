@@ -1,0 +1,105 @@
+"""Every error psdk raises on purpose, rooted at :class:`PsdkError`.
+
+Each subclass carries the data that explains it, and its message says what
+was wrong and how to fix it: a user should never need a traceback to act.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class PsdkError(Exception):
+    """Root of psdk's own errors; the CLI prints these without a traceback."""
+
+
+class ConfigError(PsdkError):
+    """A configuration value is invalid; names the key and the valid choices."""
+
+    def __init__(self, key: str, problem: str, choices: Iterable[str] | None = None) -> None:
+        self.key = key
+        self.problem = problem
+        self.choices = sorted(choices) if choices is not None else None
+        message = f"{key}: {problem}"
+        if self.choices is not None:
+            message += f" (valid choices: {', '.join(self.choices) or 'none installed'})"
+        super().__init__(message)
+
+
+class UnknownBackendError(ConfigError):
+    """``backend=`` names no installed plugin."""
+
+    def __init__(self, name: str, installed: Iterable[str]) -> None:
+        super().__init__(
+            "backend",
+            f"no installed backend is called {name!r}; install its plugin "
+            "(e.g. pip install ./plugins/torch_backend) or pick an installed one",
+            installed,
+        )
+        self.name = name
+
+
+class PluginError(PsdkError):
+    """A plugin misbehaves: duplicate names, a broken entry point, a bad record."""
+
+
+class PortInUseError(PsdkError):
+    """A ps task could not bind its address."""
+
+    def __init__(self, address: str, task: str) -> None:
+        self.address = address
+        self.task = task
+        super().__init__(
+            f"{task} cannot bind {address}: the port is in use. Pick another port in "
+            "ps_hosts (or port 0 for a free one) or stop the process holding it "
+            "(e.g. `ss -ltnp | grep <port>`)."
+        )
+
+
+class DataError(PsdkError):
+    """MNIST is missing, corrupt, or could not be downloaded."""
+
+
+class ProtocolError(PsdkError):
+    """A message off the wire is malformed; it is rejected, never half-applied."""
+
+
+class TransportError(PsdkError):
+    """A request could not be completed; names the peer it was waiting for."""
+
+
+class PeerTimeoutError(TransportError):
+    """No reply came from a peer before the deadline."""
+
+    def __init__(self, peer: str, what: str, waited_s: float) -> None:
+        self.peer = peer
+        self.what = what
+        self.waited_s = waited_s
+        super().__init__(f"timed out after {waited_s:.1f} s waiting for {peer} ({what})")
+
+
+class PeerDeadError(TransportError):
+    """A peer stopped answering heartbeats while we waited for it."""
+
+    def __init__(self, peer: str, what: str, silent_s: float) -> None:
+        self.peer = peer
+        self.what = what
+        self.silent_s = silent_s
+        super().__init__(
+            f"{peer} stopped answering heartbeats {silent_s:.1f} s ago while waiting for {what}; "
+            "it has probably died (see its log)"
+        )
+
+
+class RemoteError(PsdkError):
+    """A ps task refused a request and said why."""
+
+    def __init__(self, peer: str, message: str, kind: str = "error") -> None:
+        self.peer = peer
+        self.kind = kind
+        self.remote_message = message
+        super().__init__(f"{peer}: {message}")
+
+
+class JobFailedError(PsdkError):
+    """A task of the job died or failed; names it and says how it ended."""

@@ -1,0 +1,1 @@
+"""Jobs psdk can run from its CLI."""

@@ -1,0 +1,37 @@
+"""What the chief tells every ps shard about the job when it initialises the store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from psdk.consistency import SyncSpec
+from psdk.errors import ConfigError, ProtocolError
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the chief tells every shard when it initialises the store."""
+
+    sync: SyncSpec
+    steps: int
+    num_workers: int
+
+    @classmethod
+    def from_json(cls, data: Any) -> JobSpec:
+        if not isinstance(data, dict):
+            raise ProtocolError("job spec is not an object")
+        try:
+            sync = SyncSpec(**data["sync"])
+            steps, workers = int(data["steps"]), int(data["num_workers"])
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
+            raise ProtocolError(f"bad job spec: {exc}") from None
+        if steps < 1 or workers < 1:
+            raise ProtocolError("job spec needs steps >= 1 and num_workers >= 1")
+        try:
+            return cls(sync.resolved(workers), steps, workers)
+        except ConfigError as exc:
+            raise ProtocolError(str(exc)) from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sync": self.sync.to_json(), "steps": self.steps, "num_workers": self.num_workers}

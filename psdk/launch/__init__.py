@@ -1,0 +1,1 @@
+"""Launchers: how the tasks of a job get started."""

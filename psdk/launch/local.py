@@ -1,0 +1,266 @@
+"""The local launcher: every task of the job as its own process on this machine.
+
+It only starts the per-task entry points (``python -m psdk ps|worker ...``)
+that a user would run by hand in separate terminals, passing on the run's own
+overrides. Each ps binds a free port and announces it in a file; the workers
+start once every ps is listening. Children die with the launcher
+(``PR_SET_PDEATHSIG``) and on Ctrl-C; a dead chief or ps stops the job with
+an error naming it; a dead non-chief worker is reported and the job goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from psdk.cluster import ClusterSpec
+from psdk.config import build
+from psdk.data import mnist
+from psdk.errors import JobFailedError, UnknownBackendError
+from psdk.metrics import summary_line, write_json_atomic
+from psdk.placement import RankPlacement, visible_gpus
+from psdk.plugins import installed_backends
+
+log = logging.getLogger(__name__)
+
+# Keys the launcher sets for each task itself; the user's values for them are not passed on.
+OWN_KEYS = (
+    "job_name",
+    "task_index",
+    "ps_hosts",
+    "worker_hosts",
+    "output_dir",
+    "ps.announce_file",
+    "data.dir",
+    "hydra.run.dir",
+    "hydra.job.name",
+)
+POLL_S = 0.05
+CHIEF_GRACE_S = 3.0
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the launcher dies."""
+    with contextlib.suppress(OSError):  # not Linux: Ctrl-C and _stop_all still apply
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _key_of(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def passed_on(overrides: Sequence[str]) -> list[str]:
+    """The run's overrides that every task should see."""
+    return [o for o in overrides if _key_of(o) not in OWN_KEYS]
+
+
+@dataclass
+class Task:
+    job: str
+    index: int
+    process: subprocess.Popen[bytes]
+    command: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.job} {self.index}"
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        if code is not None and code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+
+class LocalLauncher:
+    def __init__(self, ready_timeout_s: float = 60.0, shutdown_timeout_s: float = 30.0):
+        self.ready_timeout_s = ready_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.tasks: list[Task] = []
+
+    # --------------------------------------------------------------- checks
+    def validate(self, cfg: DictConfig) -> None:
+        """Fail before starting anything, naming the key and the valid choices."""
+        backends = installed_backends()
+        if cfg.backend not in backends:
+            raise UnknownBackendError(str(cfg.backend), backends)
+        topology = build.topology(cfg)
+        build.sync_spec(cfg).resolved(topology.num_workers)
+        build.model_spec(cfg)
+        build.update_rule(cfg)
+        RankPlacement(str(cfg.placement.device))
+
+    # --------------------------------------------------------------- launch
+    def launch(self, cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
+        start = time.time()
+        self.validate(cfg)
+        topology = build.topology(cfg)
+        out = Path(cfg.output_dir).resolve()
+        (out / "tasks").mkdir(parents=True, exist_ok=True)
+        data_dir = mnist.resolve_dir(
+            cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors)
+        )
+        common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
+        workers = ",".join([topology.host] * topology.num_workers)
+        placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
+        try:
+            for index in range(topology.num_ps):
+                self._start(
+                    "ps",
+                    index,
+                    out,
+                    [
+                        *common,
+                        f"ps_hosts='{placeholders}'",
+                        f"worker_hosts='{workers}'",
+                        f"ps.announce_file={out / 'tasks' / f'ps{index}.json'}",
+                    ],
+                )
+            addresses = self._wait_for_ps(out, topology.num_ps)
+            log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
+            placement = RankPlacement(str(cfg.placement.device))
+            gpus = visible_gpus()
+            cluster = ClusterSpec({"ps": addresses, "worker": workers})
+            for index in range(topology.num_workers):
+                env = placement.isolation_env(cluster, index, gpus) if cfg.placement.isolate_gpus else {}
+                self._start(
+                    "worker",
+                    index,
+                    out,
+                    [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"],
+                    env,
+                )
+            self._supervise()
+        except BaseException:
+            self._stop_all()
+            raise
+        return self._final_summary(out, start)
+
+    def _start(
+        self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None
+    ) -> None:
+        name = f"{job}{index}"
+        command = [
+            sys.executable,
+            "-m",
+            "psdk",
+            job,
+            f"task_index={index}",
+            *args,
+            f"hydra.run.dir={out / 'tasks' / name}",
+            f"hydra.job.name={name}",
+        ]
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            PSDK_LAUNCHED="1",
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            **(env_extra or {}),
+        )
+        log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
+        process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
+        self.tasks.append(Task(job, index, process, command))
+
+    def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
+        deadline = time.monotonic() + self.ready_timeout_s
+        files = [out / "tasks" / f"ps{i}.json" for i in range(num_ps)]
+        while not all(f.exists() for f in files):
+            for task in self.tasks:
+                if task.process.poll() is not None:
+                    raise JobFailedError(
+                        f"{task.name} {task.describe_exit()} before it was listening; see its "
+                        f"log above or in {out / 'tasks' / f'{task.job}{task.index}'}"
+                    )
+            if time.monotonic() > deadline:
+                waiting = [f"ps {i}" for i, f in enumerate(files) if not f.exists()]
+                raise JobFailedError(
+                    f"{', '.join(waiting)} did not start listening within {self.ready_timeout_s:.0f} s "
+                    "(raise launcher.ready_timeout_s if this machine is slow)"
+                )
+            time.sleep(POLL_S)
+        return [json.loads(f.read_text())["address"] for f in files]
+
+    def _supervise(self) -> None:
+        """Wait for the chief; stop the job if it or a ps fails; report other deaths."""
+        chief = next(t for t in self.tasks if t.job == "worker" and t.index == 0)
+        reported: set[str] = set()
+        while chief.process.poll() is None:
+            for task in self.tasks:
+                if task is chief or task.process.poll() is None or task.name in reported:
+                    continue
+                reported.add(task.name)
+                if task.job == "ps" and task.process.returncode != 0:
+                    self._fail(task, chief)
+                if task.process.returncode != 0:
+                    log.warning(
+                        "launcher: %s %s; the job goes on without it while it can",
+                        task.name,
+                        task.describe_exit(),
+                    )
+            time.sleep(POLL_S)
+        if chief.process.returncode != 0:
+            raise JobFailedError(f"the chief (worker 0) {chief.describe_exit()}; stopping the job")
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        for task in self.tasks:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                task.process.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "launcher: %s still running %.0f s after the chief finished; killing it",
+                    task.name,
+                    self.shutdown_timeout_s,
+                )
+                task.process.kill()
+                task.process.wait(timeout=10)
+            if task.job == "ps" and task.process.returncode != 0:
+                raise JobFailedError(f"{task.name} {task.describe_exit()} at the end of the job")
+
+    def _fail(self, ps: Task, chief: Task) -> None:
+        """A ps failed: give the chief a moment to report why (it may have aborted the job)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            chief.process.wait(timeout=CHIEF_GRACE_S)
+        failures = [f"{ps.name} {ps.describe_exit()}"]
+        if chief.process.returncode not in (None, 0):
+            failures.append(f"the chief (worker 0) {chief.describe_exit()}")
+        raise JobFailedError(
+            f"{'; '.join(failures)} while the job was running; stopping the job (see the task logs above)"
+        )
+
+    def _stop_all(self) -> None:
+        for task in self.tasks:
+            if task.process.poll() is None:
+                task.process.terminate()
+        deadline = time.monotonic() + 5.0
+        for task in self.tasks:
+            try:
+                task.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                task.process.kill()
+                task.process.wait(timeout=10)
+
+    def _final_summary(self, out: Path, start: float) -> dict[str, Any]:
+        path = out / "summary.json"
+        if not path.exists():
+            raise JobFailedError(f"the chief finished but wrote no {path}")
+        summary: dict[str, Any] = json.loads(path.read_text())
+        summary["chief_wall_s"] = summary.get("wall_s")
+        summary["wall_s"] = time.time() - start
+        write_json_atomic(path, summary)
+        print(summary_line(summary), flush=True)
+        return summary

@@ -1,0 +1,76 @@
+"""The run's records: ``metrics.jsonl`` (one object a logged point) and ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends JSON lines; several tasks may share one file.
+
+    Each line goes out in one ``write`` on an ``O_APPEND`` descriptor, so
+    lines from different processes never interleave.
+    """
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def percentile(histogram: Mapping[str, int], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a {value: count} histogram."""
+    items = sorted((int(k), v) for k, v in histogram.items())
+    total = sum(v for _, v in items)
+    if not total:
+        return None
+    rank, seen = q * (total - 1), 0
+    for value, count in items:
+        seen += count
+        if seen > rank:
+            return float(value)
+    return float(items[-1][0])
+
+
+def summary_line(summary: Mapping[str, Any]) -> str:
+    """The one line a run ends with."""
+    sync = summary.get("sync", {})
+    mode = str(sync.get("mode", "?"))
+    if mode == "sync":
+        mode += f"(replicas_to_aggregate={sync.get('replicas_to_aggregate')})"
+    acc = summary.get("test_accuracy")
+    rate = summary.get("global_steps_per_s")
+    parts = [
+        f"psdk done: backend={summary.get('backend')} model={summary.get('model')} sync={mode} "
+        f"ps={summary.get('num_ps')} workers={summary.get('num_workers')}",
+        f"global step {summary.get('global_step')}",
+        f"test accuracy {acc:.4f}" if acc is not None else "test accuracy n/a",
+        f"{rate:.0f} global steps/s" if rate else "global steps/s n/a",
+        f"wall {float(summary.get('wall_s') or 0):.1f} s",
+        f"gradients applied {summary.get('gradients_applied')}, dropped {summary.get('gradients_dropped')}",
+    ]
+    return " | ".join(parts)

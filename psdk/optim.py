@@ -1,0 +1,295 @@
+"""Update rules: the optimizers that run on the ps, in numpy, in place.
+
+A rule works on one shard's parameters as a single flat float32 buffer, so an
+update is a handful of vectorised numpy calls whatever the number of
+variables; its slots (momentum, Adam's moments, ...) are flat buffers of the
+same size held on the ps beside the parameters. Rules never write into the
+gradient they are given: it may be a read-only view of a received frame.
+
+Semantics follow ``torch.optim`` (tested against it). Where TensorFlow
+differs, the difference is a documented option:
+
+* **Learning-rate decay.** Every rule takes ``decay_rate`` and ``decay_steps``
+  and uses ``lr * decay_rate ** (t / decay_steps)`` at its t-th update, as
+  ``tf.train.exponential_decay`` did with the global step (``decay_rate=1``:
+  constant). torch expresses this with an LR scheduler, which is not mapped.
+* **Adam epsilon.** torch adds ``eps`` to the bias-corrected root,
+  ``p -= lr * m_hat / (sqrt(v_hat) + eps)``; TensorFlow/Keras adds it to the
+  uncorrected root, ``p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``
+  (the paper's "epsilon hat"). ``epsilon_mode="torch"`` (default) or ``"tf"``
+  picks one; they agree when ``eps`` is negligible against ``sqrt(v)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from psdk.errors import ConfigError
+
+
+@dataclass
+class RuleState:
+    """Everything a rule keeps between updates of one shard."""
+
+    step: int = 0
+    slots: dict[str, np.ndarray] = field(default_factory=dict)
+    scratch: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UpdateRule(ABC):
+    """A server-side optimizer; its fields are its hyper-parameters."""
+
+    name: ClassVar[str]
+    lr: float
+    decay_rate: float = 1.0
+    decay_steps: int = 1000
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"optimizer.{f.name}", f"must be finite, got {value}")
+        if self.lr <= 0:
+            raise ConfigError("optimizer.lr", f"must be positive, got {self.lr}")
+        if not 0.0 < self.decay_rate <= 1.0:
+            raise ConfigError("optimizer.decay_rate", f"must be in (0, 1], got {self.decay_rate}")
+        if self.decay_steps < 1:
+            raise ConfigError("optimizer.decay_steps", f"must be >= 1, got {self.decay_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the update that follows ``step`` earlier ones."""
+        if self.decay_rate == 1.0:
+            return self.lr
+        return self.lr * self.decay_rate ** (step / self.decay_steps)
+
+    @abstractmethod
+    def slot_names(self) -> tuple[str, ...]:
+        """Names of the per-parameter buffers this rule keeps."""
+
+    def scratch_count(self) -> int:
+        return 2
+
+    def new_state(self, size: int) -> RuleState:
+        slots = {name: np.zeros(size, np.float32) for name in self.slot_names()}
+        scratch = [np.empty(size, np.float32) for _ in range(self.scratch_count())]
+        return RuleState(step=0, slots=slots, scratch=scratch)
+
+    @abstractmethod
+    def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
+        """Update ``params`` in place with ``grad``; advance ``state``."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    def _decayed(self, params: np.ndarray, grad: np.ndarray, state: RuleState, wd: float) -> np.ndarray:
+        """``grad + wd * params`` in a scratch buffer (L2 decay as torch applies it)."""
+        if wd == 0.0:
+            return grad
+        out = state.scratch[1]
+        np.multiply(params, wd, out=out)
+        out += grad
+        return out
+
+
+@dataclass(frozen=True)
+class SGD(UpdateRule):
+    """Plain gradient descent, with optional (Nesterov) momentum and L2 decay."""
+
+    name: ClassVar[str] = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.momentum < 0:
+            raise ConfigError("optimizer.momentum", f"must be >= 0, got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("optimizer.nesterov", "needs optimizer.momentum > 0")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
+        g = self._decayed(params, grad, state, self.weight_decay)
+        if self.momentum:
+            buf = state.slots["momentum"]
+            if state.step == 0:
+                np.copyto(buf, g)  # torch starts the buffer at the first gradient
+            else:
+                buf *= self.momentum
+                buf += g
+            if self.nesterov:
+                step = state.scratch[0]
+                np.multiply(buf, self.momentum, out=step)
+                step += g
+                g = step
+            else:
+                g = buf
+        tmp = state.scratch[0]
+        np.multiply(g, self.lr_at(state.step), out=tmp)
+        params -= tmp
+        state.step += 1
+
+
+@dataclass(frozen=True)
+class Adam(UpdateRule):
+    """Adam with L2 decay; see the module docstring for ``epsilon_mode``."""
+
+    name: ClassVar[str] = "adam"
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    epsilon_mode: str = "torch"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"optimizer.{key}", f"must be in [0, 1), got {getattr(self, key)}")
+        if self.epsilon_mode not in ("torch", "tf"):
+            raise ConfigError("optimizer.epsilon_mode", f"got {self.epsilon_mode!r}", ["torch", "tf"])
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("m", "v")
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
+        g = self._decayed(params, grad, state, self.weight_decay)
+        m, v = state.slots["m"], state.slots["v"]
+        tmp = state.scratch[0]
+        lr = self.lr_at(state.step)
+        state.step += 1
+        t = state.step
+        m *= self.beta1
+        np.multiply(g, 1.0 - self.beta1, out=tmp)
+        m += tmp
+        v *= self.beta2
+        np.multiply(g, g, out=tmp)
+        tmp *= 1.0 - self.beta2
+        v += tmp
+        bias1 = 1.0 - self.beta1**t
+        bias2 = 1.0 - self.beta2**t
+        np.sqrt(v, out=tmp)
+        if self.epsilon_mode == "torch":
+            tmp /= math.sqrt(bias2)
+            tmp += self.eps
+            step_size = lr / bias1
+        else:
+            tmp += self.eps
+            step_size = lr * math.sqrt(bias2) / bias1
+        np.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        params -= tmp
+
+
+@dataclass(frozen=True)
+class Adagrad(UpdateRule):
+    """Adagrad as torch applies it: ``p -= lr * g / (sqrt(sum g^2) + eps)``."""
+
+    name: ClassVar[str] = "adagrad"
+    lr: float = 0.01
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    weight_decay: float = 0.0
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("sum",)
+
+    def new_state(self, size: int) -> RuleState:
+        state = super().new_state(size)
+        state.slots["sum"].fill(self.initial_accumulator_value)
+        return state
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
+        g = self._decayed(params, grad, state, self.weight_decay)
+        acc, tmp = state.slots["sum"], state.scratch[0]
+        np.multiply(g, g, out=tmp)
+        acc += tmp
+        np.sqrt(acc, out=tmp)
+        tmp += self.eps
+        np.divide(g, tmp, out=tmp)
+        tmp *= self.lr_at(state.step)
+        params -= tmp
+        state.step += 1
+
+
+@dataclass(frozen=True)
+class RMSProp(UpdateRule):
+    """RMSprop as torch applies it (``alpha`` is TensorFlow's ``rho``)."""
+
+    name: ClassVar[str] = "rmsprop"
+    lr: float = 0.01
+    alpha: float = 0.99
+    eps: float = 1e-8
+    momentum: float = 0.0
+    centered: bool = False
+    weight_decay: float = 0.0
+
+    def slot_names(self) -> tuple[str, ...]:
+        names = ["square_avg"]
+        if self.momentum:
+            names.append("momentum")
+        if self.centered:
+            names.append("grad_avg")
+        return tuple(names)
+
+    def scratch_count(self) -> int:
+        return 3
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
+        g = self._decayed(params, grad, state, self.weight_decay)
+        sq, tmp, denom = state.slots["square_avg"], state.scratch[0], state.scratch[2]
+        sq *= self.alpha
+        np.multiply(g, g, out=tmp)
+        tmp *= 1.0 - self.alpha
+        sq += tmp
+        if self.centered:
+            avg = state.slots["grad_avg"]
+            avg *= self.alpha
+            np.multiply(g, 1.0 - self.alpha, out=tmp)
+            avg += tmp
+            np.multiply(avg, avg, out=tmp)
+            np.subtract(sq, tmp, out=denom)
+            np.sqrt(denom, out=denom)
+        else:
+            np.sqrt(sq, out=denom)
+        denom += self.eps
+        lr = self.lr_at(state.step)
+        if self.momentum:
+            buf = state.slots["momentum"]
+            buf *= self.momentum
+            np.divide(g, denom, out=tmp)
+            buf += tmp
+            np.multiply(buf, lr, out=tmp)
+        else:
+            np.divide(g, denom, out=tmp)
+            tmp *= lr
+        params -= tmp
+        state.step += 1
+
+
+RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (SGD, Adam, Adagrad, RMSProp)}
+
+
+def rule_from_json(data: dict[str, Any]) -> UpdateRule:
+    """Rebuild a rule sent by the chief; unknown names or keys are refused."""
+    values = dict(data)
+    name = values.pop("name", None)
+    if name not in RULES:
+        raise ConfigError("optimizer", f"unknown update rule {name!r}", RULES)
+    cls = RULES[name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError("optimizer", f"{name} has no option(s) {sorted(unknown)}", known)
+    return cls(**values)

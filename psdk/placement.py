@@ -1,0 +1,83 @@
+"""Device placement: which device each worker task trains on.
+
+The rule: a worker uses ``cuda:N`` with N its rank among the workers on its
+host modulo the GPUs visible to it, honouring ``CUDA_VISIBLE_DEVICES``; the
+CPU when no GPU is visible or ``device=cpu`` (soft placement, as TensorFlow
+had it). The launcher can instead give each worker only its own GPU, by
+setting ``CUDA_VISIBLE_DEVICES`` before the framework loads, so a framework
+that grabs memory on every visible GPU touches only that one; the worker then
+sees one GPU and uses ``cuda:0``. Device strings are framework-neutral; each
+backend turns them into its own device objects. The ps never uses a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+from psdk.cluster import ClusterSpec
+from psdk.errors import ConfigError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def visible_gpus(env: Mapping[str, str] | None = None, probe: bool = True) -> list[str]:
+    """GPU ids this process may use, as ``CUDA_VISIBLE_DEVICES`` names them.
+
+    Without that variable, ``nvidia-smi -L`` is asked (never a framework, so
+    the launcher stays framework-free); no driver means no GPU.
+    """
+    env = os.environ if env is None else env
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        ids = []
+        for part in value.split(","):
+            part = part.strip()
+            if not part or part.startswith("-"):
+                break  # CUDA stops at the first invalid id; "-1" hides every GPU
+            ids.append(part)
+        return ids
+    if not probe or shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+class Placement(ABC):
+    """Chooses a worker's devices; a list so one worker may later drive several."""
+
+    @abstractmethod
+    def devices(self, cluster: ClusterSpec, task_index: int, gpus: Sequence[str]) -> list[str]:
+        """Devices for worker ``task_index`` given the GPU ids visible to it."""
+
+
+class RankPlacement(Placement):
+    """``cuda:<local rank mod visible GPUs>``, else the CPU."""
+
+    def __init__(self, device: str = "auto"):
+        if device not in DEVICE_CHOICES:
+            raise ConfigError("placement.device", f"got {device!r}", DEVICE_CHOICES)
+        self.device = device
+
+    def devices(self, cluster: ClusterSpec, task_index: int, gpus: Sequence[str]) -> list[str]:
+        if self.device == "cpu" or not gpus:
+            return ["cpu"]
+        return [f"cuda:{cluster.local_rank(task_index) % len(gpus)}"]
+
+    def isolation_env(self, cluster: ClusterSpec, task_index: int, gpus: Sequence[str]) -> dict[str, str]:
+        """Environment that shows worker ``task_index`` only its own GPU (empty on CPU)."""
+        if self.device == "cpu" or not gpus:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": gpus[cluster.local_rank(task_index) % len(gpus)]}
+
+
+def check_memory_fraction(fraction: float | None) -> float | None:
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise ConfigError("placement.gpu_memory_fraction", f"must be in (0, 1], got {fraction}")
+    return fraction

@@ -1,0 +1,71 @@
+"""Which workers a ps believes alive, from the heartbeats and requests it sees.
+
+A worker is *alive* while it has been heard from within the heartbeat
+timeout, *finished* once it said so, and *dead* when it went silent (or never
+showed up within the start-up timeout). Deaths are reported once, with the
+reason, so the ps can log them and re-check whether a sync round can still
+fill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIVE, FINISHED, DEAD, UNSEEN = "alive", "finished", "dead", "unseen"
+
+
+@dataclass
+class WorkerState:
+    status: str = UNSEEN
+    last_seen: float | None = None
+    reason: str = ""
+
+
+class Membership:
+    def __init__(self, heartbeat_timeout_s: float, startup_timeout_s: float, now: float):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.started = now
+        self.workers: dict[int, WorkerState] = {}
+        self.expected: int = 0
+
+    def expect(self, num_workers: int) -> None:
+        """The job has ``num_workers`` workers; unseen ones are waited for until start-up times out."""
+        self.expected = num_workers
+        for index in range(num_workers):
+            self.workers.setdefault(index, WorkerState())
+
+    def seen(self, worker: int, now: float) -> None:
+        state = self.workers.setdefault(worker, WorkerState())
+        state.last_seen = now
+        if state.status == UNSEEN:
+            state.status = ALIVE
+
+    def finish(self, worker: int) -> None:
+        self.workers.setdefault(worker, WorkerState()).status = FINISHED
+
+    def check(self, now: float) -> list[tuple[int, str]]:
+        """Newly dead workers with the reason, each reported once."""
+        newly_dead = []
+        for index, state in sorted(self.workers.items()):
+            if state.status == ALIVE and state.last_seen is not None:
+                silent = now - state.last_seen
+                if silent > self.heartbeat_timeout_s:
+                    state.status, state.reason = DEAD, f"no heartbeat for {silent:.1f} s"
+                    newly_dead.append((index, state.reason))
+            elif state.status == UNSEEN and now - self.started > self.startup_timeout_s:
+                state.status = DEAD
+                state.reason = f"never connected within {self.startup_timeout_s:.0f} s"
+                newly_dead.append((index, state.reason))
+        return newly_dead
+
+    def live(self) -> set[int]:
+        """Workers that may still push: alive, or not yet seen but still expected."""
+        return {i for i, s in self.workers.items() if s.status in (ALIVE, UNSEEN)}
+
+    def status(self, worker: int) -> str:
+        state = self.workers.get(worker)
+        return state.status if state else UNSEEN
+
+    def summary(self) -> dict[str, dict[str, str]]:
+        return {str(i): {"status": s.status, "reason": s.reason} for i, s in self.workers.items()}

@@ -1,0 +1,414 @@
+"""The ps task: serves one shard of the variables until the chief ends the job.
+
+One thread runs an event loop over the ROUTER socket, so there are no locks:
+a sync barrier is a parked request answered later, never a blocked thread.
+The chief configures the job (sync mode, target step, workers, update rule)
+when it initialises the store, as TensorFlow's workers built the graph the
+ps only served. When the global step reaches the target, every waiting and
+later push is answered "done"; plain pulls still work, so the chief can read
+the final parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from psdk.consistency import ConsistencyPolicy, Push, make_policy
+from psdk.errors import ConfigError, ProtocolError
+from psdk.jobspec import JobSpec
+from psdk.optim import rule_from_json
+from psdk.ps.membership import Membership
+from psdk.store import FlatStore, ParameterStore
+from psdk.transport import Incoming, ServerEndpoint
+from psdk.wire import Message
+
+log = logging.getLogger(__name__)
+
+CHIEF = 0
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    heartbeat_timeout_s: float = 10.0
+    startup_timeout_s: float = 600.0
+    log_every_s: float = 10.0
+    poll_s: float = 0.1
+
+
+@dataclass
+class WorkerCounters:
+    pushed: int = 0
+    applied: int = 0
+    dropped: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
+    last_seq: int = -1
+
+
+@dataclass
+class ShardStats:
+    applied: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    updates: int = 0
+    first_update: float | None = None
+    last_update: float | None = None
+    workers: dict[int, WorkerCounters] = field(default_factory=dict)
+
+    def worker(self, index: int) -> WorkerCounters:
+        return self.workers.setdefault(index, WorkerCounters())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "applied": self.applied,
+            "dropped": self.dropped,
+            "rejected": self.rejected,
+            "updates": self.updates,
+            "first_update": self.first_update,
+            "last_update": self.last_update,
+            "workers": {
+                str(i): {
+                    "pushed": c.pushed,
+                    "applied": c.applied,
+                    "dropped": c.dropped,
+                    "staleness": {str(k): v for k, v in sorted(c.staleness.items())},
+                }
+                for i, c in sorted(self.workers.items())
+            },
+        }
+
+
+class ParameterServer:
+    """Serves one shard over ``endpoint`` until shutdown, abort or a fatal loss."""
+
+    def __init__(
+        self,
+        endpoint: ServerEndpoint,
+        task_index: int = 0,
+        options: ServerOptions | None = None,
+        store: ParameterStore | None = None,
+    ):
+        self.endpoint = endpoint
+        self.task_index = task_index
+        self.name = f"ps {task_index}"
+        self.options = options or ServerOptions()
+        self.store = store or FlatStore()
+        self.job: JobSpec | None = None
+        self.policy: ConsistencyPolicy | None = None
+        self.stats = ShardStats()
+        self.membership = Membership(
+            self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic()
+        )
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.failure: str | None = None
+        self.exit_code: int | None = None
+        self._init_waiters: list[tuple[bytes, int]] = []
+        self._snapshot: tuple[int, np.ndarray] | None = None
+        self._last_log = time.monotonic()
+        self._handlers = {
+            "ping": self._on_ping,
+            "init": self._on_init,
+            "wait_init": self._on_wait_init,
+            "pull": self._on_pull,
+            "push_pull": self._on_push_pull,
+            "finish": self._on_finish,
+            "status": self._on_status,
+            "stats": self._on_stats,
+            "shutdown": self._on_shutdown,
+            "abort": self._on_abort,
+        }
+
+    # ----------------------------------------------------------------- loop
+    @property
+    def done(self) -> bool:
+        return self.job is not None and self.store.version >= self.job.steps
+
+    def serve(self, stop: threading.Event | None = None) -> int:
+        """Run until the job ends; the exit code says how (0: shut down by the chief)."""
+        log.info("%s: serving at %s", self.name, self.endpoint.address)
+        try:
+            while self.exit_code is None and not (stop and stop.is_set()):
+                incoming = self.endpoint.receive(self.options.poll_s)
+                if incoming is not None:
+                    self.handle(incoming)
+                self._housekeeping(time.monotonic())
+        finally:
+            self.endpoint.close()
+        return self.exit_code if self.exit_code is not None else 0
+
+    def handle(self, incoming: Incoming) -> None:
+        message = incoming.message
+        if message is None:
+            self.stats.rejected += 1
+            log.warning("%s: rejected a malformed message: %s", self.name, incoming.error)
+            if incoming.rid is not None:
+                self._error(incoming.peer, incoming.rid, str(incoming.error), "protocol")
+            return
+        handler = self._handlers.get(message.op)
+        if handler is None:
+            self._reject(incoming.peer, message, f"unknown op {message.op!r}")
+            return
+        try:
+            worker = self._worker_of(message)
+            if worker is not None:
+                self.membership.seen(worker, time.monotonic())
+            handler(incoming.peer, message, worker)
+        except ProtocolError as exc:
+            self._reject(incoming.peer, message, str(exc))
+        except Exception as exc:  # a bug must not take the shard down with it
+            log.exception("%s: internal error handling %s", self.name, message.op)
+            self._error(incoming.peer, message.rid, f"internal error in {self.name}: {exc!r}", "internal")
+
+    def _housekeeping(self, now: float) -> None:
+        for worker, reason in self.membership.check(now):
+            self._on_worker_lost(worker, reason)
+        if self.job is None and now - self.membership.started > self.options.startup_timeout_s:
+            log.error(
+                "%s: no chief initialised the job within %.0f s; exiting (raise "
+                "transport.startup_timeout_s to wait longer)",
+                self.name,
+                self.options.startup_timeout_s,
+            )
+            self.exit_code = 1
+        if now - self._last_log >= self.options.log_every_s and self.job is not None:
+            self._last_log = now
+            log.info(
+                "%s: version %d, applied %d, dropped %d",
+                self.name,
+                self.store.version,
+                self.stats.applied,
+                self.stats.dropped,
+            )
+
+    def _on_worker_lost(self, worker: int, reason: str) -> None:
+        if worker == CHIEF:
+            self.fail(f"the chief (worker 0) is gone: {reason}; stopping this ps")
+            self.exit_code = 1
+            return
+        log.warning("%s: worker %d is gone: %s", self.name, worker, reason)
+        if self.policy is not None and not self.done:
+            blocked = self.policy.blocked_round(self.membership.live())
+            if blocked:
+                self.fail(f"{blocked}; dead: worker {worker} ({reason})")
+
+    def fail(self, reason: str) -> None:
+        """Stop the job: answer every parked request with ``reason`` and refuse new pushes."""
+        log.error("%s: %s", self.name, reason)
+        self.failure = reason
+        if self.policy is not None:
+            for push in self.policy.release_parked():
+                self._error(push.peer, push.rid, reason, "failed")
+        for peer, rid in self._init_waiters:
+            self._error(peer, rid, reason, "failed")
+        self._init_waiters.clear()
+
+    # ------------------------------------------------------------- helpers
+    def _worker_of(self, message: Message) -> int | None:
+        worker = message.fields.get("worker")
+        if worker is None:
+            return None
+        if not isinstance(worker, int) or isinstance(worker, bool) or worker < 0:
+            raise ProtocolError(f"bad worker id {worker!r}")
+        if self.job is not None and worker >= self.job.num_workers:
+            raise ProtocolError(f"worker {worker} is not in this job ({self.job.num_workers} workers)")
+        return worker
+
+    def _send(self, peer: bytes, rid: int, op: str, fields: dict[str, Any], arrays: list[Any]) -> None:
+        self.endpoint.reply(peer, Message(op, fields, arrays, rid))
+
+    def _error(self, peer: bytes, rid: int, text: str, kind: str = "error") -> None:
+        self._send(peer, rid, "error", {"error": text, "kind": kind}, [])
+
+    def _reject(self, peer: bytes, message: Message, text: str) -> None:
+        self.stats.rejected += 1
+        log.warning("%s: rejected %s: %s", self.name, message.op, text)
+        self._error(peer, message.rid, text, "rejected")
+
+    def _params(self) -> np.ndarray:
+        """An immutable copy of the parameters, shared by every reply at this version."""
+        version = self.store.version
+        if self._snapshot is None or self._snapshot[0] != version:
+            self._snapshot = (version, self.store.snapshot())
+        return self._snapshot[1]
+
+    def _reply_params(self, peer: bytes, rid: int, outcome: str) -> None:
+        fields = {"version": self.store.version, "done": self.done, "outcome": outcome}
+        self._send(peer, rid, "params", fields, [self._params()])
+
+    def _layout(self) -> dict[str, Any]:
+        assert self.job is not None
+        return {
+            "version": self.store.version,
+            "done": self.done,
+            "job": self.job.to_json(),
+            "names": [s.name for s in self.store.specs],
+            "shapes": [list(s.shape) for s in self.store.specs],
+        }
+
+    def _require_init(self) -> None:
+        if not self.store.initialized or self.job is None:
+            raise ProtocolError("the store is not initialised yet (the chief initialises it)")
+
+    # ------------------------------------------------------------ handlers
+    def _on_ping(self, peer: bytes, message: Message, worker: int | None) -> None:
+        self._send(peer, message.rid, "pong", {"version": self.store.version, "done": self.done}, [])
+
+    def _on_init(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) initialises the store")
+        if self.store.initialized:
+            self._send(peer, message.rid, "already", self._layout(), [])
+            return
+        job = JobSpec.from_json(message.fields.get("job"))
+        try:
+            rule = rule_from_json(message.fields.get("rule") or {})
+        except (ConfigError, TypeError) as exc:
+            raise ProtocolError(f"bad update rule: {exc}") from None
+        names = message.fields.get("names")
+        if not isinstance(names, list) or len(names) != len(message.arrays):
+            raise ProtocolError("init needs one name per array")
+        if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+            raise ProtocolError("variable names must be unique non-empty strings")
+        self.store.initialize(dict(zip(names, message.arrays, strict=True)), rule)
+        self.job = job
+        self.policy = make_policy(self.store, job.sync)
+        self.membership.expect(job.num_workers)
+        log.info(
+            "%s: initialised %d variables (%d floats), %s, %s mode, %d steps, %d workers",
+            self.name,
+            len(names),
+            self.store.size,
+            rule.name,
+            job.sync.mode,
+            job.steps,
+            job.num_workers,
+        )
+        self._send(peer, message.rid, "ok", self._layout(), [])
+        for waiter_peer, rid in self._init_waiters:
+            self._send(waiter_peer, rid, "layout", self._layout(), [])
+        self._init_waiters.clear()
+
+    def _on_wait_init(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if self.failure:
+            self._error(peer, message.rid, self.failure, "failed")
+        elif self.store.initialized:
+            self._send(peer, message.rid, "layout", self._layout(), [])
+        else:
+            self._init_waiters.append((peer, message.rid))
+
+    def _on_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
+        self._require_init()
+        self._reply_params(peer, message.rid, "pulled")
+
+    def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
+        self._require_init()
+        assert self.job is not None and self.policy is not None
+        if worker is None:
+            raise ProtocolError("push_pull needs a worker id")
+        version, seq = message.fields.get("version"), message.fields.get("seq")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ProtocolError(f"bad version {version!r}")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise ProtocolError(f"bad sequence number {seq!r}")
+        if len(message.arrays) != 1:
+            raise ProtocolError("push_pull carries exactly one flat gradient")
+        grad = message.arrays[0]
+        if grad.dtype != np.float32 or grad.shape != (self.store.size,):
+            raise ProtocolError(
+                f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]"
+            )
+        if version > self.store.version:
+            raise ProtocolError(
+                f"gradient computed from version {version}, but this shard is at {self.store.version}"
+            )
+        counters = self.stats.worker(worker)
+        if seq <= counters.last_seq:
+            raise ProtocolError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
+        if not np.isfinite(grad).all():
+            counters.last_seq = seq
+            raise ProtocolError(f"gradient from worker {worker} holds NaN or Inf: not applied")
+        counters.last_seq = seq
+        if self.failure:
+            self._error(peer, message.rid, self.failure, "failed")
+            return
+        if self.done:
+            self._reply_params(peer, message.rid, "done")
+            return
+        counters.pushed += 1
+        decision = self.policy.submit(Push(peer, message.rid, worker, version, grad))
+        if decision.updates:
+            now = time.time()
+            if self.stats.first_update is None:
+                self.stats.first_update = now
+            self.stats.last_update = now
+            self.stats.updates += decision.updates
+            self.stats.applied += len(decision.applied_workers)
+        for push in decision.answer:
+            c = self.stats.worker(push.worker)
+            if push.outcome.value == "applied":
+                c.applied += 1
+                c.staleness[push.staleness] += 1
+            else:
+                c.dropped += 1
+                self.stats.dropped += 1
+            self._reply_params(push.peer, push.rid, push.outcome.value)
+        if self.done:
+            for push in self.policy.release_parked():
+                self._reply_params(push.peer, push.rid, "done")
+
+    def _on_finish(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if worker is None:
+            raise ProtocolError("finish needs a worker id")
+        self.membership.finish(worker)
+        report = message.fields.get("report")
+        if isinstance(report, dict):
+            self.reports[worker] = report
+        self._send(peer, message.rid, "ok", {}, [])
+        if self.policy is not None and not self.done:
+            blocked = self.policy.blocked_round(self.membership.live())
+            if blocked:
+                self.fail(f"{blocked}; worker {worker} finished early")
+
+    def _on_status(self, peer: bytes, message: Message, worker: int | None) -> None:
+        fields = {
+            "version": self.store.version,
+            "done": self.done,
+            "initialized": self.store.initialized,
+            "failure": self.failure,
+            "workers": self.membership.summary(),
+        }
+        self._send(peer, message.rid, "status", fields, [])
+
+    def _on_stats(self, peer: bytes, message: Message, worker: int | None) -> None:
+        fields = {
+            "task": self.task_index,
+            "version": self.store.version,
+            "size": self.store.size,
+            "variables": [s.name for s in self.store.specs],
+            "stats": self.stats.to_json(),
+            "workers": self.membership.summary(),
+            "reports": {str(k): v for k, v in self.reports.items()},
+            "job": self.job.to_json() if self.job else None,
+        }
+        self._send(peer, message.rid, "stats", fields, [])
+
+    def _on_shutdown(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) shuts the job down")
+        log.info("%s: shut down by the chief at version %d", self.name, self.store.version)
+        self._send(peer, message.rid, "ok", {}, [])
+        self.exit_code = 0
+
+    def _on_abort(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) aborts the job")
+        reason = str(message.fields.get("reason", "no reason given"))
+        self._send(peer, message.rid, "ok", {}, [])
+        self.fail(f"the chief aborted the job: {reason}")
+        self.exit_code = 1

@@ -1,0 +1,84 @@
+"""Which ps shard holds which variable, decided the same way on every task.
+
+``round_robin`` deals variables to ps tasks in creation order, as
+TensorFlow's ``replica_device_setter`` does by default; ``greedy`` gives each
+variable, in creation order, to the shard with the fewest bytes so far (ties
+to the lowest index), as its ``GreedyLoadBalancingStrategy`` does. Both put
+the first variable on shard 0, so shard 0 always holds something and can
+keep the global step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from psdk.errors import ConfigError
+
+STRATEGIES = ("round_robin", "greedy")
+
+
+@dataclass(frozen=True)
+class VarSpec:
+    """Where one variable lives inside its shard's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def assign_shards(
+    variables: Sequence[tuple[str, tuple[int, ...]]], num_ps: int, strategy: str = "round_robin"
+) -> dict[str, int]:
+    """Map each variable name to its ps index."""
+    if num_ps < 1:
+        raise ConfigError("topology.num_ps", f"must be at least 1, got {num_ps}")
+    if strategy not in STRATEGIES:
+        raise ConfigError("topology.sharding", f"unknown strategy {strategy!r}", STRATEGIES)
+    names = [name for name, _ in variables]
+    if len(set(names)) != len(names):
+        raise ConfigError("model", "variable names must be unique")
+    if strategy == "round_robin":
+        return {name: i % num_ps for i, name in enumerate(names)}
+    load = [0] * num_ps
+    placement = {}
+    for name, shape in variables:
+        shard = min(range(num_ps), key=lambda i: (load[i], i))
+        placement[name] = shard
+        load[shard] += int(np.prod(shape, dtype=np.int64)) * 4
+    return placement
+
+
+def layout(variables: Sequence[tuple[str, tuple[int, ...]]]) -> list[VarSpec]:
+    """Offsets of ``variables`` packed back to back in one flat float32 buffer."""
+    specs, offset = [], 0
+    for name, shape in variables:
+        spec = VarSpec(name, tuple(int(d) for d in shape), offset)
+        specs.append(spec)
+        offset += spec.size
+    return specs
+
+
+def flat_size(specs: Sequence[VarSpec]) -> int:
+    return specs[-1].offset + specs[-1].size if specs else 0
+
+
+def views(flat: np.ndarray, specs: Sequence[VarSpec]) -> dict[str, np.ndarray]:
+    """Named views into ``flat``; writing a view writes the buffer."""
+    return {s.name: flat[s.offset : s.offset + s.size].reshape(s.shape) for s in specs}
+
+
+def split_by_shard(
+    variables: Mapping[str, np.ndarray], placement: Mapping[str, int], num_ps: int
+) -> list[dict[str, np.ndarray]]:
+    """The variables of each shard, in creation order."""
+    shards: list[dict[str, np.ndarray]] = [{} for _ in range(num_ps)]
+    for name, value in variables.items():
+        shards[placement[name]][name] = value
+    return shards

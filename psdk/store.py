@@ -1,0 +1,119 @@
+"""The parameter store: one ps shard's named arrays and its version.
+
+Variables are kept in the canonical layout (float32, C order, dense kernels
+as (in, out)) back to back in one flat buffer, so a step's gradient and
+parameters each travel as a single contiguous frame and an update rule runs
+once over the whole shard. The version counts the updates the shard has
+applied; shard 0's version is the job's global step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import numpy as np
+
+from psdk.errors import ProtocolError
+from psdk.optim import RuleState, UpdateRule
+from psdk.sharding import VarSpec, flat_size, layout, views
+
+
+class ParameterStore(ABC):
+    """What a ps needs from storage; a ps imports no ML framework."""
+
+    @property
+    @abstractmethod
+    def initialized(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def version(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def specs(self) -> list[VarSpec]: ...
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Number of float32 elements in the shard."""
+
+    @abstractmethod
+    def initialize(self, variables: Mapping[str, np.ndarray], rule: UpdateRule) -> None:
+        """Set the variables and the update rule, once."""
+
+    @abstractmethod
+    def apply(self, grad: np.ndarray) -> None:
+        """Apply one (already averaged) flat gradient and advance the version."""
+
+    @abstractmethod
+    def params(self) -> np.ndarray:
+        """The live flat parameter buffer, read-only: copy before it changes."""
+
+    def snapshot(self) -> np.ndarray:
+        return self.params().copy()
+
+    def variables(self) -> dict[str, np.ndarray]:
+        return {name: view.copy() for name, view in views(self.params(), self.specs).items()}
+
+    def digest(self) -> str:
+        """A hash of the variables and version, to prove a store did not change."""
+        h = hashlib.sha256(str(self.version).encode())
+        h.update(np.ascontiguousarray(self.params()).tobytes())
+        return h.hexdigest()
+
+
+class FlatStore(ParameterStore):
+    """In-memory store over one contiguous float32 buffer."""
+
+    def __init__(self) -> None:
+        self._flat = np.zeros(0, np.float32)
+        self._specs: list[VarSpec] = []
+        self._version = 0
+        self._initialized = False
+        self.rule: UpdateRule | None = None
+        self.rule_state = RuleState()
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def specs(self) -> list[VarSpec]:
+        return self._specs
+
+    @property
+    def size(self) -> int:
+        return int(self._flat.size)
+
+    def initialize(self, variables: Mapping[str, np.ndarray], rule: UpdateRule) -> None:
+        if self._initialized:
+            raise ProtocolError("store is already initialised")
+        for name, value in variables.items():
+            if not np.issubdtype(value.dtype, np.floating):
+                raise ProtocolError(f"variable {name!r} has dtype {value.dtype}, not floating point")
+            if not np.all(np.isfinite(value)):
+                raise ProtocolError(f"variable {name!r} holds NaN or Inf")
+        self._specs = layout([(name, tuple(v.shape)) for name, v in variables.items()])
+        self._flat = np.empty(flat_size(self._specs), np.float32)
+        for name, view in views(self._flat, self._specs).items():
+            view[...] = variables[name]
+        self.rule = rule
+        self.rule_state = rule.new_state(self._flat.size)
+        self._initialized = True
+
+    def apply(self, grad: np.ndarray) -> None:
+        assert self.rule is not None, "apply before initialize"
+        self.rule.apply(self._flat, grad, self.rule_state)
+        self._version += 1
+
+    def params(self) -> np.ndarray:
+        view = self._flat.view()
+        view.flags.writeable = False
+        return view

@@ -1,0 +1,136 @@
+"""The transport contract: request/response of named-array messages between tasks.
+
+A ps serves a :class:`ServerEndpoint`; a worker holds one
+:class:`ClientEndpoint` that talks to every ps shard at once, so a step's
+requests to all shards are in flight together. Request ids match replies to
+requests: a reply that arrives after its request gave up is dropped, never
+read as the answer to the next one. Fault-injecting transports for tests wrap
+these classes rather than patching sockets.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from psdk.errors import PeerDeadError, PeerTimeoutError, ProtocolError
+from psdk.wire import Message
+
+# How often a waiting client wakes to check deadlines and peer liveness.
+WAIT_SLICE_S = 0.05
+
+
+@dataclass
+class Incoming:
+    """A request as a server sees it: who sent it, and the message or why it was bad."""
+
+    peer: bytes
+    message: Message | None
+    error: ProtocolError | None = None
+    rid: int | None = None
+    nbytes: int = 0
+
+
+class ServerEndpoint(ABC):
+    """The bound side, owned by one ps task."""
+
+    address: str
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> Incoming | None:
+        """The next request, or ``None`` when nothing came within ``timeout_s``."""
+
+    @abstractmethod
+    def reply(self, peer: bytes, message: Message) -> bool:
+        """Send ``message`` to ``peer``; ``False`` when the peer is gone."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the socket at once (linger 0)."""
+
+
+class ClientEndpoint(ABC):
+    """The connecting side: one logical link to each of several servers."""
+
+    peers: Sequence[str]
+    """Human-readable names of the servers, by index, for error messages."""
+
+    def __init__(self) -> None:
+        self._next_rid = 1
+
+    def new_rid(self) -> int:
+        rid = self._next_rid
+        self._next_rid += 1
+        return rid
+
+    @abstractmethod
+    def send(self, index: int, message: Message) -> None:
+        """Queue ``message`` (with its rid already set) for server ``index``."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
+        """Replies that arrived within ``timeout_s``, tagged with their server index."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the sockets at once (linger 0)."""
+
+    def request_many(
+        self,
+        requests: Mapping[int, Message],
+        timeout_s: float,
+        what: str,
+        silence_s: Callable[[int], float | None] | None = None,
+        dead_after_s: float | None = None,
+    ) -> dict[int, Message]:
+        """Send one request to each server in ``requests`` and wait for every reply.
+
+        Gives up after ``timeout_s``, or as soon as a server we still wait
+        for has been silent (per ``silence_s``, fed by heartbeats) for longer
+        than ``dead_after_s``; either way the error names that server.
+        """
+        expected: dict[int, int] = {}
+        for index, message in requests.items():
+            message.rid = self.new_rid()
+            expected[index] = message.rid
+            self.send(index, message)
+        replies: dict[int, Message] = {}
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while len(replies) < len(expected):
+            now = time.monotonic()
+            pending = [i for i in expected if i not in replies]
+            if now >= deadline:
+                raise PeerTimeoutError(self._names(pending), what, now - start)
+            if silence_s is not None and dead_after_s is not None:
+                for index in pending:
+                    silent = silence_s(index)
+                    if silent is not None and silent > dead_after_s:
+                        raise PeerDeadError(self.peers[index], what, silent)
+            for index, message in self.receive(min(WAIT_SLICE_S, deadline - now)):
+                if expected.get(index) == message.rid and index not in replies:
+                    replies[index] = message
+        return replies
+
+    def request(self, index: int, message: Message, timeout_s: float, what: str) -> Message:
+        return self.request_many({index: message}, timeout_s, what)[index]
+
+    def _names(self, indices: Sequence[int]) -> str:
+        return ", ".join(self.peers[i] for i in indices)
+
+
+class Transport(ABC):
+    """Makes endpoints; one instance per process (it may own an I/O context)."""
+
+    @abstractmethod
+    def serve(self, bind: str, name: str) -> ServerEndpoint:
+        """Bind ``bind`` (``host:port``, port 0 for a free one) for task ``name``."""
+
+    @abstractmethod
+    def connect(self, addresses: Sequence[str], names: Sequence[str]) -> ClientEndpoint:
+        """One client linked to every address, named for error messages."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release shared resources."""

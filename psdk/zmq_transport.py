@@ -1,0 +1,157 @@
+"""ZeroMQ implementation of the transport: a ROUTER per ps, a DEALER per shard per worker.
+
+Large arrays leave with ``copy=False`` (pyzmq still copies frames below its
+copy threshold, where that is cheaper) and arrive as ``np.frombuffer`` views
+of the received frames. Every socket closes with linger 0, so a dead peer
+never holds a process open; ``ROUTER_MANDATORY`` turns a reply to a vanished
+peer into an error instead of silence; ZeroMQ heartbeats drop dead TCP links.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from psdk.errors import PortInUseError, ProtocolError, TransportError
+from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
+from psdk.wire import Message, decode, encode, peek_rid
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ZmqOptions:
+    """Socket settings shared by both sides of a link."""
+
+    io_threads: int = 1
+    max_message_bytes: int = 1 << 30
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+
+
+def endpoint(address: str) -> str:
+    """``host:port`` as a ZeroMQ endpoint; port 0 asks for a free port."""
+    if "://" in address:
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise TransportError(f"address {address!r} is not host:port")
+    return f"tcp://{host}:{'*' if port == '0' else port}"
+
+
+def _apply_common(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_interval_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(options.heartbeat_timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(options.heartbeat_timeout_s * 1000))
+
+
+class ZmqServer(ServerEndpoint):
+    def __init__(self, context: zmq.Context[Any], bind: str, name: str, options: ZmqOptions):
+        self.name = name
+        self.sock = context.socket(zmq.ROUTER)
+        _apply_common(self.sock, options)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+        try:
+            self.sock.bind(endpoint(bind))
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            if exc.errno == zmq.EADDRINUSE:
+                raise PortInUseError(bind, name) from None
+            raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def receive(self, timeout_s: float) -> Incoming | None:
+        if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        peer, body = frames[0].bytes, frames[1:]
+        nbytes = sum(len(f) for f in body)
+        try:
+            return Incoming(peer, decode(body), nbytes=nbytes)
+        except ProtocolError as exc:
+            return Incoming(peer, None, exc, rid=peek_rid(body), nbytes=nbytes)
+
+    def reply(self, peer: bytes, message: Message) -> bool:
+        try:
+            self.sock.send_multipart([peer, *encode(message)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading
+            log.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class ZmqClient(ClientEndpoint):
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        addresses: Sequence[str],
+        names: Sequence[str],
+        options: ZmqOptions,
+    ):
+        super().__init__()
+        self.peers = list(names)
+        self.socks: list[zmq.Socket[Any]] = []
+        self.poller = zmq.Poller()
+        self._index: dict[zmq.Socket[Any], int] = {}
+        for index, address in enumerate(addresses):
+            sock = context.socket(zmq.DEALER)
+            _apply_common(sock, options)
+            sock.connect(endpoint(address))
+            self.socks.append(sock)
+            self.poller.register(sock, zmq.POLLIN)
+            self._index[sock] = index
+
+    def send(self, index: int, message: Message) -> None:
+        try:
+            self.socks[index].send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise TransportError(f"the send queue to {self.peers[index]} is full") from None
+
+    def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
+        got: list[tuple[int, Message]] = []
+        for sock, _ in self.poller.poll(max(0, int(timeout_s * 1000))):
+            index = self._index[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    got.append((index, decode(frames)))
+                except ProtocolError as exc:
+                    raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
+        return got
+
+    def close(self) -> None:
+        for sock in self.socks:
+            self.poller.unregister(sock)
+            sock.close(linger=0)
+        self.socks.clear()
+
+
+class ZmqTransport(Transport):
+    """Owns one ZeroMQ context; pass ``context`` to share one with ``inproc://`` peers."""
+
+    def __init__(self, options: ZmqOptions | None = None, context: zmq.Context[Any] | None = None):
+        self.options = options or ZmqOptions()
+        self._own_context = context is None
+        self.context = context or zmq.Context(io_threads=self.options.io_threads)
+
+    def serve(self, bind: str, name: str) -> ZmqServer:
+        return ZmqServer(self.context, bind, name, self.options)
+
+    def connect(self, addresses: Sequence[str], names: Sequence[str]) -> ZmqClient:
+        return ZmqClient(self.context, addresses, names, self.options)
+
+    def close(self) -> None:
+        if self._own_context:
+            self.context.destroy(linger=0)

@@ -1,0 +1,86 @@
+"""Shared fixtures: the MNIST folder, in-process ps tasks over real ZeroMQ, free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import zmq
+
+from psdk.cluster import ClusterSpec
+from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.zmq_transport import ZmqOptions, ZmqTransport
+
+REPO = Path(__file__).resolve().parent.parent
+MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
+        pytest.fail(f"MNIST is expected in {MNIST_DIR} (../shared/data/mnist beside the repo)")
+    return MNIST_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class PsCluster:
+    """ps tasks running as threads of the test process, over real ZeroMQ sockets."""
+
+    transport: ZmqTransport
+    servers: list[ParameterServer]
+    threads: list[threading.Thread]
+    stop: threading.Event
+    addresses: list[str]
+
+    def cluster(self, num_workers: int) -> ClusterSpec:
+        return ClusterSpec({"ps": self.addresses, "worker": ["127.0.0.1"] * num_workers})
+
+
+@contextmanager
+def running_ps(
+    num_ps: int = 1, scheme: str = "inproc", heartbeat_timeout_s: float = 5.0, startup_timeout_s: float = 60.0
+) -> Iterator[PsCluster]:
+    """Start ``num_ps`` ps threads; they are stopped and joined afterwards, whatever happens."""
+    context = zmq.Context()
+    transport = ZmqTransport(
+        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s), context=context
+    )
+    stop = threading.Event()
+    servers, threads, addresses = [], [], []
+    options = ServerOptions(
+        heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s, poll_s=0.02
+    )
+    try:
+        for index in range(num_ps):
+            bind = f"inproc://ps{index}-{id(stop)}" if scheme == "inproc" else "127.0.0.1:0"
+            endpoint = transport.serve(bind, f"ps {index}")
+            addresses.append(endpoint.address)
+            server = ParameterServer(endpoint, index, options)
+            thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+            thread.start()
+            servers.append(server)
+            threads.append(thread)
+        yield PsCluster(transport, servers, threads, stop, addresses)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+        context.destroy(linger=0)
+
+
+@pytest.fixture
+def ps_cluster() -> Iterator[PsCluster]:
+    with running_ps(1) as cluster:
+        yield cluster

@@ -1,0 +1,86 @@
+"""Workers as threads of the test process, on the public API and the numpy backend."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import psdk
+from psdk.backends.numpy_backend import NumpyBackend
+from psdk.client import ClientOptions
+from psdk.cluster import ClusterSpec
+from psdk.models import ModelSpec, init_weights
+from psdk.optim import UpdateRule
+from psdk.transport import Transport
+
+Batch = tuple[np.ndarray, np.ndarray]
+FAST = ClientOptions(
+    heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0
+)
+
+
+def train_threads(
+    cluster: ClusterSpec,
+    transport: Transport,
+    spec: ModelSpec,
+    rule: UpdateRule,
+    steps: int,
+    batch_of: Callable[[int, int], Batch],
+    sync: str = "async",
+    replicas: int | None = None,
+    seed: int = 0,
+    sharding: str = "round_robin",
+) -> dict[str, Any]:
+    """Run every worker of ``cluster`` as a thread until the ps says done.
+
+    ``batch_of(worker, local_step)`` gives each worker its batches. Returns
+    the final parameters (pulled by the chief), each worker's local steps,
+    and the chief's view of the ps statistics.
+    """
+    results: dict[str, Any] = {"local_steps": {}, "errors": []}
+    lock = threading.Lock()
+
+    def work(task: int) -> None:
+        try:
+            backend = NumpyBackend()
+            model = backend.build_model(spec, init_weights(spec, seed))
+            with psdk.connect(
+                cluster,
+                task,
+                steps=steps,
+                sync=sync,
+                replicas_to_aggregate=replicas,
+                sharding=sharding,
+                options=FAST,
+                transport=transport,
+            ) as session:
+                optimizer = psdk.DistributedOptimizer(rule, model, session, backend=backend)
+                optimizer.broadcast_parameters()
+                step = 0
+                while not session.should_stop():
+                    backend.forward_backward(model, *batch_of(task, step))
+                    optimizer.step()
+                    step += 1
+                session.finish({"local_steps": step}, wait_s=30)
+                with lock:
+                    results["local_steps"][task] = step
+                if session.is_chief:
+                    optimizer.pull()
+                    results["params"] = {k: v.copy() for k, v in session.client.params.items()}
+                    results["stats"] = session.client.stats()
+        except BaseException as exc:  # surfaced by the caller
+            with lock:
+                results["errors"].append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(cluster.num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    if results["errors"]:
+        raise results["errors"][0]
+    return results

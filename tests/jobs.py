@@ -1,0 +1,124 @@
+"""Running real psdk jobs as subprocesses, and reading what they leave behind."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .conftest import MNIST_DIR, REPO
+
+FAST_FLAGS = [
+    "transport.heartbeat_interval_s=0.2",
+    "transport.heartbeat_timeout_s=2",
+    "train.log_every=20",
+    "train.final_wait_s=30",
+]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR), PYTHONUNBUFFERED="1")
+
+
+def psdk(*args: str, out: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    extra = [f"hydra.run.dir={out}"] if out is not None else []
+    return subprocess.run(
+        [sys.executable, "-m", "psdk", *args, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(),
+        cwd=REPO,
+    )
+
+
+def start(*args: str, out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "psdk", *args, f"hydra.run.dir={out}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        cwd=REPO,
+    )
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Poll ``condition``, failing fast if the job ended first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(
+                f"the job ended before the condition held:\n{process.stdout.read() if process.stdout else ''}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition did not hold in time")
+        time.sleep(0.02)
+
+
+def progress_of(out: Path, task: str) -> int:
+    return max((r["local_step"] for r in records(out) if r["task"] == task), default=0)
+
+
+def pid_of(out: Path, name: str) -> int:
+    return int((out / "tasks" / f"{name}.pid").read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except FileNotFoundError:
+        return False
+
+
+def all_tasks_gone(out: Path, timeout: float = 15) -> bool:
+    pids = [int(p.read_text()) for p in (out / "tasks").glob("*.pid")]
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            for p in pids:
+                if alive(p):
+                    os.kill(p, signal.SIGKILL)
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_accuracy(params_file: Path) -> float:
+    """Accuracy of saved parameters on the MNIST test set, computed here in plain numpy."""
+    raw_x = gzip.decompress((MNIST_DIR / "t10k-images-idx3-ubyte.gz").read_bytes())
+    raw_y = gzip.decompress((MNIST_DIR / "t10k-labels-idx1-ubyte.gz").read_bytes())
+    x = np.frombuffer(raw_x, np.uint8, offset=16).reshape(-1, 784).astype(np.float32) / 255.0
+    y = np.frombuffer(raw_y, np.uint8, offset=8)
+    params = np.load(params_file)
+    layers = sorted(
+        {k.split("/")[0] for k in params.files if k != "logits/kernel" and k.startswith("hidden")}
+    )
+    h = x
+    for name in layers:
+        h = np.maximum(h @ params[f"{name}/kernel"] + params[f"{name}/bias"], 0)
+    logits = h @ params["logits/kernel"] + params["logits/bias"]
+    return float(np.mean(np.argmax(logits, axis=1) == y))
+
+
+test_accuracy.__test__ = False  # type: ignore[attr-defined]

@@ -1,0 +1,100 @@
+"""The command line: dispatch, TensorFlow-style flags, and errors that say how to fix them."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from psdk.cli import main, normalize_args
+from psdk.errors import ConfigError
+
+from .jobs import psdk
+
+
+def test_tf_flags_and_bare_host_lists_become_overrides() -> None:
+    args = [
+        "--job_name=worker",
+        "--task_index",
+        "1",
+        "--ps_hosts=a:1,b:2",
+        "worker_hosts=c:3,d:4",
+        "ps_hosts=[x:1]",
+        "-m",
+        "sync=sync,async",
+        "+worker_hosts=e:1,f:2",
+    ]
+    assert normalize_args(args) == [
+        "job_name=worker",
+        "task_index=1",
+        "ps_hosts='a:1,b:2'",
+        "worker_hosts='c:3,d:4'",
+        "ps_hosts=[x:1]",
+        "-m",
+        "sync=sync,async",
+        "+worker_hosts='e:1,f:2'",
+    ]
+    with pytest.raises(ConfigError, match="task_index"):
+        normalize_args(["--task_index"])
+
+
+def test_usage_and_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0 and "python -m psdk run" in capsys.readouterr().out
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "plugins" in err and "run" in err
+
+
+def test_plugins_lists_backends_and_their_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "numpy" in out and "built in" in out
+
+
+def test_job_name_must_agree_with_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ps", "job_name=worker"]) == 2
+    assert "job_name" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["run", "backend=tensorflw"], ["backend", "'tensorflw'", "numpy"]),
+        (
+            ["run", "backend=numpy", "sync=sync", "sync.replicas_to_aggregate=3"],
+            ["sync.replicas_to_aggregate", "only 2 workers"],
+        ),
+        (["worker", "backend=numpy", "ps_hosts=127.0.0.1", "worker_hosts=a,b"], ["ps_hosts", "no port"]),
+        (
+            ["worker", "backend=numpy", "ps_hosts=127.0.0.1:1", "worker_hosts=a,b", "task_index=2"],
+            ["task_index", "0..1"],
+        ),
+        (["worker", "backend=numpy", "ps_hosts=127.0.0.1:1"], ["worker_hosts"]),
+        (["run", "sync=synchronous"], ["sync", "async"]),
+        (["run", "train.stpes=10"], ["stpes"]),
+        (["run", "backend=numpy", "data.dir=/nonexistent/mnist"], ["/nonexistent/mnist", "PSDK_DATA_DIR"]),
+    ],
+)
+def test_configuration_errors_fail_fast_naming_the_key(
+    tmp_path: Path, args: list[str], fragments: list[str]
+) -> None:
+    result = psdk(*args, out=tmp_path, timeout=60)
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    for fragment in fragments:
+        assert fragment in text, text
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_a_busy_port_is_reported_with_how_to_fix_it(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = psdk("ps", f"ps_hosts=127.0.0.1:{port}", out=tmp_path, timeout=60)
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    assert f"127.0.0.1:{port}" in text and "in use" in text and "ps 0" in text

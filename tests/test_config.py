@@ -1,0 +1,119 @@
+"""The Hydra config tree: every option of every group composes and instantiates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from psdk.cluster import Topology
+from psdk.config import config_dir, prepare_hydra
+from psdk.config.build import cluster_from, model_spec, sync_spec, update_rule
+from psdk.consistency import SyncSpec
+from psdk.errors import ConfigError
+from psdk.launch.local import LocalLauncher
+from psdk.models import ModelSpec
+from psdk.optim import UpdateRule
+
+CONF = config_dir()
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+
+
+@pytest.fixture(autouse=True)
+def hydra_context() -> Iterator[None]:
+    prepare_hydra()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_the_tree_has_the_documented_groups() -> None:
+    assert GROUPS == ["launcher", "model", "optimizer", "sync", "topology"]
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_of_every_group_composes_and_instantiates(group: str, option: str) -> None:
+    cfg = compose("config", overrides=[f"{group}={option}"])
+    obj = instantiate(cfg[group], _convert_="all")
+    expected = {
+        "model": ModelSpec,
+        "optimizer": UpdateRule,
+        "sync": SyncSpec,
+        "topology": Topology,
+        "launcher": LocalLauncher,
+    }[group]
+    assert isinstance(obj, expected)
+
+
+def test_the_documented_overrides_compose_together() -> None:
+    cfg = compose(
+        "config",
+        overrides=[
+            "sync=sync",
+            "sync.replicas_to_aggregate=2",
+            "topology.num_ps=2",
+            "topology.num_workers=3",
+            "optimizer=adam",
+            "optimizer.lr=0.001",
+            "model=softmax",
+            "train.steps=123",
+            "train.batch_size=50",
+            "train.validate_every=10",
+            "seed=7",
+            "backend=numpy",
+        ],
+    )
+    assert sync_spec(cfg).resolved(3) == SyncSpec("sync", 2, 0)
+    assert update_rule(cfg).to_json()["lr"] == 0.001 and update_rule(cfg).name == "adam"
+    assert model_spec(cfg).hidden == () and model_spec(cfg).num_parameters == 7850
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.validate_every, cfg.seed) == (123, 50, 10, 7)
+
+
+@pytest.mark.parametrize("option", options("sync"))
+def test_every_sync_option_accepts_the_same_keys(option: str) -> None:
+    cfg = compose("config", overrides=[f"sync={option}", "sync.replicas_to_aggregate=1", "sync.staleness=3"])
+    assert set(cfg.sync) == {"_target_", "mode", "replicas_to_aggregate", "staleness"}
+    sync_spec(cfg)
+
+
+@pytest.mark.parametrize("override", ["trian.steps=5", "sync.replicas=2", "optimizer.beta1=0.5"])
+def test_a_typo_in_a_key_fails_at_composition(override: str) -> None:
+    with pytest.raises(ConfigCompositionException):
+        compose("config", overrides=[override])  # optimizer.beta1 does not exist for momentum
+
+
+def test_a_typo_in_a_group_option_lists_the_choices() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("config", overrides=["sync=synk"])
+    assert "async" in str(info.value.__cause__ or info.value)
+
+
+def test_replicas_to_aggregate_above_the_workers_is_refused_by_name() -> None:
+    cfg = compose("config", overrides=["sync=sync", "sync.replicas_to_aggregate=3"])
+    with pytest.raises(ConfigError) as info:
+        sync_spec(cfg).resolved(2)
+    assert "sync.replicas_to_aggregate" in str(info.value) and "only 2 workers" in str(info.value)
+
+
+def test_per_task_mode_needs_both_host_lists() -> None:
+    cfg: DictConfig = compose("config", overrides=["ps_hosts=127.0.0.1:2222"])
+    with pytest.raises(ConfigError, match="worker_hosts"):
+        cluster_from(cfg)
+
+
+def test_the_data_dir_defaults_to_psdk_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PSDK_DATA_DIR", str(tmp_path))
+    assert compose("config").data.dir == str(tmp_path)
+    monkeypatch.delenv("PSDK_DATA_DIR")
+    assert compose("config").data.dir is None

@@ -1,0 +1,188 @@
+"""Real local clusters: ps and workers as processes on 127.0.0.1, on real MNIST (numpy backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import free_port
+from .jobs import (
+    FAST_FLAGS,
+    all_tasks_gone,
+    pid_of,
+    progress_of,
+    psdk,
+    records,
+    start,
+    test_accuracy,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+SUMMARY_KEYS = {
+    "test_accuracy",
+    "global_step",
+    "gradients_applied",
+    "gradients_dropped",
+    "global_steps_per_s",
+    "wall_s",
+    "workers",
+}
+
+
+def check_run(out: Path, result: subprocess.CompletedProcess[str], steps: int) -> dict:
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["global_step"] == steps
+    # The chief's figure is the accuracy of the final parameters, recomputed here independently.
+    assert summary["test_accuracy"] == pytest.approx(test_accuracy(out / "params.npz"), abs=1e-4)
+    assert result.stdout.strip().splitlines()[-1].startswith("psdk done:")
+    assert (out / "config.yaml").exists() and (out / ".hydra" / "config.yaml").exists()
+    points = records(out)
+    assert {"task", "local_step", "global_step", "loss", "accuracy", "time"} <= set(points[0])
+    assert any(p["accuracy"] is not None for p in points)
+    assert all_tasks_gone(out)
+    return summary
+
+
+def test_async_job_trains_and_every_worker_contributes(tmp_path: Path) -> None:
+    result = psdk(
+        "run", "backend=numpy", "train.steps=600", "train.validate_every=100", *FAST_FLAGS, out=tmp_path
+    )
+    summary = check_run(tmp_path, result, 600)
+    assert summary["test_accuracy"] > 0.9
+    assert summary["gradients_applied"] == 600 and summary["gradients_dropped"] == 0
+    for worker in ("0", "1"):
+        assert summary["workers"][worker]["gradients_applied"] >= 600 / 4
+        assert summary["workers"][worker]["status"] == "finished"
+    assert "validation accuracy" in result.stdout and "worker 1: epoch 1, global step" in result.stdout
+
+
+def test_sync_job_over_two_ps_shards(tmp_path: Path) -> None:
+    result = psdk(
+        "run",
+        "backend=numpy",
+        "sync=sync",
+        "topology.num_ps=2",
+        "train.steps=300",
+        "train.validate_every=100",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
+    summary = check_run(tmp_path, result, 300)
+    assert summary["gradients_applied"] == 600 and summary["gradients_dropped"] == 0
+    assert [ps["version"] for ps in summary["ps"]] == [300, 300]
+    assert summary["test_accuracy"] > 0.88
+
+
+def test_per_task_mode_as_in_tensorflow_1(tmp_path: Path) -> None:
+    port = free_port()
+    hosts = ["--ps_hosts", f"127.0.0.1:{port}", "--worker_hosts=localhost:0,localhost:0"]
+    common = [*hosts, "backend=numpy", "train.steps=200", *FAST_FLAGS]
+    ps = start("ps", "--task_index=0", *common, out=tmp_path / "ps")
+    workers = [
+        start("task", "--job_name=worker", f"--task_index={i}", *common, out=tmp_path / f"w{i}")
+        for i in (1, 0)
+    ]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in (*workers, ps)]
+    finally:
+        for p in (*workers, ps):
+            p.kill()
+    assert [p.returncode for p in (*workers, ps)] == [0, 0, 0], "\n".join(outputs)
+    summary = json.loads((tmp_path / "w0" / "summary.json").read_text())
+    assert summary["global_step"] == 200 and summary["num_workers"] == 2
+    assert outputs[1].strip().splitlines()[-1].startswith("psdk done:")
+
+
+def test_a_dead_worker_in_async_mode_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
+    job = start(
+        "run", "backend=numpy", "train.steps=3000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
+    )
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker1") >= 100, job)
+        os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
+        output = job.communicate(timeout=90)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 3000
+    assert summary["workers"]["1"]["status"] == "dead" and "heartbeat" in summary["workers"]["1"]["reason"]
+    assert "worker 1 was killed by SIGKILL" in output
+    assert all_tasks_gone(tmp_path)
+
+
+def test_a_dead_worker_that_sync_cannot_spare_stops_the_job_naming_it(tmp_path: Path) -> None:
+    job = start(
+        "run",
+        "backend=numpy",
+        "sync=sync",
+        "train.steps=5000",
+        "train.validate_every=0",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker1") >= 40, job)
+        os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
+        output = job.communicate(timeout=90)[0]
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert "replicas_to_aggregate=2" in output and "dead: worker 1" in output
+    assert "the chief (worker 0) exited with code 1" in output
+    assert all_tasks_gone(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "victim, message",
+    [("worker0", "the chief (worker 0) was killed by SIGKILL"), ("ps0", "ps 0 was killed by SIGKILL")],
+)
+def test_a_dead_chief_or_ps_stops_the_job_with_an_error_naming_it(
+    tmp_path: Path, victim: str, message: str
+) -> None:
+    job = start(
+        "run", "backend=numpy", "train.steps=5000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
+    )
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker0") >= 60, job)
+        os.kill(pid_of(tmp_path, victim), signal.SIGKILL)
+        output = job.communicate(timeout=60)[0]
+    finally:
+        job.kill()
+    assert job.returncode != 0 and message in output
+    assert all_tasks_gone(tmp_path)
+
+
+def test_ctrl_c_leaves_no_task_behind(tmp_path: Path) -> None:
+    job = start(
+        "run", "backend=numpy", "train.steps=20000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
+    )
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker1") >= 20, job)
+        job.send_signal(signal.SIGINT)
+        job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert all_tasks_gone(tmp_path)
+
+
+def test_a_killed_launcher_takes_its_tasks_with_it(tmp_path: Path) -> None:
+    job = start(
+        "run", "backend=numpy", "train.steps=20000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
+    )
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker1") >= 20, job)
+        job.kill()
+        job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert all_tasks_gone(tmp_path, timeout=10)

@@ -1,0 +1,69 @@
+"""Backends found through pluggy: built-in numpy, entry points, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pluggy
+import pytest
+
+from psdk import hookspecs, plugins
+from psdk.backends.numpy_backend import NumpyBackend
+from psdk.errors import PluginError, UnknownBackendError
+from psdk.hookspecs import BackendRecord, hookimpl
+from psdk.optim import SGD
+
+
+def test_the_numpy_backend_is_built_in() -> None:
+    backends = plugins.installed_backends()
+    assert backends["numpy"].distribution.startswith("psdk")
+    assert isinstance(plugins.load_backend("numpy"), NumpyBackend)
+
+
+def test_an_unknown_backend_lists_the_installed_ones() -> None:
+    with pytest.raises(UnknownBackendError) as info:
+        plugins.load_backend("jax")
+    text = str(info.value)
+    assert "backend" in text and "'jax'" in text and "numpy" in text
+
+
+def test_the_backend_is_found_from_an_optimizer() -> None:
+    assert isinstance(plugins.backend_for(SGD(lr=0.1)), NumpyBackend)
+    with pytest.raises(UnknownBackendError, match="int"):
+        plugins.backend_for(3)
+
+
+def fake_manager(*records: list[BackendRecord]) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager("psdk")
+    pm.add_hookspecs(hookspecs)
+    for i, recs in enumerate(records):
+        module = types.ModuleType(f"fake_plugin_{i}")
+        module.psdk_register_backends = hookimpl(lambda recs=recs: recs)  # type: ignore[attr-defined]
+        pm.register(module, name=module.__name__)
+    return pm
+
+
+def test_two_plugins_claiming_one_name_are_both_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    pm = fake_manager([BackendRecord("torch", "a:B", "torch")], [BackendRecord("torch", "c:D", "torch")])
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    with pytest.raises(PluginError) as info:
+        plugins.installed_backends()
+    assert "fake_plugin_0" in str(info.value) and "fake_plugin_1" in str(info.value)
+
+
+def test_a_backend_whose_module_is_missing_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    pm = fake_manager([BackendRecord("ghost", "psdk_ghost.backend:Ghost", "ghostlib")])
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    with pytest.raises(PluginError, match="ghostlib"):
+        plugins.load_backend("ghost")
+
+
+def test_listing_backends_imports_no_framework() -> None:
+    code = (
+        "import sys, psdk.plugins as p; p.installed_backends(); "
+        "print(sorted(m for m in ('torch', 'tensorflow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
