@@ -1,0 +1,1 @@
+"""PyTorch backend for psdk. Importing this package does not import torch."""

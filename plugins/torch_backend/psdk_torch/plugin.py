@@ -1,0 +1,17 @@
+"""psdk's entry point for this plugin: registers the backend without importing torch."""
+
+from __future__ import annotations
+
+from psdk.hookspecs import BackendRecord, hookimpl
+
+
+@hookimpl
+def psdk_register_backends() -> list[BackendRecord]:
+    return [
+        BackendRecord(
+            name="torch",
+            target="psdk_torch.backend:TorchBackend",
+            framework="torch",
+            description="PyTorch (CPU or CUDA)",
+        )
+    ]

@@ -1,0 +1,98 @@
+"""The MNIST job on PyTorch workers, end to end: `python -m psdk run backend=torch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import MNIST_DIR, REPO
+
+FAST = ["transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5"]
+
+
+def psdk_run(out: Path, *args: str) -> tuple[dict, str]:
+    env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR))
+    result = subprocess.run(
+        [sys.executable, "-m", "psdk", "run", "backend=torch", *args, *FAST, f"hydra.run.dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), result.stdout
+
+
+def test_the_default_job_reaches_the_accuracy_bar(tmp_path: Path) -> None:
+    summary, stdout = psdk_run(tmp_path)
+    assert summary["test_accuracy"] >= 0.97
+    assert summary["global_step"] == 6000 and summary["workers"]["1"]["backend"] == "torch"
+    assert all(w["gradients_applied"] >= 6000 / 4 for w in summary["workers"].values())
+    assert stdout.strip().splitlines()[-1].startswith("psdk done: backend=torch model=mlp sync=async")
+
+
+def test_sync_mode_reaches_the_same(tmp_path: Path) -> None:
+    summary, _ = psdk_run(tmp_path, "sync=sync", "train.steps=3000")
+    assert summary["test_accuracy"] >= 0.97
+    assert summary["gradients_applied"] == 6000 and summary["gradients_dropped"] == 0
+
+
+def test_softmax_regression_reaches_its_bar(tmp_path: Path) -> None:
+    summary, _ = psdk_run(
+        tmp_path, "model=softmax", "topology.num_ps=2", "topology.num_workers=3", "train.steps=3000"
+    )
+    assert summary["test_accuracy"] >= 0.91 and summary["num_workers"] == 3
+
+
+def test_the_readme_example_script_trains(tmp_path: Path) -> None:
+    env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR), PYTHONUNBUFFERED="1")
+    announce = tmp_path / "ps.json"
+    ps = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psdk",
+            "ps",
+            "ps_hosts=127.0.0.1:0",
+            "transport.startup_timeout_s=60",
+            f"ps.announce_file={announce}",
+            f"hydra.run.dir={tmp_path / 'ps'}",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not announce.exists():
+            assert ps.poll() is None and time.monotonic() < deadline, "the ps did not start"
+            time.sleep(0.05)
+        address = json.loads(announce.read_text())["address"]
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(REPO / "examples" / "torch_worker.py"), str(i), address],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        outputs = [w.communicate(timeout=180)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], outputs
+        ps.communicate(timeout=30)
+    finally:
+        for p in (ps, *workers):
+            p.kill()
+    assert ps.returncode == 0
+    accuracy = float(outputs[0].strip().splitlines()[-1].rsplit(" ", 1)[1])
+    assert accuracy > 0.93
