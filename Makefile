@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine:
+#   make run    set up .venv (psdk + the torch plugin) and train MNIST on 1 ps + 2 workers
+#   make test   set up .venv and run lint, type checks and every test suite
+# Extra Hydra overrides go in ARGS:  make run ARGS="sync=sync optimizer=adam"
+# The torch build comes from TORCH (CPU by default):  make setup TORCH="torch==2.13.0"
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.psdk-installed
+
+.PHONY: setup run test lint typecheck test-core test-torch clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[test,lint]" -e plugins/torch_backend
+	touch $@
+
+run: setup
+	$(PY) -m psdk run backend=torch $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: setup
+	$(PY) -m mypy
+
+# Each suite runs in its own pytest process: torch and TensorFlow never share one.
+test-core: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-torch: setup
+	$(PY) -m pytest plugins/torch_backend/tests $(PYTEST_ARGS)
+
+test: lint typecheck test-core test-torch
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache outputs multirun
