@@ -34,7 +34,7 @@ commands:
   run       start the whole job on this machine: ps and worker tasks as processes
   ps        run one ps task:      python -m psdk ps task_index=0 ps_hosts=... worker_hosts=...
   worker    run one worker task:  python -m psdk worker task_index=1 ps_hosts=... worker_hosts=...
-  task      run the task named by job_name=ps|worker (TensorFlow 1.x style)
+  task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too
   plugins   list the installed backends and the distributions that provide them
 
 examples:
@@ -158,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0
     command = args[0]
+    if command not in COMMANDS and any(a.lstrip("-").startswith("job_name") for a in args):
+        command, args = "task", ["task", *args]  # `python -m psdk --job_name=ps --task_index=0 ...`
     try:
         if command not in COMMANDS:
             raise ConfigError("command", f"unknown command {command!r}", COMMANDS)

@@ -52,6 +52,24 @@ def test_plugins_lists_backends_and_their_distributions(capsys: pytest.CaptureFi
     assert "numpy" in out and "built in" in out
 
 
+def test_tf_style_job_name_without_a_command_runs_that_task(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:  # it got as far as the task's own dispatch
+        main(["--job_name=chief", "--task_index=0"])
+    assert info.value.code == 1 and "job_name: got 'chief'" in capsys.readouterr().out
+
+
+def test_the_ps_and_launcher_import_no_ml_framework() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, psdk.cli, psdk.ps.main, psdk.launch.local, psdk.jobs.mnist; "
+        "print(sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_job_name_must_agree_with_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ps", "job_name=worker"]) == 2
     assert "job_name" in capsys.readouterr().err
