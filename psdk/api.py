@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from psdk import checkpoint
 from psdk.backend import Backend
+from psdk.checkpoint import Checkpoint
 from psdk.client import ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
@@ -41,9 +44,7 @@ log = logging.getLogger(__name__)
 class WorkerSession:
     """One worker's membership in a job; the chief (task 0) also configures and ends it."""
 
-    def __init__(
-        self, client: ParameterClient, job: JobSpec, sharding: str, transport: Transport | None = None
-    ):
+    def __init__(self, client: ParameterClient, job: JobSpec, sharding: str, transport: Transport | None = None):
         self.client = client
         self.job = job
         self.sharding = sharding
@@ -83,6 +84,16 @@ class WorkerSession:
         if not self.is_chief:
             return {}
         return self.client.wait_for_workers(wait_s)
+
+    def save_checkpoint(self, folder: Path | str, config: str = "", **extra: Any) -> Path:
+        """Chief: write a consistent checkpoint of every shard to ``folder/ckpt-<step>.npz``."""
+        if not self.is_chief:
+            raise PsdkError("only the chief (worker 0) writes checkpoints")
+        state = self.client.checkpoint_state()
+        state.config, state.extra = config, dict(extra)
+        path = checkpoint.save(state, checkpoint.path_for(Path(folder), state.global_step))
+        log.info("worker 0: checkpoint at global step %d written to %s", state.global_step, path)
+        return path
 
     def close(self) -> None:
         self.client.close()
@@ -164,16 +175,18 @@ class DistributedOptimizer:
         self.backend = backend or backend_for(optimizer)
         self.rule = self.backend.optimizer_rule(optimizer)
 
-    def broadcast_parameters(self) -> int:
+    def broadcast_parameters(self, resume: Checkpoint | None = None) -> int:
         """Chief: put the model's weights on the ps. Others: wait for them and take them.
 
-        A chief that finds the store already initialised (it restarted) takes
-        the ps's weights instead of overwriting them. Returns the global step.
+        With ``resume`` the chief puts that checkpoint's variables, optimizer
+        slots and global step on the ps instead. A chief that finds the store
+        already initialised (it restarted) takes the ps's weights instead of
+        overwriting them. Returns the global step.
         """
         client = self.session.client
         if self.session.is_chief:
             weights = self.backend.read_weights(self.model)
-            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding)
+            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding, resume)
             if not fresh:
                 log.warning("worker 0: the ps was already initialised; continuing from its weights")
         else:

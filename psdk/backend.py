@@ -31,9 +31,7 @@ class Backend(ABC):
 
     device: str = "cpu"
 
-    def setup(
-        self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None
-    ) -> None:
+    def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
         """Import the framework, pin its threads and place this process on ``device``.
 
         ``device`` is framework-neutral (``"cpu"`` or ``"cuda:N"``); a backend

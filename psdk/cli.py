@@ -22,7 +22,7 @@ from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
 
-TASK_COMMANDS = ("run", "ps", "worker", "task")
+TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
 COMMANDS = (*TASK_COMMANDS, "plugins")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
@@ -35,6 +35,7 @@ commands:
   ps        run one ps task:      python -m psdk ps task_index=0 ps_hosts=... worker_hosts=...
   worker    run one worker task:  python -m psdk worker task_index=1 ps_hosts=... worker_hosts=...
   task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too
+  evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
   plugins   list the installed backends and the distributions that provide them
 
 examples:
@@ -98,6 +99,10 @@ def _task(cfg: DictConfig) -> None:
             from psdk.jobs.mnist import run_worker
 
             run_worker(cfg)
+        elif job == "evaluate":
+            from psdk.jobs.evaluate import run_evaluate
+
+            run_evaluate(cfg)
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
     except PsdkError as exc:
@@ -124,7 +129,7 @@ def run_hydra(command: str, args: list[str]) -> None:
     from psdk.config import config_dir, prepare_hydra
 
     prepare_hydra()
-    if command in ("ps", "worker"):
+    if command in ("ps", "worker", "evaluate"):
         given = _given(args, "job_name")
         if given is not None and given != command:
             raise ConfigError("job_name", f"is {given!r} but the command is {command!r}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from psdk.checkpoint import Checkpoint
 from psdk.cluster import ClusterSpec
 from psdk.errors import PsdkError, RemoteError, TransportError
 from psdk.jobspec import JobSpec
@@ -51,9 +52,7 @@ class StepResult:
 class Heartbeat(threading.Thread):
     """Pings every shard from its own sockets, and remembers when each last answered."""
 
-    def __init__(
-        self, transport: Transport, addresses: list[str], names: list[str], worker: int, interval_s: float
-    ):
+    def __init__(self, transport: Transport, addresses: list[str], names: list[str], worker: int, interval_s: float):
         super().__init__(name=f"psdk-heartbeat-{worker}", daemon=True)
         self.transport, self.addresses, self.names = transport, addresses, names
         self.worker, self.interval_s = worker, interval_s
@@ -124,6 +123,7 @@ class ParameterClient:
         self._seq = 0
         self._params: dict[str, np.ndarray] = {}
         self._grads: dict[str, np.ndarray] = {}
+        self._creation_order: list[str] = []
         self.heartbeat: Heartbeat | None = None
         if heartbeat:
             self.heartbeat = Heartbeat(
@@ -153,9 +153,7 @@ class ParameterClient:
         )
         for index, reply in replies.items():
             if reply.op == "error":
-                raise RemoteError(
-                    self.names[index], str(reply.fields.get("error")), str(reply.fields.get("kind"))
-                )
+                raise RemoteError(self.names[index], str(reply.fields.get("error")), str(reply.fields.get("kind")))
         return replies
 
     def _all(self, op: str, **fields: Any) -> dict[int, Message]:
@@ -168,15 +166,41 @@ class ParameterClient:
         job: JobSpec,
         rule: UpdateRule,
         sharding: str = "round_robin",
+        restore: Checkpoint | None = None,
     ) -> bool:
-        """Chief only: place the variables on their shards; ``False`` if already initialised."""
+        """Chief only: place the variables on their shards; ``False`` if already initialised.
+
+        With ``restore``, the shards start from that checkpoint's variables,
+        slots, rule step and global step instead (re-sharded by name).
+        """
+        if restore is not None:
+            restore.check_matches({n: tuple(np.shape(v)) for n, v in variables.items()})
+            expected = set(rule.slot_names())
+            if set(restore.slots) != expected:
+                raise PsdkError(
+                    f"the checkpoint keeps optimizer slots {sorted(restore.slots)} "
+                    f"({restore.rule.get('name')}) but optimizer={rule.name} keeps {sorted(expected)}: "
+                    f"resume with optimizer={restore.rule.get('name')}"
+                )
+            variables = restore.variables
         order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
+        self._creation_order = [name for name, _ in order]
         placement = assign_shards(order, self.cluster.num_ps, sharding)
         messages = {}
         for index in range(self.cluster.num_ps):
             names = [name for name, _ in order if placement[name] == index]
             arrays = [np.ascontiguousarray(variables[n], dtype=np.float32) for n in names]
             fields = self._fields(job=job.to_json(), rule=rule.to_json(), names=names)
+            if restore is not None:
+                slot_names = list(restore.slots)
+                fields["restore"] = {
+                    "version": restore.global_step,
+                    "rule_step": restore.rule_step,
+                    "slots": slot_names,
+                }
+                arrays += [
+                    np.ascontiguousarray(restore.slots[s][n], dtype=np.float32) for s in slot_names for n in names
+                ]
             messages[index] = Message("init", fields, arrays)
         replies = self._request(messages, "initialising the variables", self.options.init_timeout_s)
         fresh = {reply.op == "ok" for reply in replies.values()}
@@ -205,9 +229,7 @@ class ParameterClient:
             fields = replies[index].fields
             specs = layout([(n, tuple(s)) for n, s in zip(fields["names"], fields["shapes"], strict=True)])
             size = flat_size(specs)
-            shard = Shard(
-                specs, int(fields["version"]), np.zeros(size, np.float32), np.zeros(size, np.float32)
-            )
+            shard = Shard(specs, int(fields["version"]), np.zeros(size, np.float32), np.zeros(size, np.float32))
             self.shards.append(shard)
             self._params.update(views(shard.params, specs))
             self._grads.update(views(shard.grads, specs))
@@ -310,9 +332,7 @@ class ParameterClient:
         while True:
             workers = self.status()["workers"]
             waiting = [
-                i
-                for i, w in workers.items()
-                if w["status"] in ("alive", "unseen") and int(i) != self.task_index
+                i for i, w in workers.items() if w["status"] in ("alive", "unseen") and int(i) != self.task_index
             ]
             if not waiting:
                 return dict(workers)
@@ -321,6 +341,60 @@ class ParameterClient:
                     f"timed out after {timeout_s:.0f} s waiting for worker(s) {', '.join(waiting)} to finish"
                 )
             time.sleep(0.05)
+
+    def checkpoint_state(self, max_rounds: int = 50) -> Checkpoint:
+        """Chief: a consistent cut of every shard at one global step, collected over the transport.
+
+        Every shard is asked to stop applying pushes once it reaches the
+        highest version any shard has (pushes beyond it wait on the ps); a
+        shard already past it raises the target. Once all stand at the same
+        version their variables and slots are read and the shards resume.
+        """
+        versions = self._request(self._all("status"), "shard versions for a checkpoint")
+        target = max(int(r.fields["version"]) for r in versions.values())
+        try:
+            for _ in range(max_rounds):
+                replies = self._request(
+                    self._all("pause_at", version=target),
+                    f"every shard to reach version {target} for a checkpoint",
+                )
+                passed = [int(r.fields["version"]) for r in replies.values() if r.op == "passed"]
+                if not passed:
+                    break
+                target = max(passed)
+            else:
+                raise PsdkError(f"the shards did not settle on one version in {max_rounds} rounds")
+            states = self._request(self._all("state"), "the shards' state for a checkpoint")
+        finally:
+            self._request(self._all("resume"), "resuming after a checkpoint")
+        return self._assemble(states, target)
+
+    def _assemble(self, states: Mapping[int, Message], version: int) -> Checkpoint:
+        variables: dict[str, np.ndarray] = {}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        rule: dict[str, Any] = {}
+        rule_step = 0
+        for index in range(self.cluster.num_ps):
+            reply = states[index]
+            if int(reply.fields["version"]) != version:
+                raise PsdkError(
+                    f"{self.names[index]} was at version {reply.fields['version']}, not {version}, "
+                    "when its state was read: the checkpoint would not be a consistent cut"
+                )
+            specs = self.shards[index].specs
+            variables.update({n: v.copy() for n, v in views(reply.arrays[0], specs).items()})
+            for slot, flat in zip(reply.fields["slots"], reply.arrays[1:], strict=True):
+                slots.setdefault(slot, {}).update({n: v.copy() for n, v in views(flat, specs).items()})
+            if index == 0:
+                rule, rule_step = dict(reply.fields["rule"]), int(reply.fields["rule_step"])
+        order = self._creation_order or [s.name for shard in self.shards for s in shard.specs]
+        return Checkpoint(
+            global_step=version,
+            variables={n: variables[n] for n in order},
+            slots={s: {n: by_name[n] for n in order} for s, by_name in slots.items()},
+            rule=rule,
+            rule_step=rule_step,
+        )
 
     def shutdown(self) -> None:
         """Chief: end the job; every ps task exits."""

@@ -74,12 +74,24 @@ class Topology:
     num_workers: int = 2
     host: str = "127.0.0.1"
     sharding: str = "round_robin"
+    worker_backends: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.worker_backends is not None:
+            names = tuple(str(b) for b in self.worker_backends)
+            if not names:
+                raise ConfigError("topology.worker_backends", "is empty; give at least one backend or null")
+            object.__setattr__(self, "worker_backends", names)
         if self.num_ps < 1:
             raise ConfigError("topology.num_ps", f"must be at least 1, got {self.num_ps}")
         if self.num_workers < 1:
             raise ConfigError("topology.num_workers", f"must be at least 1, got {self.num_workers}")
+
+    def backend_of(self, worker: int, default: str) -> str:
+        """The backend worker ``worker`` trains with (``worker_backends`` cycles)."""
+        if not self.worker_backends:
+            return default
+        return self.worker_backends[worker % len(self.worker_backends)]
 
 
 class ClusterSpec:

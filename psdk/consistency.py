@@ -45,9 +45,7 @@ class SyncSpec:
         if self.mode not in MODES:
             raise ConfigError("sync.mode", f"unknown sync mode {self.mode!r}", MODES)
         if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
-            raise ConfigError(
-                "sync.replicas_to_aggregate", f"must be at least 1, got {self.replicas_to_aggregate}"
-            )
+            raise ConfigError("sync.replicas_to_aggregate", f"must be at least 1, got {self.replicas_to_aggregate}")
         if self.staleness < 0:
             raise ConfigError("sync.staleness", f"must be >= 0, got {self.staleness}")
 

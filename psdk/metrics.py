@@ -56,6 +56,13 @@ def percentile(histogram: Mapping[str, int], q: float) -> float | None:
     return float(items[-1][0])
 
 
+def _by_backend(summary: Mapping[str, Any]) -> str:
+    by_backend = summary.get("test_accuracy_by_backend") or {}
+    if len(by_backend) < 2:
+        return ""
+    return " (" + ", ".join(f"{name} {acc:.4f}" for name, acc in sorted(by_backend.items())) + ")"
+
+
 def summary_line(summary: Mapping[str, Any]) -> str:
     """The one line a run ends with."""
     sync = summary.get("sync", {})
@@ -68,7 +75,7 @@ def summary_line(summary: Mapping[str, Any]) -> str:
         f"psdk done: backend={summary.get('backend')} model={summary.get('model')} sync={mode} "
         f"ps={summary.get('num_ps')} workers={summary.get('num_workers')}",
         f"global step {summary.get('global_step')}",
-        f"test accuracy {acc:.4f}" if acc is not None else "test accuracy n/a",
+        (f"test accuracy {acc:.4f}" if acc is not None else "test accuracy n/a") + _by_backend(summary),
         f"{rate:.0f} global steps/s" if rate else "global steps/s n/a",
         f"wall {float(summary.get('wall_s') or 0):.1f} s",
         f"gradients applied {summary.get('gradients_applied')}, dropped {summary.get('gradients_dropped')}",

@@ -40,9 +40,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
     except Exception as exc:  # a broken third-party plugin must say who it is
-        raise PluginError(
-            f"loading a plugin from the {ENTRY_POINT_GROUP!r} entry points failed: {exc}"
-        ) from exc
+        raise PluginError(f"loading a plugin from the {ENTRY_POINT_GROUP!r} entry points failed: {exc}") from exc
     return pm
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,8 @@ from psdk.sharding import VarSpec, flat_size, layout, views
 
 class ParameterStore(ABC):
     """What a ps needs from storage; a ps imports no ML framework."""
+
+    rule: UpdateRule | None = None
 
     @property
     @abstractmethod
@@ -41,8 +44,22 @@ class ParameterStore(ABC):
         """Number of float32 elements in the shard."""
 
     @abstractmethod
-    def initialize(self, variables: Mapping[str, np.ndarray], rule: UpdateRule) -> None:
-        """Set the variables and the update rule, once."""
+    def initialize(
+        self,
+        variables: Mapping[str, np.ndarray],
+        rule: UpdateRule,
+        restore: RestoreState | None = None,
+    ) -> None:
+        """Set the variables and the update rule, once (from a checkpoint's state if given)."""
+
+    @abstractmethod
+    def slots(self) -> dict[str, np.ndarray]:
+        """The update rule's flat slot buffers, by slot name (live: copy before they change)."""
+
+    @property
+    @abstractmethod
+    def rule_step(self) -> int:
+        """How many updates the rule has made (Adam's bias correction counts them)."""
 
     @abstractmethod
     def apply(self, grad: np.ndarray) -> None:
@@ -63,6 +80,15 @@ class ParameterStore(ABC):
         h = hashlib.sha256(str(self.version).encode())
         h.update(np.ascontiguousarray(self.params()).tobytes())
         return h.hexdigest()
+
+
+@dataclass
+class RestoreState:
+    """Where a restored shard starts: its version, its rule's step, and slots by variable."""
+
+    version: int
+    rule_step: int
+    slots: Mapping[str, Mapping[str, np.ndarray]]
 
 
 class FlatStore(ParameterStore):
@@ -92,7 +118,12 @@ class FlatStore(ParameterStore):
     def size(self) -> int:
         return int(self._flat.size)
 
-    def initialize(self, variables: Mapping[str, np.ndarray], rule: UpdateRule) -> None:
+    def initialize(
+        self,
+        variables: Mapping[str, np.ndarray],
+        rule: UpdateRule,
+        restore: RestoreState | None = None,
+    ) -> None:
         if self._initialized:
             raise ProtocolError("store is already initialised")
         for name, value in variables.items():
@@ -106,7 +137,34 @@ class FlatStore(ParameterStore):
             view[...] = variables[name]
         self.rule = rule
         self.rule_state = rule.new_state(self._flat.size)
+        if restore is not None:
+            self._restore(restore)
         self._initialized = True
+
+    def _restore(self, restore: RestoreState) -> None:
+        expected = set(self.rule_state.slots)
+        if set(restore.slots) != expected:
+            raise ProtocolError(
+                f"the checkpoint has slots {sorted(restore.slots)} but the update rule keeps "
+                f"{sorted(expected)}; resume with the optimizer that wrote it"
+            )
+        for slot, by_name in restore.slots.items():
+            for name, view in views(self.rule_state.slots[slot], self._specs).items():
+                value = by_name.get(name)
+                if value is None or value.shape != view.shape:
+                    raise ProtocolError(f"slot {slot!r} of {name!r} is missing or has the wrong shape")
+                view[...] = value
+        if restore.version < 0 or restore.rule_step < 0:
+            raise ProtocolError("a restored version and rule step must be >= 0")
+        self._version = restore.version
+        self.rule_state.step = restore.rule_step
+
+    def slots(self) -> dict[str, np.ndarray]:
+        return dict(self.rule_state.slots)
+
+    @property
+    def rule_step(self) -> int:
+        return self.rule_state.step
 
     def apply(self, grad: np.ndarray) -> None:
         assert self.rule is not None, "apply before initialize"

@@ -117,8 +117,7 @@ def decode(frames: Sequence[Any]) -> Message:
         expected = math.prod(shape) * dtype.itemsize
         if expected != buf.nbytes:
             raise ProtocolError(
-                f"array {index} declares {shape} {dtype} ({expected} bytes) but its frame has "
-                f"{buf.nbytes} bytes"
+                f"array {index} declares {shape} {dtype} ({expected} bytes) but its frame has {buf.nbytes} bytes"
             )
         arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
     return Message(op=op, fields=fields, arrays=arrays, rid=rid)

@@ -59,9 +59,7 @@ def running_ps(
     )
     stop = threading.Event()
     servers, threads, addresses = [], [], []
-    options = ServerOptions(
-        heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s, poll_s=0.02
-    )
+    options = ServerOptions(heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s, poll_s=0.02)
     try:
         for index in range(num_ps):
             bind = f"inproc://ps{index}-{id(stop)}" if scheme == "inproc" else "127.0.0.1:0"

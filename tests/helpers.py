@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import psdk
 from psdk.backends.numpy_backend import NumpyBackend
+from psdk.checkpoint import Checkpoint
 from psdk.client import ClientOptions
 from psdk.cluster import ClusterSpec
 from psdk.models import ModelSpec, init_weights
@@ -17,9 +19,7 @@ from psdk.optim import UpdateRule
 from psdk.transport import Transport
 
 Batch = tuple[np.ndarray, np.ndarray]
-FAST = ClientOptions(
-    heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0
-)
+FAST = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0)
 
 
 def train_threads(
@@ -33,10 +33,16 @@ def train_threads(
     replicas: int | None = None,
     seed: int = 0,
     sharding: str = "round_robin",
+    by_global_step: bool = False,
+    checkpoint_at: int | None = None,
+    checkpoint_dir: Path | None = None,
+    resume: Checkpoint | None = None,
 ) -> dict[str, Any]:
     """Run every worker of ``cluster`` as a thread until the ps says done.
 
-    ``batch_of(worker, local_step)`` gives each worker its batches. Returns
+    ``batch_of(worker, step)`` gives each worker its batches, by local step
+    (or by global step, so a resumed job sees the same ones). The chief
+    writes a checkpoint once the global step reaches ``checkpoint_at``. Returns
     the final parameters (pulled by the chief), each worker's local steps,
     and the chief's view of the ps statistics.
     """
@@ -58,12 +64,17 @@ def train_threads(
                 transport=transport,
             ) as session:
                 optimizer = psdk.DistributedOptimizer(rule, model, session, backend=backend)
-                optimizer.broadcast_parameters()
+                optimizer.broadcast_parameters(resume if task == 0 else None)
                 step = 0
+                saved = False
                 while not session.should_stop():
-                    backend.forward_backward(model, *batch_of(task, step))
+                    backend.forward_backward(model, *batch_of(task, session.global_step if by_global_step else step))
                     optimizer.step()
                     step += 1
+                    if task == 0 and checkpoint_at is not None and not saved and session.global_step >= checkpoint_at:
+                        assert checkpoint_dir is not None
+                        results["checkpoint"] = session.save_checkpoint(checkpoint_dir)
+                        saved = True
                 session.finish({"local_steps": step}, wait_s=30)
                 with lock:
                     results["local_steps"][task] = step

@@ -111,9 +111,7 @@ def test_accuracy(params_file: Path) -> float:
     x = np.frombuffer(raw_x, np.uint8, offset=16).reshape(-1, 784).astype(np.float32) / 255.0
     y = np.frombuffer(raw_y, np.uint8, offset=8)
     params = np.load(params_file)
-    layers = sorted(
-        {k.split("/")[0] for k in params.files if k != "logits/kernel" and k.startswith("hidden")}
-    )
+    layers = sorted({k.split("/")[0] for k in params.files if k != "logits/kernel" and k.startswith("hidden")})
     h = x
     for name in layers:
         h = np.maximum(h @ params[f"{name}/kernel"] + params[f"{name}/bias"], 0)

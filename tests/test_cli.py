@@ -95,9 +95,7 @@ def test_job_name_must_agree_with_the_command(capsys: pytest.CaptureFixture[str]
         (["run", "backend=numpy", "data.dir=/nonexistent/mnist"], ["/nonexistent/mnist", "PSDK_DATA_DIR"]),
     ],
 )
-def test_configuration_errors_fail_fast_naming_the_key(
-    tmp_path: Path, args: list[str], fragments: list[str]
-) -> None:
+def test_configuration_errors_fail_fast_naming_the_key(tmp_path: Path, args: list[str], fragments: list[str]) -> None:
     result = psdk(*args, out=tmp_path, timeout=60)
     assert result.returncode != 0
     text = result.stdout + result.stderr

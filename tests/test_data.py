@@ -81,9 +81,7 @@ def local_mirror(mnist_dir: Path) -> Iterator[str]:
 
 def test_missing_files_are_downloaded_into_the_cache_and_checked(local_mirror: str, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    folder = mnist.resolve_dir(
-        None, str(cache), mirrors=["http://127.0.0.1:1/", local_mirror], progress=False
-    )
+    folder = mnist.resolve_dir(None, str(cache), mirrors=["http://127.0.0.1:1/", local_mirror], progress=False)
     assert folder == cache and sorted(p.name for p in cache.iterdir()) == sorted(
         f"{stem}.gz" for stem, _ in mnist.FILES.values()
     )

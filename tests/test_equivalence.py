@@ -30,9 +30,7 @@ def single_process(rule: UpdateRule, steps: int, batch: callable) -> dict[str, n
 
 @pytest.mark.parametrize("num_ps", [1, 2])
 @pytest.mark.parametrize("sharding", ["round_robin", "greedy"])
-def test_sync_with_all_replicas_equals_one_process_on_the_concatenated_batches(
-    num_ps: int, sharding: str
-) -> None:
+def test_sync_with_all_replicas_equals_one_process_on_the_concatenated_batches(num_ps: int, sharding: str) -> None:
     rule = SGD(lr=0.5)
     with running_ps(num_ps) as ps:
         result = train_threads(

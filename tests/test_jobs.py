@@ -52,9 +52,7 @@ def check_run(out: Path, result: subprocess.CompletedProcess[str], steps: int) -
 
 
 def test_async_job_trains_and_every_worker_contributes(tmp_path: Path) -> None:
-    result = psdk(
-        "run", "backend=numpy", "train.steps=600", "train.validate_every=100", *FAST_FLAGS, out=tmp_path
-    )
+    result = psdk("run", "backend=numpy", "train.steps=600", "train.validate_every=100", *FAST_FLAGS, out=tmp_path)
     summary = check_run(tmp_path, result, 600)
     assert summary["test_accuracy"] > 0.9
     assert summary["gradients_applied"] == 600 and summary["gradients_dropped"] == 0
@@ -86,10 +84,7 @@ def test_per_task_mode_as_in_tensorflow_1(tmp_path: Path) -> None:
     hosts = ["--ps_hosts", f"127.0.0.1:{port}", "--worker_hosts=localhost:0,localhost:0"]
     common = [*hosts, "backend=numpy", "train.steps=200", *FAST_FLAGS]
     ps = start("ps", "--task_index=0", *common, out=tmp_path / "ps")
-    workers = [
-        start("task", "--job_name=worker", f"--task_index={i}", *common, out=tmp_path / f"w{i}")
-        for i in (1, 0)
-    ]
+    workers = [start("task", "--job_name=worker", f"--task_index={i}", *common, out=tmp_path / f"w{i}") for i in (1, 0)]
     try:
         outputs = [p.communicate(timeout=90)[0] for p in (*workers, ps)]
     finally:
@@ -102,9 +97,7 @@ def test_per_task_mode_as_in_tensorflow_1(tmp_path: Path) -> None:
 
 
 def test_a_dead_worker_in_async_mode_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
-    job = start(
-        "run", "backend=numpy", "train.steps=3000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
-    )
+    job = start("run", "backend=numpy", "train.steps=3000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
     try:
         wait_for(lambda: progress_of(tmp_path, "worker1") >= 100, job)
         os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
@@ -145,12 +138,8 @@ def test_a_dead_worker_that_sync_cannot_spare_stops_the_job_naming_it(tmp_path: 
     "victim, message",
     [("worker0", "the chief (worker 0) was killed by SIGKILL"), ("ps0", "ps 0 was killed by SIGKILL")],
 )
-def test_a_dead_chief_or_ps_stops_the_job_with_an_error_naming_it(
-    tmp_path: Path, victim: str, message: str
-) -> None:
-    job = start(
-        "run", "backend=numpy", "train.steps=5000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
-    )
+def test_a_dead_chief_or_ps_stops_the_job_with_an_error_naming_it(tmp_path: Path, victim: str, message: str) -> None:
+    job = start("run", "backend=numpy", "train.steps=5000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
     try:
         wait_for(lambda: progress_of(tmp_path, "worker0") >= 60, job)
         os.kill(pid_of(tmp_path, victim), signal.SIGKILL)
@@ -162,9 +151,7 @@ def test_a_dead_chief_or_ps_stops_the_job_with_an_error_naming_it(
 
 
 def test_ctrl_c_leaves_no_task_behind(tmp_path: Path) -> None:
-    job = start(
-        "run", "backend=numpy", "train.steps=20000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
-    )
+    job = start("run", "backend=numpy", "train.steps=20000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
     try:
         wait_for(lambda: progress_of(tmp_path, "worker1") >= 20, job)
         job.send_signal(signal.SIGINT)
@@ -176,9 +163,7 @@ def test_ctrl_c_leaves_no_task_behind(tmp_path: Path) -> None:
 
 
 def test_a_killed_launcher_takes_its_tasks_with_it(tmp_path: Path) -> None:
-    job = start(
-        "run", "backend=numpy", "train.steps=20000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path
-    )
+    job = start("run", "backend=numpy", "train.steps=20000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
     try:
         wait_for(lambda: progress_of(tmp_path, "worker1") >= 20, job)
         job.kill()
@@ -186,3 +171,26 @@ def test_a_killed_launcher_takes_its_tasks_with_it(tmp_path: Path) -> None:
     finally:
         job.kill()
     assert all_tasks_gone(tmp_path, timeout=10)
+
+
+def test_a_job_resumes_from_its_checkpoint_with_another_number_of_ps(tmp_path: Path) -> None:
+    first = psdk("run", "backend=numpy", "optimizer=adam", "train.steps=300", *FAST_FLAGS, out=tmp_path / "a")
+    assert first.returncode == 0, first.stdout + first.stderr
+    saved = tmp_path / "a" / "checkpoints" / "ckpt-300.npz"
+    assert saved.exists()
+    second = psdk(
+        "run",
+        "backend=numpy",
+        "optimizer=adam",
+        "train.steps=500",
+        "topology.num_ps=2",
+        f"resume={saved}",
+        *FAST_FLAGS,
+        out=tmp_path / "b",
+    )
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert second.returncode == 0 and summary["global_step"] == 500 and summary["resumed_from"] == str(saved)
+    assert summary["gradients_applied"] == 200  # only the steps after the checkpoint
+    assert min(r["global_step"] for r in records(tmp_path / "b")) > 300
+    assert "resumed from" in second.stdout
+    assert summary["test_accuracy"] > json.loads((tmp_path / "a" / "summary.json").read_text())["test_accuracy"] - 0.02

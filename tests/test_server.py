@@ -19,9 +19,7 @@ from psdk.wire import Message
 
 from .conftest import PsCluster, running_ps
 
-FAST = ClientOptions(
-    heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0
-)
+FAST = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0)
 INIT = {"w": np.zeros((2, 3), np.float32), "b": np.ones(3, np.float32)}
 
 

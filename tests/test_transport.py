@@ -127,9 +127,7 @@ def test_a_silent_peer_is_declared_dead_by_name(transport: ZmqTransport) -> None
         client = transport.connect([address], ["ps 3 (here)"])
         try:
             with pytest.raises(PeerDeadError) as info:
-                client.request_many(
-                    {0: Message("q")}, 10.0, "a push", silence_s=lambda i: 99.0, dead_after_s=1.0
-                )
+                client.request_many({0: Message("q")}, 10.0, "a push", silence_s=lambda i: 99.0, dead_after_s=1.0)
         finally:
             client.close()
     assert "ps 3 (here)" in str(info.value) and "a push" in str(info.value)

@@ -69,9 +69,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     framework = "psdk"
 
-    def setup(
-        self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None
-    ) -> None:
+    def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
         self.device = "cpu"  # numpy has no GPU: soft placement
 
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> NumpyModel:

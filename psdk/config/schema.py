@@ -89,6 +89,7 @@ class TopologyConfig:
     num_workers: int = 2
     host: str = "127.0.0.1"
     sharding: str = "round_robin"
+    worker_backends: Any = None
 
 
 @dataclass
@@ -106,6 +107,13 @@ class TrainConfig:
     log_every: int = 100
     threads: int = 1
     final_wait_s: float = 120.0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    every_steps: int = 0
+    final: bool = True
 
 
 @dataclass
@@ -163,6 +171,9 @@ class PsdkConfig:
     ps_hosts: Any = None
     worker_hosts: Any = None
     output_dir: Any = None
+    resume: Any = None
+    weights: Any = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)

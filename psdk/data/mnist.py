@@ -207,9 +207,7 @@ def to_float(images: np.ndarray) -> np.ndarray:
     return images.astype(np.float32) / np.float32(255.0)
 
 
-def split(
-    data: Mnist, worker: int, num_workers: int, validation_size: int = 5000, with_test: bool = True
-) -> Split:
+def split(data: Mnist, worker: int, num_workers: int, validation_size: int = 5000, with_test: bool = True) -> Split:
     """Worker ``worker``'s contiguous shard of the training images left after validation."""
     if not 0 <= validation_size < len(data.train_x):
         raise DataError(f"data.validation_size must be in [0, {len(data.train_x)}), got {validation_size}")

@@ -95,9 +95,10 @@ class LocalLauncher:
     def validate(self, cfg: DictConfig) -> None:
         """Fail before starting anything, naming the key and the valid choices."""
         backends = installed_backends()
-        if cfg.backend not in backends:
-            raise UnknownBackendError(str(cfg.backend), backends)
         topology = build.topology(cfg)
+        for name in {str(cfg.backend), *(topology.worker_backends or ())}:
+            if name not in backends:
+                raise UnknownBackendError(name, backends)
         build.sync_spec(cfg).resolved(topology.num_workers)
         build.model_spec(cfg)
         build.update_rule(cfg)
@@ -110,9 +111,7 @@ class LocalLauncher:
         topology = build.topology(cfg)
         out = Path(cfg.output_dir).resolve()
         (out / "tasks").mkdir(parents=True, exist_ok=True)
-        data_dir = mnist.resolve_dir(
-            cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors)
-        )
+        data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
         workers = ",".join([topology.host] * topology.num_workers)
         placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
@@ -147,11 +146,36 @@ class LocalLauncher:
         except BaseException:
             self._stop_all()
             raise
-        return self._final_summary(out, start)
+        chief_backend = topology.backend_of(0, str(cfg.backend))
+        others = sorted(
+            {topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)} - {chief_backend}
+        )
+        accuracies = {name: self._evaluate(name, out, common) for name in others}
+        return self._final_summary(out, start, accuracies)
 
-    def _start(
-        self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None
-    ) -> None:
+    def _evaluate(self, backend: str, out: Path, common: list[str]) -> float:
+        """Test accuracy of the final parameters computed by ``backend`` (mixed-framework jobs)."""
+        folder = out / "tasks" / f"evaluate-{backend}"
+        command = [
+            sys.executable,
+            "-m",
+            "psdk",
+            "evaluate",
+            *(a for a in common if not a.startswith("output_dir=")),
+            f"output_dir={folder}",
+            f"backend={backend}",
+            f"weights={out / 'params.npz'}",
+            f"hydra.run.dir={folder}",
+            "hydra.job.name=evaluate",
+        ]
+        log.info("launcher: evaluating the final parameters with the %s backend", backend)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PSDK_LAUNCHED="1")
+        done = subprocess.run(command, env=env, timeout=600, preexec_fn=_die_with_parent, check=False)
+        if done.returncode != 0:
+            raise JobFailedError(f"evaluating the final parameters with the {backend} backend failed")
+        return float(json.loads((folder / "evaluation.json").read_text())["test_accuracy"])
+
+    def _start(self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> None:
         name = f"{job}{index}"
         command = [
             sys.executable,
@@ -254,11 +278,17 @@ class LocalLauncher:
                 task.process.kill()
                 task.process.wait(timeout=10)
 
-    def _final_summary(self, out: Path, start: float) -> dict[str, Any]:
+    def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
         path = out / "summary.json"
         if not path.exists():
             raise JobFailedError(f"the chief finished but wrote no {path}")
         summary: dict[str, Any] = json.loads(path.read_text())
+        summary["test_accuracy_by_backend"].update(accuracies)
+        if accuracies:
+            log.info(
+                "launcher: test accuracy of the final parameters by backend: %s",
+                ", ".join(f"{b} {a:.4f}" for b, a in sorted(summary["test_accuracy_by_backend"].items())),
+            )
         summary["chief_wall_s"] = summary.get("wall_s")
         summary["wall_s"] = time.time() - start
         write_json_atomic(path, summary)

@@ -25,7 +25,7 @@ from psdk.errors import ConfigError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.optim import rule_from_json
 from psdk.ps.membership import Membership
-from psdk.store import FlatStore, ParameterStore
+from psdk.store import FlatStore, ParameterStore, RestoreState
 from psdk.transport import Incoming, ServerEndpoint
 from psdk.wire import Message
 
@@ -40,6 +40,24 @@ class ServerOptions:
     startup_timeout_s: float = 600.0
     log_every_s: float = 10.0
     poll_s: float = 0.1
+
+
+def _restore_state(data: Any, names: list[str], arrays: list[np.ndarray]) -> RestoreState | None:
+    """The checkpoint state an init message carries after its variables, if any."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ProtocolError("restore must be an object")
+    version, rule_step, slot_names = data.get("version"), data.get("rule_step"), data.get("slots")
+    if not (isinstance(version, int) and isinstance(rule_step, int) and isinstance(slot_names, list)):
+        raise ProtocolError("restore needs an integer version and rule_step and a list of slots")
+    if len(arrays) != len(names) * (1 + len(slot_names)):
+        raise ProtocolError("restore needs one array per variable and slot")
+    slots = {}
+    for i, slot in enumerate(slot_names):
+        start = len(names) * (1 + i)
+        slots[str(slot)] = dict(zip(names, arrays[start : start + len(names)], strict=True))
+    return RestoreState(version, rule_step, slots)
 
 
 @dataclass
@@ -102,13 +120,15 @@ class ParameterServer:
         self.job: JobSpec | None = None
         self.policy: ConsistencyPolicy | None = None
         self.stats = ShardStats()
-        self.membership = Membership(
-            self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic()
-        )
+        self.membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
         self.reports: dict[int, dict[str, Any]] = {}
         self.failure: str | None = None
         self.exit_code: int | None = None
         self._init_waiters: list[tuple[bytes, int]] = []
+        # Checkpoints: pushes beyond pause_version wait in _held until the chief resumes.
+        self.pause_version: int | None = None
+        self._pause_waiters: list[tuple[bytes, int]] = []
+        self._held: list[tuple[bytes, int, int, int, np.ndarray]] = []
         self._snapshot: tuple[int, np.ndarray] | None = None
         self._last_log = time.monotonic()
         self._handlers = {
@@ -122,6 +142,9 @@ class ParameterServer:
             "stats": self._on_stats,
             "shutdown": self._on_shutdown,
             "abort": self._on_abort,
+            "pause_at": self._on_pause_at,
+            "state": self._on_state,
+            "resume": self._on_resume,
         }
 
     # ----------------------------------------------------------------- loop
@@ -204,9 +227,13 @@ class ParameterServer:
         if self.policy is not None:
             for push in self.policy.release_parked():
                 self._error(push.peer, push.rid, reason, "failed")
-        for peer, rid in self._init_waiters:
+        for peer, rid, *_ in self._held:
+            self._error(peer, rid, reason, "failed")
+        for peer, rid in self._init_waiters + self._pause_waiters:
             self._error(peer, rid, reason, "failed")
         self._init_waiters.clear()
+        self._pause_waiters.clear()
+        self._held.clear()
 
     # ------------------------------------------------------------- helpers
     def _worker_of(self, message: Message) -> int | None:
@@ -271,16 +298,19 @@ class ParameterServer:
         except (ConfigError, TypeError) as exc:
             raise ProtocolError(f"bad update rule: {exc}") from None
         names = message.fields.get("names")
-        if not isinstance(names, list) or len(names) != len(message.arrays):
-            raise ProtocolError("init needs one name per array")
+        if not isinstance(names, list):
+            raise ProtocolError("init needs a list of variable names")
         if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
             raise ProtocolError("variable names must be unique non-empty strings")
-        self.store.initialize(dict(zip(names, message.arrays, strict=True)), rule)
+        restore = _restore_state(message.fields.get("restore"), names, message.arrays)
+        if len(message.arrays) != len(names) * (1 + (len(restore.slots) if restore else 0)):
+            raise ProtocolError("init needs one array per variable (and per slot when restoring)")
+        self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
         self.job = job
         self.policy = make_policy(self.store, job.sync)
         self.membership.expect(job.num_workers)
         log.info(
-            "%s: initialised %d variables (%d floats), %s, %s mode, %d steps, %d workers",
+            "%s: initialised %d variables (%d floats), %s, %s mode, %d steps, %d workers%s",
             self.name,
             len(names),
             self.store.size,
@@ -288,6 +318,7 @@ class ParameterServer:
             job.sync.mode,
             job.steps,
             job.num_workers,
+            f", restored at version {self.store.version}" if restore else "",
         )
         self._send(peer, message.rid, "ok", self._layout(), [])
         for waiter_peer, rid in self._init_waiters:
@@ -320,13 +351,9 @@ class ParameterServer:
             raise ProtocolError("push_pull carries exactly one flat gradient")
         grad = message.arrays[0]
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
-            raise ProtocolError(
-                f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]"
-            )
+            raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
         if version > self.store.version:
-            raise ProtocolError(
-                f"gradient computed from version {version}, but this shard is at {self.store.version}"
-            )
+            raise ProtocolError(f"gradient computed from version {version}, but this shard is at {self.store.version}")
         counters = self.stats.worker(worker)
         if seq <= counters.last_seq:
             raise ProtocolError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
@@ -337,11 +364,19 @@ class ParameterServer:
         if self.failure:
             self._error(peer, message.rid, self.failure, "failed")
             return
+        self._submit(peer, message.rid, worker, version, grad)
+
+    def _submit(self, peer: bytes, rid: int, worker: int, version: int, grad: np.ndarray) -> None:
+        """Hand a checked push to the consistency policy (or hold it while paused)."""
+        assert self.policy is not None
         if self.done:
-            self._reply_params(peer, message.rid, "done")
+            self._reply_params(peer, rid, "done")
             return
-        counters.pushed += 1
-        decision = self.policy.submit(Push(peer, message.rid, worker, version, grad))
+        if self._paused():
+            self._held.append((peer, rid, worker, version, grad))
+            return
+        self.stats.worker(worker).pushed += 1
+        decision = self.policy.submit(Push(peer, rid, worker, version, grad))
         if decision.updates:
             now = time.time()
             if self.stats.first_update is None:
@@ -361,6 +396,61 @@ class ParameterServer:
         if self.done:
             for push in self.policy.release_parked():
                 self._reply_params(push.peer, push.rid, "done")
+        if decision.updates and self._paused():
+            for waiter_peer, waiter_rid in self._pause_waiters:
+                self._send(waiter_peer, waiter_rid, "paused", {"version": self.store.version}, [])
+            self._pause_waiters.clear()
+
+    # ---------------------------------------------------------- checkpoints
+    def _paused(self) -> bool:
+        return self.pause_version is not None and self.store.version >= self.pause_version
+
+    def _on_pause_at(self, peer: bytes, message: Message, worker: int | None) -> None:
+        """Stop applying pushes once this shard reaches ``version``; answer when it has."""
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) pauses the store")
+        self._require_init()
+        target = message.fields.get("version")
+        if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+            raise ProtocolError(f"bad pause version {target!r}")
+        if self.store.version > target or (self.done and self.store.version < target):
+            self._send(peer, message.rid, "passed", {"version": self.store.version}, [])
+            return
+        self.pause_version = target
+        if self._paused():
+            self._send(peer, message.rid, "paused", {"version": self.store.version}, [])
+            return
+        self._pause_waiters.append((peer, message.rid))
+        self._release_held()
+
+    def _on_state(self, peer: bytes, message: Message, worker: int | None) -> None:
+        """The shard's variables, slots and rule step, for a checkpoint (only while paused)."""
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) reads the state")
+        self._require_init()
+        if not self._paused() and not self.done:
+            raise ProtocolError("pause the shard (pause_at) before reading its state")
+        slots = self.store.slots()
+        fields = {
+            **self._layout(),
+            "slots": list(slots),
+            "rule_step": self.store.rule_step,
+            "rule": self.store.rule.to_json() if self.store.rule else {},
+        }
+        arrays = [self.store.snapshot(), *(slot.copy() for slot in slots.values())]
+        self._send(peer, message.rid, "state", fields, arrays)
+
+    def _on_resume(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) resumes the store")
+        self.pause_version = None
+        self._send(peer, message.rid, "ok", {}, [])
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for peer, rid, worker, version, grad in held:
+            self._submit(peer, rid, worker, version, grad)
 
     def _on_finish(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker is None:

@@ -90,9 +90,7 @@ class TorchBackend(Backend):
         self._named: dict[int, list[tuple[str, nn.Parameter]]] = {}
 
     # ------------------------------------------------------------ placement
-    def setup(
-        self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None
-    ) -> None:
+    def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
             with contextlib.suppress(RuntimeError):  # it can be set once per process
@@ -116,19 +114,14 @@ class TorchBackend(Backend):
     def _parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         key = id(model)
         if key not in self._named:
-            self._named[key] = [
-                (name.replace(".", "/"), p) for name, p in model.named_parameters() if p.requires_grad
-            ]
+            self._named[key] = [(name.replace(".", "/"), p) for name, p in model.named_parameters() if p.requires_grad]
         return self._named[key]
 
     def variables(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self._parameters(model)}
 
     def read_weights(self, model: nn.Module) -> dict[str, np.ndarray]:
-        return {
-            name: p.detach().cpu().numpy().astype(np.float32, copy=True)
-            for name, p in self._parameters(model)
-        }
+        return {name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in self._parameters(model)}
 
     @torch.no_grad()
     def write_weights(self, model: nn.Module, weights: Mapping[str, np.ndarray]) -> None:
@@ -206,9 +199,7 @@ class TorchBackend(Backend):
 
     def optimizer_rule(self, optimizer: Any) -> UpdateRule:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                "optimizer", f"expected a torch.optim optimizer, got {type(optimizer).__name__}"
-            )
+            raise ConfigError("optimizer", f"expected a torch.optim optimizer, got {type(optimizer).__name__}")
         g = _only_group(optimizer)
         lr, wd = float(g["lr"]), float(g.get("weight_decay", 0.0))
         kind = type(optimizer)
@@ -255,8 +246,6 @@ def _with_psdk_only_options(rule: UpdateRule, kept: UpdateRule | None) -> Update
         return rule
     psdk_only = {"decay_rate", "decay_steps", "epsilon_mode"}
     same = all(
-        getattr(kept, f.name) == getattr(rule, f.name)
-        for f in dataclasses.fields(rule)
-        if f.name not in psdk_only
+        getattr(kept, f.name) == getattr(rule, f.name) for f in dataclasses.fields(rule) if f.name not in psdk_only
     )
     return kept if same else rule

@@ -36,9 +36,7 @@ def test_loss_and_gradients_match_the_numpy_reference() -> None:
     x, y = batch()
     torch_backend, numpy_backend = TorchBackend(), NumpyBackend()
     tm, nm = torch_backend.build_model(SPEC, weights), numpy_backend.build_model(SPEC, weights)
-    assert torch_backend.forward_backward(tm, x, y) == pytest.approx(
-        numpy_backend.forward_backward(nm, x, y), rel=1e-5
-    )
+    assert torch_backend.forward_backward(tm, x, y) == pytest.approx(numpy_backend.forward_backward(nm, x, y), rel=1e-5)
     tg = {n: np.zeros(s, np.float32) for n, s in SPEC.variables()}
     ng = {n: np.zeros(s, np.float32) for n, s in SPEC.variables()}
     torch_backend.read_gradients(tm, tg)

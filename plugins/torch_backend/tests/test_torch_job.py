@@ -43,9 +43,7 @@ def test_sync_mode_reaches_the_same(tmp_path: Path) -> None:
 
 
 def test_softmax_regression_reaches_its_bar(tmp_path: Path) -> None:
-    summary, _ = psdk_run(
-        tmp_path, "model=softmax", "topology.num_ps=2", "topology.num_workers=3", "train.steps=3000"
-    )
+    summary, _ = psdk_run(tmp_path, "model=softmax", "topology.num_ps=2", "topology.num_workers=3", "train.steps=3000")
     assert summary["test_accuracy"] >= 0.91 and summary["num_workers"] == 3
 
 
@@ -96,3 +94,12 @@ def test_the_readme_example_script_trains(tmp_path: Path) -> None:
     assert ps.returncode == 0
     accuracy = float(outputs[0].strip().splitlines()[-1].rsplit(" ", 1)[1])
     assert accuracy > 0.93
+
+
+def test_a_mixed_framework_job_trains_one_set_of_parameters(tmp_path: Path) -> None:
+    summary, stdout = psdk_run(tmp_path, "topology.worker_backends=[torch,numpy]", "train.steps=1500")
+    assert {w["backend"] for w in summary["workers"].values()} == {"torch", "numpy"}
+    assert all(w["gradients_applied"] >= 1500 / 4 for w in summary["workers"].values())
+    accuracies = summary["test_accuracy_by_backend"]
+    assert set(accuracies) == {"torch", "numpy"} and abs(accuracies["torch"] - accuracies["numpy"]) <= 0.001
+    assert "by backend" in stdout

@@ -17,9 +17,7 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
         "assert 'torch' in backends, backends\n"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
 
 

@@ -1,0 +1,45 @@
+"""``python -m psdk evaluate weights=PATH``: test accuracy of saved parameters on any backend.
+
+The weights are canonical (names and layouts), so parameters trained by one
+framework can be checked by another; the launcher of a mixed-framework job
+runs this once for every backend the chief does not use.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from psdk import checkpoint
+from psdk.config import build
+from psdk.data import mnist
+from psdk.errors import ConfigError
+from psdk.metrics import write_json_atomic
+from psdk.placement import check_memory_fraction
+from psdk.plugins import load_backend
+
+log = logging.getLogger(__name__)
+
+
+def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
+    if not cfg.weights:
+        raise ConfigError("weights", "evaluate needs weights=<params.npz or checkpoint>")
+    weights = checkpoint.load_weights(cfg.weights)
+    spec = build.model_spec(cfg)
+    expected = dict(spec.variables())
+    shapes = {n: tuple(v.shape) for n, v in weights.items()}
+    if shapes != expected:
+        raise ConfigError("model", f"{cfg.weights} holds {shapes}, not the variables of model={spec.name}")
+    backend = load_backend(str(cfg.backend))
+    backend.setup("cpu", int(cfg.train.threads), check_memory_fraction(cfg.placement.gpu_memory_fraction))
+    folder = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
+    data = mnist.load(folder)
+    model = backend.build_model(spec, weights)
+    accuracy = backend.accuracy(model, mnist.to_float(data.test_x), data.test_y)
+    result = {"weights": str(cfg.weights), "backend": backend.name, "model": spec.name, "test_accuracy": accuracy}
+    write_json_atomic(Path(cfg.output_dir) / "evaluation.json", result)
+    print(f"test accuracy {accuracy:.4f} (backend {backend.name}, {len(data.test_y)} images, {cfg.weights})")
+    return result

@@ -1,0 +1,95 @@
+"""What the chief writes when the job ends: ``summary.json``, ``params.npz``, the last line."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+from omegaconf import DictConfig
+
+from psdk.config import build
+from psdk.metrics import percentile
+
+
+def save_params(path: Path, params: Mapping[str, np.ndarray]) -> None:
+    """The final parameters by canonical name, loadable with ``np.load`` (no pickle)."""
+    arrays: dict[str, Any] = {name: np.array(value) for name, value in params.items()}
+    cast(Any, np.savez)(path, **arrays)
+
+
+def _worker_entry(
+    index: str, state: Mapping[str, str], counters: Mapping[str, Any], report: Mapping[str, Any]
+) -> dict[str, Any]:
+    hist = counters.get("staleness", {})
+    entry: dict[str, Any] = {
+        "status": state["status"],
+        "reason": state["reason"],
+        "gradients_pushed": counters.get("pushed", 0),
+    }
+    entry.update(report)
+    entry.update(
+        {
+            "gradients_applied": counters.get("applied", 0),
+            "gradients_dropped": counters.get("dropped", 0),
+            "staleness_p50": percentile(hist, 0.5),
+            "staleness_p99": percentile(hist, 0.99),
+            "staleness_histogram": hist,
+        }
+    )
+    return entry
+
+
+def build_summary(
+    cfg: DictConfig,
+    shards: list[dict[str, Any]],
+    workers: Mapping[str, Mapping[str, str]],
+    test_accuracy: float,
+    wall_s: float,
+    backend: str,
+) -> dict[str, Any]:
+    """The run's figures, from shard 0's statistics (it keeps the global step)."""
+    head = shards[0]
+    stats = head["stats"]
+    first, last = stats.get("first_update"), stats.get("last_update")
+    # Updates applied in this run (a resumed job starts at the checkpoint's step).
+    rate = stats["updates"] / (last - first) if first is not None and last is not None and last > first else None
+    per_worker = {
+        index: _worker_entry(index, state, stats["workers"].get(index, {}), head["reports"].get(index, {}))
+        for index, state in sorted(workers.items(), key=lambda kv: int(kv[0]))
+    }
+    backends = sorted({str(w.get("backend")) for w in per_worker.values() if w.get("backend")} | {backend})
+    job = head["job"] or {}
+    return {
+        "backend": backend if len(backends) == 1 else "+".join(backends),
+        "backends": backends,
+        "model": str(cfg.model.name),
+        "optimizer": build.plain(cfg.optimizer),
+        "sync": job.get("sync", {}),
+        "num_ps": len(shards),
+        "num_workers": len(workers),
+        "steps": int(cfg.train.steps),
+        "batch_size": int(cfg.train.batch_size),
+        "resumed_from": str(cfg.resume) if cfg.resume else None,
+        "test_accuracy": test_accuracy,
+        "test_accuracy_by_backend": {backend: test_accuracy},
+        "global_step": int(head["version"]),
+        "gradients_applied": stats["applied"],
+        "gradients_dropped": stats["dropped"],
+        "global_steps_per_s": rate,
+        "wall_s": wall_s,
+        "workers": per_worker,
+        "ps": [
+            {
+                "task": s["task"],
+                "version": s["version"],
+                "size": s["size"],
+                "variables": s["variables"],
+                "applied": s["stats"]["applied"],
+                "dropped": s["stats"]["dropped"],
+                "rejected": s["stats"]["rejected"],
+            }
+            for s in shards
+        ],
+    }
