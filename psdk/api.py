@@ -35,7 +35,7 @@ from psdk.consistency import SyncSpec
 from psdk.errors import PsdkError
 from psdk.jobspec import JobSpec
 from psdk.plugins import backend_for
-from psdk.transport import Transport
+from psdk.transport import Pending, Transport
 from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,28 @@ class DistributedOptimizer:
 
     def step(self) -> StepResult:
         """Push this worker's gradients, pull the new parameters into the model."""
+        return self.start_step().wait()
+
+    def start_step(self) -> PendingStep:
+        """Push the gradients now; :meth:`PendingStep.wait` pulls the new parameters in.
+
+        Prepare the next batch in between (never touch the model there): the
+        ps works on the push while this worker does something useful.
+        """
         client = self.session.client
         self.backend.read_gradients(self.model, client.grads)
-        result = client.push_pull()
-        self.backend.write_weights(self.model, client.params)
-        return self.session.record(result)
+        return PendingStep(self, client.start_push_pull())
+
+
+class PendingStep:
+    """A step whose gradients are on their way to the ps."""
+
+    def __init__(self, optimizer: DistributedOptimizer, pending: Pending):
+        self.optimizer = optimizer
+        self.pending = pending
+
+    def wait(self) -> StepResult:
+        opt = self.optimizer
+        result = opt.session.client.finish_push_pull(self.pending)
+        opt.backend.write_weights(opt.model, opt.session.client.params)
+        return opt.session.record(result)

@@ -26,7 +26,7 @@ from psdk.errors import PsdkError, RemoteError, TransportError
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
-from psdk.transport import ClientEndpoint, Transport
+from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.wire import Message
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,14 @@ class ParameterClient:
         timeout_s: float | None = None,
         watch: bool = True,
     ) -> dict[int, Message]:
+        return self._collect(self.endpoint.start_many(messages), what, timeout_s, watch)
+
+    def _collect(
+        self, pending: Pending, what: str, timeout_s: float | None = None, watch: bool = True
+    ) -> dict[int, Message]:
+        """Wait for the replies; a refusal from a ps becomes :class:`RemoteError`."""
         silence = self.heartbeat.silence if (self.heartbeat is not None and watch) else None
-        replies = self.endpoint.request_many(
-            messages,
+        replies = pending.wait(
             timeout_s if timeout_s is not None else self.options.request_timeout_s,
             what,
             silence_s=silence,
@@ -282,20 +287,28 @@ class ParameterClient:
 
         ``grads`` defaults to what was written into :attr:`grads`.
         """
+        return self.finish_push_pull(self.start_push_pull(grads))
+
+    def start_push_pull(self, grads: Mapping[str, np.ndarray] | None = None) -> Pending:
+        """Send this step's gradients to every shard; the replies are collected later.
+
+        Between this and :meth:`finish_push_pull` the worker may prepare its
+        next batch, but must not touch :attr:`grads` or :attr:`params`.
+        """
         if grads is not None:
             for name, view in self._grads.items():
                 if grads[name] is not view:
                     np.copyto(view, grads[name], casting="same_kind")
         self._seq += 1
         messages = {
-            i: Message(
-                "push_pull",
-                self._fields(version=self.shards[i].version, seq=self._seq),
-                [self.shards[i].grads],
-            )
+            i: Message("push_pull", self._fields(version=self.shards[i].version, seq=self._seq), [self.shards[i].grads])
             for i in self._live()
         }
-        replies = self._request(messages, "a push-and-pull")
+        return self.endpoint.start_many(messages)
+
+    def finish_push_pull(self, pending: Pending) -> StepResult:
+        """Wait for every shard's reply and take in the fresh parameters."""
+        replies = self._collect(pending, "a push-and-pull")
         done = False
         for index, reply in replies.items():
             self._take_params(index, reply)

@@ -278,7 +278,24 @@ class RMSProp(UpdateRule):
         state.step += 1
 
 
-RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (SGD, Adam, Adagrad, RMSProp)}
+@dataclass(frozen=True)
+class NoOp(UpdateRule):
+    """Counts updates and changes nothing: measures the transport and the ps alone."""
+
+    name: ClassVar[str] = "noop"
+    lr: float = 1.0
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ()
+
+    def scratch_count(self) -> int:
+        return 0
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
+        state.step += 1
+
+
+RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (SGD, Adam, Adagrad, RMSProp, NoOp)}
 
 
 def rule_from_json(data: dict[str, Any]) -> UpdateRule:

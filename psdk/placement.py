@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
@@ -75,6 +76,32 @@ class RankPlacement(Placement):
         if self.device == "cpu" or not gpus:
             return {}
         return {"CUDA_VISIBLE_DEVICES": gpus[cluster.local_rank(task_index) % len(gpus)]}
+
+
+def pin_to_cpu(local_rank: int) -> int | None:
+    """Pin the calling thread, and the threads it starts later, to CPU ``local_rank`` mod CPUs.
+
+    Workers that share a host then stop trading cores with each other; the
+    ps tasks and the ZeroMQ I/O threads (started earlier) stay free to run
+    wherever a core is idle.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[local_rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value (Linux sets it per thread).
+
+    A worker's compute then yields its core at once to a ps or to its own
+    I/O thread when they have a message to move, which shortens every other
+    worker's wait.
+    """
+    if nice > 0 and hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def check_memory_fraction(fraction: float | None) -> float | None:

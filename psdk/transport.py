@@ -91,11 +91,40 @@ class ClientEndpoint(ABC):
         for has been silent (per ``silence_s``, fed by heartbeats) for longer
         than ``dead_after_s``; either way the error names that server.
         """
+        return self.start_many(requests).wait(timeout_s, what, silence_s, dead_after_s)
+
+    def start_many(self, requests: Mapping[int, Message]) -> Pending:
+        """Send the requests now; collect the replies later with :meth:`Pending.wait`."""
         expected: dict[int, int] = {}
         for index, message in requests.items():
             message.rid = self.new_rid()
             expected[index] = message.rid
             self.send(index, message)
+        return Pending(self, expected)
+
+    def request(self, index: int, message: Message, timeout_s: float, what: str) -> Message:
+        return self.request_many({index: message}, timeout_s, what)[index]
+
+    def _names(self, indices: Sequence[int]) -> str:
+        return ", ".join(self.peers[i] for i in indices)
+
+
+class Pending:
+    """Requests in flight, one per server, whose replies have not been collected yet."""
+
+    def __init__(self, endpoint: ClientEndpoint, expected: dict[int, int]):
+        self.endpoint = endpoint
+        self.expected = expected
+
+    def wait(
+        self,
+        timeout_s: float,
+        what: str,
+        silence_s: Callable[[int], float | None] | None = None,
+        dead_after_s: float | None = None,
+    ) -> dict[int, Message]:
+        """Every reply, or an error naming the server that did not answer (see ``request_many``)."""
+        endpoint, expected = self.endpoint, self.expected
         replies: dict[int, Message] = {}
         start = time.monotonic()
         deadline = start + timeout_s
@@ -103,22 +132,16 @@ class ClientEndpoint(ABC):
             now = time.monotonic()
             pending = [i for i in expected if i not in replies]
             if now >= deadline:
-                raise PeerTimeoutError(self._names(pending), what, now - start)
+                raise PeerTimeoutError(endpoint._names(pending), what, now - start)
             if silence_s is not None and dead_after_s is not None:
                 for index in pending:
                     silent = silence_s(index)
                     if silent is not None and silent > dead_after_s:
-                        raise PeerDeadError(self.peers[index], what, silent)
-            for index, message in self.receive(min(WAIT_SLICE_S, deadline - now)):
+                        raise PeerDeadError(endpoint.peers[index], what, silent)
+            for index, message in endpoint.receive(min(WAIT_SLICE_S, deadline - now)):
                 if expected.get(index) == message.rid and index not in replies:
                     replies[index] = message
         return replies
-
-    def request(self, index: int, message: Message, timeout_s: float, what: str) -> Message:
-        return self.request_many({index: message}, timeout_s, what)[index]
-
-    def _names(self, indices: Sequence[int]) -> str:
-        return ", ".join(self.peers[i] for i in indices)
 
 
 class Transport(ABC):

@@ -34,6 +34,8 @@ class Message:
     fields: dict[str, Any] = field(default_factory=dict)
     arrays: list[np.ndarray] = field(default_factory=list)
     rid: int = 0
+    volatile: bool = False
+    """The arrays change once the send call returns: the transport must copy them there."""
 
 
 def _dtype_code(array: np.ndarray) -> str:

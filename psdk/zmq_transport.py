@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
 from psdk.errors import PortInUseError, ProtocolError, TransportError
@@ -43,6 +44,33 @@ def endpoint(address: str) -> str:
     return f"tcp://{host}:{'*' if port == '0' else port}"
 
 
+class FrameReuse:
+    """Zero-copy frames that are built once per buffer, not once per send.
+
+    pyzmq can send one ``zmq.Frame`` many times (each send takes a reference
+    to the same message data), while a fresh ``copy=False`` frame per send
+    costs a Python object and a release through pyzmq's garbage-collector
+    thread. A socket that sends the same array again (a worker's gradient
+    buffer every step, the ps's parameter snapshot to every worker of a sync
+    round) reuses its frame. The caller must not change a buffer until the
+    peer has received it, which a request/reply exchange guarantees.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[Any, zmq.Frame]] = {}
+
+    def frames(self, parts: list[Any]) -> list[Any]:
+        out = list(parts)
+        for i, part in enumerate(parts):
+            if isinstance(part, np.ndarray) and part.nbytes >= zmq.COPY_THRESHOLD:
+                last = self._last.get(i)
+                if last is None or last[0] is not part:
+                    last = (part, zmq.Frame(part))
+                    self._last[i] = last
+                out[i] = last[1]
+        return out
+
+
 def _apply_common(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_interval_s * 1000))
@@ -65,11 +93,15 @@ class ZmqServer(ServerEndpoint):
                 raise PortInUseError(bind, name) from None
             raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._reuse = FrameReuse()
 
     def receive(self, timeout_s: float) -> Incoming | None:
-        if not self.sock.poll(max(0, int(timeout_s * 1000))):
-            return None
-        frames = self.sock.recv_multipart(copy=False)
+        try:  # a busy ps finds the next request already queued: skip the poll
+            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self.sock.poll(max(0, int(timeout_s * 1000))):
+                return None
+            frames = self.sock.recv_multipart(copy=False)
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
         try:
@@ -79,7 +111,11 @@ class ZmqServer(ServerEndpoint):
 
     def reply(self, peer: bytes, message: Message) -> bool:
         try:
-            self.sock.send_multipart([peer, *encode(message)], flags=zmq.NOBLOCK, copy=False)
+            if message.volatile:
+                self.sock.send_multipart([peer, *encode(message)], flags=zmq.NOBLOCK, copy=True)
+            else:
+                parts = self._reuse.frames([peer, *encode(message)])
+                self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading
             log.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
             return False
@@ -102,6 +138,7 @@ class ZmqClient(ClientEndpoint):
         self.socks: list[zmq.Socket[Any]] = []
         self.poller = zmq.Poller()
         self._index: dict[zmq.Socket[Any], int] = {}
+        self._reuse: list[FrameReuse] = []
         for index, address in enumerate(addresses):
             sock = context.socket(zmq.DEALER)
             _apply_common(sock, options)
@@ -109,26 +146,25 @@ class ZmqClient(ClientEndpoint):
             self.socks.append(sock)
             self.poller.register(sock, zmq.POLLIN)
             self._index[sock] = index
+            self._reuse.append(FrameReuse())
 
     def send(self, index: int, message: Message) -> None:
         try:
-            self.socks[index].send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
+            parts = self._reuse[index].frames(encode(message))
+            self.socks[index].send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise TransportError(f"the send queue to {self.peers[index]} is full") from None
 
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
         got: list[tuple[int, Message]] = []
         for sock, _ in self.poller.poll(max(0, int(timeout_s * 1000))):
+            # One message per ready socket: the caller polls again if it expects more.
+            frames = sock.recv_multipart(copy=False)
             index = self._index[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                try:
-                    got.append((index, decode(frames)))
-                except ProtocolError as exc:
-                    raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
+            try:
+                got.append((index, decode(frames)))
+            except ProtocolError as exc:
+                raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
         return got
 
     def close(self) -> None:

@@ -145,6 +145,7 @@ class TransportConfig:
 class PsConfig:
     bind: Any = None
     announce_file: Any = None
+    io_threads: Any = None
     log_every_s: float = 10.0
 
 
@@ -153,6 +154,8 @@ class PlacementConfig:
     device: str = "auto"
     gpu_memory_fraction: Any = None
     isolate_gpus: bool = True
+    pin_cpus: bool = False
+    compute_nice: int = 0
 
 
 @dataclass

@@ -30,7 +30,13 @@ from psdk.data import mnist
 from psdk.jobs.summary import build_summary, save_params
 from psdk.metrics import MetricsLog, summary_line, write_json_atomic
 from psdk.models import init_weights
-from psdk.placement import RankPlacement, check_memory_fraction, visible_gpus
+from psdk.placement import (
+    RankPlacement,
+    check_memory_fraction,
+    lower_thread_priority,
+    pin_to_cpu,
+    visible_gpus,
+)
 from psdk.plugins import load_backend
 
 log = logging.getLogger(__name__)
@@ -116,6 +122,7 @@ def run_worker(cfg: DictConfig) -> None:
             options=build.client_options(cfg),
         ) as session:
             optimizer = DistributedOptimizer(framework_optimizer, model, session, backend=backend)
+            tune_compute_thread(cfg, cluster.local_rank(task))
             step = optimizer.broadcast_parameters(resume)
             if resume is not None:
                 log.info("worker 0: resumed from %s at global step %d", cfg.resume, step)
@@ -126,6 +133,14 @@ def run_worker(cfg: DictConfig) -> None:
                 job.finalize(workers, start)
     finally:
         metrics.close()
+
+
+def tune_compute_thread(cfg: DictConfig, local_rank: int) -> None:
+    """Pin the training thread and lower its priority (after the I/O threads exist)."""
+    if cfg.placement.pin_cpus:
+        cpu = pin_to_cpu(local_rank)
+        log.info("worker: training thread pinned to CPU %s", cpu)
+    lower_thread_priority(int(cfg.placement.compute_nice))
 
 
 class WorkerJob:
@@ -163,9 +178,13 @@ class WorkerJob:
         log_every, validate_every = int(cfg.train.log_every), int(cfg.train.validate_every)
         began = window_start = time.time()
         window_steps = 0
-        for x, y in batches:
+        upcoming = iter(batches)
+        x, y = next(upcoming)
+        while True:
             loss = self.backend.forward_backward(self.model, x, y)
-            result = self.optimizer.step()
+            pending = self.optimizer.start_step()
+            x, y = next(upcoming)  # the next batch is cut while the ps works on this push
+            result = pending.wait()
             self.report.local_steps += 1
             self.report.last_loss = loss
             self.report.pushed += result.outcome != "done"

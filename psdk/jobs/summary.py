@@ -89,6 +89,7 @@ def build_summary(
                 "applied": s["stats"]["applied"],
                 "dropped": s["stats"]["dropped"],
                 "rejected": s["stats"]["rejected"],
+                "max_rss_mb": s.get("process", {}).get("max_rss_mb"),
             }
             for s in shards
         ],

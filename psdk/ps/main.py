@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +36,10 @@ def run_ps(cfg: DictConfig) -> int:
     if not 0 <= task < len(ps_hosts):
         raise ConfigError("task_index", f"is {task} but ps_hosts lists {len(ps_hosts)} ps task(s)")
     bind = str(cfg.ps.bind or ps_hosts[task])
-    transport = ZmqTransport(build.zmq_options(cfg))
+    workers = parse_hosts(build.plain(cfg.worker_hosts), "worker_hosts", require_port=False)
+    # One ZeroMQ I/O thread per worker (up to the cores) moves their messages in parallel.
+    io_threads = int(cfg.ps.io_threads or min(max(1, len(workers)), os.cpu_count() or 1))
+    transport = ZmqTransport(dataclasses.replace(build.zmq_options(cfg), io_threads=io_threads))
     try:
         endpoint = transport.serve(bind, f"ps {task}")
         if cfg.ps.announce_file:

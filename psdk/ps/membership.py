@@ -36,7 +36,9 @@ class Membership:
             self.workers.setdefault(index, WorkerState())
 
     def seen(self, worker: int, now: float) -> None:
-        state = self.workers.setdefault(worker, WorkerState())
+        state = self.workers.get(worker)
+        if state is None:
+            state = self.workers[worker] = WorkerState()
         state.last_seen = now
         if state.status == UNSEEN:
             state.status = ALIVE

@@ -12,6 +12,8 @@ the final parameters.
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import threading
 import time
 from collections import Counter
@@ -32,6 +34,7 @@ from psdk.wire import Message
 log = logging.getLogger(__name__)
 
 CHIEF = 0
+HOUSEKEEPING_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,13 @@ class ServerOptions:
     startup_timeout_s: float = 600.0
     log_every_s: float = 10.0
     poll_s: float = 0.1
+
+
+def process_usage() -> dict[str, float]:
+    """CPU seconds and peak memory of this process (all its threads), for benchmarks."""
+    times = os.times()
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    return {"cpu_s": times.user + times.system, "max_rss_mb": peak_kb / 1024.0}
 
 
 def _restore_state(data: Any, names: list[str], arrays: list[np.ndarray]) -> RestoreState | None:
@@ -80,7 +90,10 @@ class ShardStats:
     workers: dict[int, WorkerCounters] = field(default_factory=dict)
 
     def worker(self, index: int) -> WorkerCounters:
-        return self.workers.setdefault(index, WorkerCounters())
+        counters = self.workers.get(index)
+        if counters is None:
+            counters = self.workers[index] = WorkerCounters()
+        return counters
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -131,6 +144,7 @@ class ParameterServer:
         self._held: list[tuple[bytes, int, int, int, np.ndarray]] = []
         self._snapshot: tuple[int, np.ndarray] | None = None
         self._last_log = time.monotonic()
+        self._next_housekeeping = 0.0
         self._handlers = {
             "ping": self._on_ping,
             "init": self._on_init,
@@ -160,7 +174,10 @@ class ParameterServer:
                 incoming = self.endpoint.receive(self.options.poll_s)
                 if incoming is not None:
                     self.handle(incoming)
-                self._housekeeping(time.monotonic())
+                now = time.monotonic()
+                if now >= self._next_housekeeping:  # not per message: a busy ps has better things to do
+                    self._next_housekeeping = now + HOUSEKEEPING_S
+                    self._housekeeping(now)
         finally:
             self.endpoint.close()
         return self.exit_code if self.exit_code is not None else 0
@@ -266,7 +283,12 @@ class ParameterServer:
 
     def _reply_params(self, peer: bytes, rid: int, outcome: str) -> None:
         fields = {"version": self.store.version, "done": self.done, "outcome": outcome}
-        self._send(peer, rid, "params", fields, [self._params()])
+        if self.job is not None and self.job.sync.mode == "sync":
+            # Every worker of a round gets this version: one snapshot, one frame, sent N times.
+            self._send(peer, rid, "params", fields, [self._params()])
+        else:
+            # One reply per version: the transport copies the live buffer as it sends.
+            self.endpoint.reply(peer, Message("params", fields, [self.store.params()], rid, volatile=True))
 
     def _layout(self) -> dict[str, Any]:
         assert self.job is not None
@@ -485,6 +507,7 @@ class ParameterServer:
             "workers": self.membership.summary(),
             "reports": {str(k): v for k, v in self.reports.items()},
             "job": self.job.to_json() if self.job else None,
+            "process": process_usage(),
         }
         self._send(peer, message.rid, "stats", fields, [])
 

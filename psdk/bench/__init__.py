@@ -1,0 +1,1 @@
+"""``python -m psdk bench``: psdk against the parameter servers users would pick instead."""
