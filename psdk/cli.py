@@ -23,7 +23,7 @@ from psdk.logs import set_task_label
 log = logging.getLogger("psdk")
 
 TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
-COMMANDS = (*TASK_COMMANDS, "plugins")
+COMMANDS = (*TASK_COMMANDS, "plugins", "bench")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
 
@@ -37,6 +37,7 @@ commands:
   task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too
   evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
   plugins   list the installed backends and the distributions that provide them
+  bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
 
 examples:
   python -m psdk run backend=torch
@@ -146,6 +147,29 @@ def run_hydra(command: str, args: list[str]) -> None:
     hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 
+def _bench(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from psdk.bench.suite import run_suite
+
+    set_task_label("bench")
+    try:
+        run_suite(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except PsdkError as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from None
+
+
+def run_bench(args: list[str]) -> None:
+    import hydra
+
+    from psdk.config import config_dir, prepare_hydra
+
+    prepare_hydra()
+    sys.argv = ["psdk bench", *args]
+    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")(_bench)()
+
+
 def list_plugins() -> int:
     from psdk.plugins import installed_backends
 
@@ -170,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("command", f"unknown command {command!r}", COMMANDS)
         if command == "plugins":
             return list_plugins()
+        if command == "bench":
+            run_bench(normalize_args(args[1:]))
+            return 0
         run_hydra(command, normalize_args(args[1:]))
     except PsdkError as exc:
         print(f"psdk: error: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import resource
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ STOP, STATS = b"stop", b"stats"
 def _cpu_s() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def _usage() -> dict[str, float]:
+    return {"cpu_s": _cpu_s(), "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
 
 
 def _raw_server(size: int, queue: Any) -> None:
@@ -44,7 +49,7 @@ def _raw_server(size: int, queue: Any) -> None:
         if len(parts) == 2 and parts[1].bytes == STOP:
             break
         if len(parts) == 2 and parts[1].bytes == STATS:
-            sock.send_multipart([parts[0], json.dumps({"cpu_s": _cpu_s()}).encode()])
+            sock.send_multipart([parts[0], json.dumps(_usage()).encode()])
             continue
         grad = np.frombuffer(parts[2].buffer, np.float32)
         assert grad.size == size
@@ -70,13 +75,14 @@ class RoundTrips:
     round_trips_per_s: float
     client_cpu_us: float
     server_cpu_us: float
+    server_max_rss_mb: float
 
     @property
     def megabytes_per_s(self) -> float:
         return 2 * self.size * 4 * self.round_trips_per_s / 1e6
 
 
-def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float, float, float]:
+def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float, float, float, float]:
     import zmq
 
     context = zmq.Context()
@@ -86,9 +92,9 @@ def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float
     grad = np.ones(size, np.float32)
     frame = zmq.Frame(grad)
 
-    def server_cpu() -> float:
+    def server_usage() -> dict[str, float]:
         sock.send(STATS)
-        return float(json.loads(sock.recv())["cpu_s"])
+        return dict(json.loads(sock.recv()))
 
     def step() -> None:
         sock.send_multipart([b"h", frame], copy=False)
@@ -97,17 +103,17 @@ def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float
 
     for _ in range(warmup):
         step()
-    s0, c0, t0 = server_cpu(), _cpu_s(), time.perf_counter()
+    s0, c0, t0 = server_usage(), _cpu_s(), time.perf_counter()
     for _ in range(count):
         step()
     elapsed, client = time.perf_counter() - t0, _cpu_s() - c0
-    server = server_cpu() - s0
+    s1 = server_usage()
     sock.send(STOP)
     context.destroy(linger=0)
-    return elapsed, client, server
+    return elapsed, client, s1["cpu_s"] - s0["cpu_s"], s1["max_rss_mb"]
 
 
-def _psdk_client(address: str, size: int, count: int, warmup: int) -> tuple[float, float, float]:
+def _psdk_client(address: str, size: int, count: int, warmup: int) -> tuple[float, float, float, float]:
     from psdk.client import ParameterClient
     from psdk.cluster import ClusterSpec
     from psdk.consistency import SyncSpec
@@ -125,19 +131,19 @@ def _psdk_client(address: str, size: int, count: int, warmup: int) -> tuple[floa
         for _ in range(warmup):
             client.push_pull()
 
-        def server_cpu() -> float:
-            return float(client.stats()[0]["process"]["cpu_s"])
+        def server_usage() -> dict[str, float]:
+            return dict(client.stats()[0]["process"])
 
-        s0, c0, t0 = server_cpu(), _cpu_s(), time.perf_counter()
+        s0, c0, t0 = server_usage(), _cpu_s(), time.perf_counter()
         for _ in range(count):
             client.push_pull()
         elapsed, cpu = time.perf_counter() - t0, _cpu_s() - c0
-        server = server_cpu() - s0
+        s1 = server_usage()
         client.abort("benchmark over")
     finally:
         client.close()
         transport.close()
-    return elapsed, cpu, server
+    return elapsed, cpu, s1["cpu_s"] - s0["cpu_s"], s1["max_rss_mb"]
 
 
 def measure(kind: str, size: int, count: int, warmup: int = 50) -> RoundTrips:
@@ -149,12 +155,12 @@ def measure(kind: str, size: int, count: int, warmup: int = 50) -> RoundTrips:
     try:
         address = queue.get(timeout=60)
         client = _raw_client if kind == "raw" else _psdk_client
-        elapsed, client_cpu, server_cpu = client(address, size, count, warmup)
+        elapsed, client_cpu, server_cpu, server_rss = client(address, size, count, warmup)
     finally:
         server.join(timeout=10)
         if server.is_alive():
             server.kill()
-    return RoundTrips(kind, size, count / elapsed, client_cpu / count * 1e6, server_cpu / count * 1e6)
+    return RoundTrips(kind, size, count / elapsed, client_cpu / count * 1e6, server_cpu / count * 1e6, server_rss)
 
 
 def compare(size: int, count: int, reps: int) -> dict[str, Any]:
@@ -174,6 +180,7 @@ def compare(size: int, count: int, reps: int) -> dict[str, Any]:
             "megabytes_per_s": median(kind, "megabytes_per_s"),
             "client_cpu_us": median(kind, "client_cpu_us"),
             "server_cpu_us": median(kind, "server_cpu_us"),
+            "server_max_rss_mb": median(kind, "server_max_rss_mb"),
         }
     out["ratio"] = out["psdk"]["round_trips_per_s"] / out["raw"]["round_trips_per_s"]
     return out
