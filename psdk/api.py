@@ -35,6 +35,7 @@ from psdk.consistency import SyncSpec
 from psdk.errors import PsdkError
 from psdk.jobspec import JobSpec
 from psdk.plugins import backend_for
+from psdk.security import CurveKeys
 from psdk.transport import Pending, Transport
 from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
@@ -130,12 +131,15 @@ def connect(
     sharding: str = "round_robin",
     options: ClientOptions | None = None,
     transport: Transport | None = None,
+    curve: CurveKeys | None = None,
 ) -> WorkerSession:
     """Join ``cluster`` as worker ``task_index``.
 
     ``steps`` (the target global step), ``sync`` and ``replicas_to_aggregate``
     configure the job; only the chief's values reach the ps, as only the
-    chief's graph mattered in TensorFlow.
+    chief's graph mattered in TensorFlow. ``curve`` (see
+    :func:`psdk.security.load_worker`) authenticates this worker and encrypts
+    its traffic.
     """
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
     job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers)
@@ -146,6 +150,7 @@ def connect(
             ZmqOptions(
                 heartbeat_interval_s=options.heartbeat_interval_s,
                 heartbeat_timeout_s=options.heartbeat_timeout_s,
+                curve=curve,
             )
         )
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
 from psdk.transport import ClientEndpoint, Pending, Transport
-from psdk.wire import Message
+from psdk.wire import HEARTBEAT_SUFFIX, Message
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,24 @@ class StepResult:
 class Heartbeat(threading.Thread):
     """Pings every shard from its own sockets, and remembers when each last answered."""
 
-    def __init__(self, transport: Transport, addresses: list[str], names: list[str], worker: int, interval_s: float):
+    def __init__(
+        self,
+        transport: Transport,
+        addresses: list[str],
+        names: list[str],
+        worker: int,
+        interval_s: float,
+        identity: bytes | None = None,
+    ):
         super().__init__(name=f"psdk-heartbeat-{worker}", daemon=True)
         self.transport, self.addresses, self.names = transport, addresses, names
-        self.worker, self.interval_s = worker, interval_s
+        self.worker, self.interval_s, self.identity = worker, interval_s, identity
         self.last_heard: list[float | None] = [None] * len(addresses)
         self._stop_event = threading.Event()
         self._ready = threading.Event()
 
     def run(self) -> None:
-        endpoint = self.transport.connect(self.addresses, self.names)
+        endpoint = self.transport.connect(self.addresses, self.names, self.identity)
         self._ready.set()
         try:
             while not self._stop_event.is_set():
@@ -117,7 +126,9 @@ class ParameterClient:
         self.options = options or ClientOptions()
         self.addresses = [cluster.ps_address(i) for i in range(cluster.num_ps)]
         self.names = [f"ps {i} ({a})" for i, a in enumerate(self.addresses)]
-        self.endpoint: ClientEndpoint = transport.connect(self.addresses, self.names)
+        # A random connection identity: the ps binds this worker id to it (its heartbeats add "/hb").
+        self.identity = b"w" + secrets.token_hex(8).encode()
+        self.endpoint: ClientEndpoint = transport.connect(self.addresses, self.names, self.identity)
         self.shards: list[Shard] = []
         self.job: JobSpec | None = None
         self._seq = 0
@@ -127,7 +138,12 @@ class ParameterClient:
         self.heartbeat: Heartbeat | None = None
         if heartbeat:
             self.heartbeat = Heartbeat(
-                transport, self.addresses, self.names, task_index, self.options.heartbeat_interval_s
+                transport,
+                self.addresses,
+                self.names,
+                task_index,
+                self.options.heartbeat_interval_s,
+                self.identity + HEARTBEAT_SUFFIX,
             )
             self.heartbeat.start()
             self.heartbeat._ready.wait(timeout=5.0)

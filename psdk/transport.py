@@ -31,6 +31,8 @@ class Incoming:
     error: ProtocolError | None = None
     rid: int | None = None
     nbytes: int = 0
+    user: str | None = None
+    """Who the transport authenticated the sender as (e.g. ``worker-1``), if it authenticates."""
 
 
 class ServerEndpoint(ABC):
@@ -152,8 +154,12 @@ class Transport(ABC):
         """Bind ``bind`` (``host:port``, port 0 for a free one) for task ``name``."""
 
     @abstractmethod
-    def connect(self, addresses: Sequence[str], names: Sequence[str]) -> ClientEndpoint:
-        """One client linked to every address, named for error messages."""
+    def connect(self, addresses: Sequence[str], names: Sequence[str], identity: bytes | None = None) -> ClientEndpoint:
+        """One client linked to every address, named for error messages.
+
+        ``identity`` is how the servers tell this client's connection apart
+        (random if not given); a ps binds each worker to one.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release shared resources."""

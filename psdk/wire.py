@@ -24,6 +24,8 @@ ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i4", "<i8", "|u1", "|i1"})
 MAX_HEADER_BYTES = 1 << 16
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
+# A worker's heartbeat socket has its main socket's routing id plus this suffix.
+HEARTBEAT_SUFFIX = b"/hb"
 
 
 @dataclass

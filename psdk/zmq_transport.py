@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from psdk.errors import PortInUseError, ProtocolError, TransportError
+from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
 from psdk.wire import Message, decode, encode, peek_rid
 
@@ -32,6 +33,8 @@ class ZmqOptions:
     max_message_bytes: int = 1 << 30
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
+    curve: CurveKeys | None = None
+    """CURVE keys: servers authenticate workers by key, all traffic is encrypted."""
 
 
 def endpoint(address: str) -> str:
@@ -85,6 +88,11 @@ class ZmqServer(ServerEndpoint):
         _apply_common(self.sock, options)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+        self.secure = options.curve is not None
+        if options.curve is not None:
+            self.sock.curve_server = True
+            self.sock.curve_publickey = options.curve.public
+            self.sock.curve_secretkey = options.curve.secret
         try:
             self.sock.bind(endpoint(bind))
         except zmq.ZMQError as exc:
@@ -104,10 +112,11 @@ class ZmqServer(ServerEndpoint):
             frames = self.sock.recv_multipart(copy=False)
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
+        user = body[0].get("User-Id") if self.secure and body else None
         try:
-            return Incoming(peer, decode(body), nbytes=nbytes)
+            return Incoming(peer, decode(body), nbytes=nbytes, user=user)
         except ProtocolError as exc:
-            return Incoming(peer, None, exc, rid=peek_rid(body), nbytes=nbytes)
+            return Incoming(peer, None, exc, rid=peek_rid(body), nbytes=nbytes, user=user)
 
     def reply(self, peer: bytes, message: Message) -> bool:
         try:
@@ -132,6 +141,7 @@ class ZmqClient(ClientEndpoint):
         addresses: Sequence[str],
         names: Sequence[str],
         options: ZmqOptions,
+        identity: bytes | None = None,
     ):
         super().__init__()
         self.peers = list(names)
@@ -142,6 +152,14 @@ class ZmqClient(ClientEndpoint):
         for index, address in enumerate(addresses):
             sock = context.socket(zmq.DEALER)
             _apply_common(sock, options)
+            if identity is not None:
+                sock.setsockopt(zmq.ROUTING_ID, identity)
+            if options.curve is not None:
+                if options.curve.server_public is None:
+                    raise TransportError("a CURVE client needs the server's public key")
+                sock.curve_publickey = options.curve.public
+                sock.curve_secretkey = options.curve.secret
+                sock.curve_serverkey = options.curve.server_public
             sock.connect(endpoint(address))
             self.socks.append(sock)
             self.poller.register(sock, zmq.POLLIN)
@@ -181,13 +199,19 @@ class ZmqTransport(Transport):
         self.options = options or ZmqOptions()
         self._own_context = context is None
         self.context = context or zmq.Context(io_threads=self.options.io_threads)
+        self._authenticator: PsdkAuthenticator | None = None
 
     def serve(self, bind: str, name: str) -> ZmqServer:
+        if self.options.curve is not None and self._authenticator is None:
+            self._authenticator = start_authenticator(self.context, self.options.curve, name)
         return ZmqServer(self.context, bind, name, self.options)
 
-    def connect(self, addresses: Sequence[str], names: Sequence[str]) -> ZmqClient:
-        return ZmqClient(self.context, addresses, names, self.options)
+    def connect(self, addresses: Sequence[str], names: Sequence[str], identity: bytes | None = None) -> ZmqClient:
+        return ZmqClient(self.context, addresses, names, self.options, identity)
 
     def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if self._own_context:
             self.context.destroy(linger=0)

@@ -194,3 +194,18 @@ def test_a_job_resumes_from_its_checkpoint_with_another_number_of_ps(tmp_path: P
     assert min(r["global_step"] for r in records(tmp_path / "b")) > 300
     assert "resumed from" in second.stdout
     assert summary["test_accuracy"] > json.loads((tmp_path / "a" / "summary.json").read_text())["test_accuracy"] - 0.02
+
+
+def test_a_secure_job_authenticates_and_encrypts(tmp_path: Path) -> None:
+    result = psdk(
+        "run",
+        "backend=numpy",
+        "transport.secure=true",
+        "train.steps=200",
+        "train.validate_every=50",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
+    summary = check_run(tmp_path, result, 200)
+    assert "CURVE on" in result.stdout and (tmp_path / "keys" / "server.key_secret").exists()
+    assert summary["gradients_applied"] == 200

@@ -124,6 +124,7 @@ def test_reaching_the_target_answers_every_waiting_and_later_push_with_done(ps_c
 
 
 def raw(ps: PsCluster, op: str, fields: dict[str, Any], arrays: list[np.ndarray] | None = None) -> Message:
+    """A request from a connection of its own (not a registered worker's)."""
     endpoint = ps.transport.connect(ps.addresses, ["ps 0"])
     try:
         return endpoint.request(0, Message(op, fields, arrays or []), 5.0, op)
@@ -169,7 +170,8 @@ def test_bad_requests_get_an_error_and_leave_the_store_as_it_was(
         before = store.digest()
         if fields.get("seq") == 0:
             fields = dict(fields, seq=1)
-        reply = raw(ps_cluster, op, fields, arrays)
+        # Sent on worker 1's own connection, so only the content can be wrong.
+        reply = c1.endpoint.request(0, Message(op, fields, arrays), 5.0, op)
         assert reply.op == "error" and fragment in reply.fields["error"]
         assert store.digest() == before
         assert c0.push_pull(grads(0.5)).global_step == 2  # the job goes on
@@ -177,18 +179,30 @@ def test_bad_requests_get_an_error_and_leave_the_store_as_it_was(
         close_all(cs)
 
 
-def test_a_restarted_chief_never_reinitialises_the_store(ps_cluster: PsCluster) -> None:
+def test_a_push_forged_on_another_connection_is_refused(ps_cluster: PsCluster) -> None:
+    cs = start(ps_cluster, 2, mode="async")
+    c1 = cs[1]
+    try:
+        before = ps_cluster.servers[0].store.digest()
+        for worker in (0, 1):
+            fields = {"worker": worker, "version": 0, "seq": 10**6}
+            reply = raw(ps_cluster, "push_pull", fields, [np.ones(9, np.float32)])
+            assert reply.op == "error" and "another session" in reply.fields["error"]
+        assert raw(ps_cluster, "shutdown", {"worker": 0}).op == "error"
+        assert ps_cluster.servers[0].store.digest() == before and ps_cluster.servers[0].stats.applied == 0
+        assert c1.push_pull(grads(0.5)).global_step == 1
+    finally:
+        close_all(cs)
+
+
+def test_a_second_initialisation_never_overwrites_the_store(ps_cluster: PsCluster) -> None:
     cs = start(ps_cluster, 1, mode="async")
     try:
         cs[0].push_pull(grads(1.0))
-        again = ParameterClient(ps_cluster.transport, ps_cluster.cluster(1), 0, FAST)
-        try:
-            job = JobSpec(SyncSpec("async").resolved(1), 100, 1)
-            assert again.initialize({k: v + 5 for k, v in INIT.items()}, job, SGD(lr=1.0)) is False
-            again.pull()
-            np.testing.assert_allclose(again.params["b"], 0.0)
-        finally:
-            again.close()
+        job = JobSpec(SyncSpec("async").resolved(1), 100, 1)
+        assert cs[0].initialize({k: v + 5 for k, v in INIT.items()}, job, SGD(lr=1.0)) is False
+        cs[0].pull()
+        np.testing.assert_allclose(cs[0].params["b"], 0.0)
     finally:
         close_all(cs)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from psdk import security
 from psdk.client import ClientOptions
 from psdk.cluster import ClusterSpec, Topology
 from psdk.consistency import SyncSpec
@@ -14,6 +16,7 @@ from psdk.errors import ConfigError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
 from psdk.ps.server import ServerOptions
+from psdk.security import CurveKeys
 from psdk.zmq_transport import ZmqOptions
 
 
@@ -35,6 +38,20 @@ def cluster_from(cfg: DictConfig) -> ClusterSpec:
             "(or use `python -m psdk run` to start the whole job here)",
         )
     return ClusterSpec({"ps": plain(cfg.ps_hosts), "worker": plain(cfg.worker_hosts)})
+
+
+def worker_keys(cfg: DictConfig, cluster: ClusterSpec, task: int) -> CurveKeys | None:
+    """Worker ``task``'s CURVE keys when the transport is secure."""
+    if not security.is_secure(cfg.transport.secure, cfg.transport.keys_dir, cluster):
+        return None
+    return security.load_worker(Path(cfg.transport.keys_dir), task)
+
+
+def server_keys(cfg: DictConfig, cluster: ClusterSpec) -> CurveKeys | None:
+    """A ps task's CURVE keys (and the workers it accepts) when the transport is secure."""
+    if not security.is_secure(cfg.transport.secure, cfg.transport.keys_dir, cluster):
+        return None
+    return security.load_server(Path(cfg.transport.keys_dir))
 
 
 def topology(cfg: DictConfig) -> Topology:

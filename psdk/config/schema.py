@@ -132,6 +132,8 @@ class DataConfig:
 
 @dataclass
 class TransportConfig:
+    secure: Any = None
+    keys_dir: Any = None
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 300.0

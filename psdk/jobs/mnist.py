@@ -120,6 +120,7 @@ def run_worker(cfg: DictConfig) -> None:
             sync=build.sync_spec(cfg),
             sharding=str(cfg.topology.sharding),
             options=build.client_options(cfg),
+            curve=build.worker_keys(cfg, cluster, task),
         ) as session:
             optimizer = DistributedOptimizer(framework_optimizer, model, session, backend=backend)
             tune_compute_thread(cfg, cluster.local_rank(task))

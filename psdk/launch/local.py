@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from psdk import security
 from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.data import mnist
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # Keys the launcher sets for each task itself; the user's values for them are not passed on.
 OWN_KEYS = (
+    "transport.secure",
+    "transport.keys_dir",
     "job_name",
     "task_index",
     "ps_hosts",
@@ -113,6 +116,11 @@ class LocalLauncher:
         (out / "tasks").mkdir(parents=True, exist_ok=True)
         data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
+        if cfg.transport.secure:
+            keys = Path(cfg.transport.keys_dir) if cfg.transport.keys_dir else None
+            keys = keys or security.generate(out / "keys", topology.num_workers)
+            log.info("launcher: CURVE on, keys in %s", keys)
+            common += ["transport.secure=true", f"transport.keys_dir={keys}"]
         workers = ",".join([topology.host] * topology.num_workers)
         placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from psdk.cluster import parse_hosts
+from psdk.cluster import ClusterSpec, parse_hosts
 from psdk.config import build
 from psdk.errors import ConfigError
 from psdk.ps.server import ParameterServer
@@ -39,7 +39,11 @@ def run_ps(cfg: DictConfig) -> int:
     workers = parse_hosts(build.plain(cfg.worker_hosts), "worker_hosts", require_port=False)
     # One ZeroMQ I/O thread per worker (up to the cores) moves their messages in parallel.
     io_threads = int(cfg.ps.io_threads or min(max(1, len(workers)), os.cpu_count() or 1))
-    transport = ZmqTransport(dataclasses.replace(build.zmq_options(cfg), io_threads=io_threads))
+    cluster = ClusterSpec({"ps": ps_hosts, "worker": workers or ["localhost"]})
+    curve = build.server_keys(cfg, cluster)
+    transport = ZmqTransport(dataclasses.replace(build.zmq_options(cfg), io_threads=io_threads, curve=curve))
+    if curve is not None:
+        log.info("ps %d: CURVE on: %d worker key(s) accepted, traffic encrypted", task, len(curve.allowed))
     try:
         endpoint = transport.serve(bind, f"ps {task}")
         if cfg.ps.announce_file:

@@ -27,13 +27,15 @@ from psdk.errors import ConfigError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.optim import rule_from_json
 from psdk.ps.membership import Membership
+from psdk.security import worker_name
 from psdk.store import FlatStore, ParameterStore, RestoreState
 from psdk.transport import Incoming, ServerEndpoint
-from psdk.wire import Message
+from psdk.wire import HEARTBEAT_SUFFIX, Message
 
 log = logging.getLogger(__name__)
 
 CHIEF = 0
+MAX_INIT_WAITERS = 1024
 HOUSEKEEPING_S = 0.05
 
 
@@ -135,6 +137,7 @@ class ParameterServer:
         self.stats = ShardStats()
         self.membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
         self.reports: dict[int, dict[str, Any]] = {}
+        self.sessions: dict[int, bytes] = {}
         self.failure: str | None = None
         self.exit_code: int | None = None
         self._init_waiters: list[tuple[bytes, int]] = []
@@ -197,6 +200,9 @@ class ParameterServer:
         try:
             worker = self._worker_of(message)
             if worker is not None:
+                if incoming.user is not None and incoming.user != worker_name(worker):
+                    raise ProtocolError(f"the key of {incoming.user} cannot speak for worker {worker}")
+                self._check_session(worker, incoming.peer)
                 self.membership.seen(worker, time.monotonic())
             handler(incoming.peer, message, worker)
         except ProtocolError as exc:
@@ -262,6 +268,25 @@ class ParameterServer:
         if self.job is not None and worker >= self.job.num_workers:
             raise ProtocolError(f"worker {worker} is not in this job ({self.job.num_workers} workers)")
         return worker
+
+    def _check_session(self, worker: int, peer: bytes) -> None:
+        """Bind each worker id to the connection that first used it; refuse it from any other.
+
+        A worker's sockets carry a random routing id (its heartbeat socket
+        the same one plus ``/hb``), so a request that claims to come from a
+        worker but arrives on another connection, such as a replayed or forged
+        one, is refused before it can touch the store. A worker that died may
+        come back on a new connection.
+        """
+        session = peer.removesuffix(HEARTBEAT_SUFFIX)
+        known = self.sessions.get(worker)
+        if known == session:
+            return
+        if known is not None and self.membership.status(worker) != "dead":
+            raise ProtocolError(f"worker {worker} is already connected from another session: not accepted")
+        if known is not None:
+            log.info("%s: worker %d is back on a new connection", self.name, worker)
+        self.sessions[worker] = session
 
     def _send(self, peer: bytes, rid: int, op: str, fields: dict[str, Any], arrays: list[Any]) -> None:
         self.endpoint.reply(peer, Message(op, fields, arrays, rid))
@@ -348,10 +373,14 @@ class ParameterServer:
         self._init_waiters.clear()
 
     def _on_wait_init(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if worker is None:
+            raise ProtocolError("wait_init needs a worker id")
         if self.failure:
             self._error(peer, message.rid, self.failure, "failed")
         elif self.store.initialized:
             self._send(peer, message.rid, "layout", self._layout(), [])
+        elif len(self._init_waiters) >= MAX_INIT_WAITERS:
+            raise ProtocolError(f"more than {MAX_INIT_WAITERS} requests already wait for the chief")
         else:
             self._init_waiters.append((peer, message.rid))
 
