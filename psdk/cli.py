@@ -23,7 +23,7 @@ from psdk.logs import set_task_label
 log = logging.getLogger("psdk")
 
 TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
-COMMANDS = (*TASK_COMMANDS, "plugins", "bench", "keys")
+COMMANDS = (*TASK_COMMANDS, "plugins", "bench", "keys", "fuzz")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
 
@@ -37,6 +37,7 @@ commands:
   task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too
   evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
   plugins   list the installed backends and the distributions that provide them
+  fuzz      send mutated real messages to a live ps and check nothing changed: fuzz count=100000 seed=0
   keys      make CURVE keys for secure per-task runs: keys keys_dir=DIR workers=N
   bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
 
@@ -171,18 +172,37 @@ def run_bench(args: list[str]) -> None:
     hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")(_bench)()
 
 
-def make_keys(args: Sequence[str]) -> int:
-    """``keys keys_dir=DIR workers=N``: a keypair for the ps tasks and one per worker."""
-    from psdk import security
-
-    options = {"keys_dir": "keys", "workers": "2"}
+def _options(args: Sequence[str], defaults: dict[str, str]) -> dict[str, str]:
+    options = dict(defaults)
     for arg in args:
         key, sep, value = arg.partition("=")
         if not sep or key not in options:
             raise ConfigError(key, f"unknown argument {arg!r}", [f"{k}=..." for k in options])
         options[key] = value
-    if not options["workers"].isdigit() or int(options["workers"]) < 1:
-        raise ConfigError("workers", f"must be a positive number, got {options['workers']!r}")
+    for key, value in options.items():
+        if defaults[key].isdigit() and not value.isdigit():
+            raise ConfigError(key, f"must be a whole number, got {value!r}")
+    return options
+
+
+def run_fuzz(args: Sequence[str]) -> int:
+    """``fuzz count=N seed=S``: a fuzzing session against a live ps; exit 1 if anything changed."""
+    from psdk import fuzz
+
+    options = _options(args, {"count": "100000", "seed": "0"})
+    logging.basicConfig(level=logging.ERROR)
+    report = fuzz.run(int(options["count"]), int(options["seed"]))
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def make_keys(args: Sequence[str]) -> int:
+    """``keys keys_dir=DIR workers=N``: a keypair for the ps tasks and one per worker."""
+    from psdk import security
+
+    options = _options(args, {"keys_dir": "keys", "workers": "2"})
+    if int(options["workers"]) < 1:
+        raise ConfigError("workers", f"must be at least 1, got {options['workers']!r}")
     folder = security.generate(Path(options["keys_dir"]), int(options["workers"]))
     print(f"keys for the ps tasks and {options['workers']} workers in {folder}/:")
     print(f"  every ps task needs   {folder}/server.key_secret and {folder}/workers/*.key")
@@ -215,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("command", f"unknown command {command!r}", COMMANDS)
         if command == "plugins":
             return list_plugins()
+        if command == "fuzz":
+            return run_fuzz(normalize_args(args[1:]))
         if command == "keys":
             return make_keys(normalize_args(args[1:]))
         if command == "bench":

@@ -425,6 +425,11 @@ class ParameterClient:
             rule_step=rule_step,
         )
 
+    def stop_at(self, version: int) -> int:
+        """Chief: end training at ``version`` (or now, if past it); returns the new target step."""
+        replies = self._request(self._all("stop_at", version=int(version)), "stopping the job early")
+        return int(replies[0].fields["steps"])
+
     def shutdown(self) -> None:
         """Chief: end the job; every ps task exits."""
         self._request(self._all("shutdown"), "shutting the ps tasks down", timeout_s=10.0)

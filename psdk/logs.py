@@ -1,8 +1,9 @@
-"""Log records that say which task wrote them (``worker 1``, ``ps 0``, ``launcher``)."""
+"""Log records that say which task wrote them, and a limiter for log floods."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 _task_label = "psdk"
 
@@ -22,3 +23,29 @@ class TaskFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.task = _task_label
         return True
+
+
+class RateLimitedLog:
+    """At most ``burst`` lines per ``period_s``; the rest are counted and summed up later.
+
+    A ps that is sent garbage by the thousand must say so without drowning
+    its log (or its CPU) in lines.
+    """
+
+    def __init__(self, logger: logging.Logger, burst: int = 20, period_s: float = 60.0):
+        self.logger, self.burst, self.period_s = logger, burst, period_s
+        self._window_start = time.monotonic()
+        self._logged = 0
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.period_s:
+            if self._suppressed:
+                self.logger.warning("… and %d more like these in the last %.0f s", self._suppressed, self.period_s)
+            self._window_start, self._logged, self._suppressed = now, 0, 0
+        if self._logged < self.burst:
+            self._logged += 1
+            self.logger.warning(message, *args)
+        else:
+            self._suppressed += 1

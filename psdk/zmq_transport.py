@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from psdk.errors import PortInUseError, ProtocolError, TransportError
+from psdk.logs import RateLimitedLog
 from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
 from psdk.wire import Message, decode, encode, peek_rid
@@ -102,6 +103,7 @@ class ZmqServer(ServerEndpoint):
             raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._reuse = FrameReuse()
+        self._failures = RateLimitedLog(log)
 
     def receive(self, timeout_s: float) -> Incoming | None:
         try:  # a busy ps finds the next request already queued: skip the poll
@@ -126,7 +128,7 @@ class ZmqServer(ServerEndpoint):
                 parts = self._reuse.frames([peer, *encode(message)])
                 self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading
-            log.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
+            self._failures.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
             return False
         return True
 

@@ -195,6 +195,19 @@ def test_a_push_forged_on_another_connection_is_refused(ps_cluster: PsCluster) -
         close_all(cs)
 
 
+def test_the_chief_can_end_the_job_early(ps_cluster: PsCluster) -> None:
+    c0, c1, c2 = cs = start(ps_cluster, 3, replicas=2)
+    try:
+        parked = in_thread(lambda: c2.push_pull(grads(1.0)))
+        wait_until(lambda: stats(ps_cluster)["workers"].get("2", {}).get("pushed") == 1)
+        assert c0.stop_at(0) == 0  # now: version 0 is already reached
+        assert parked.result(5).done
+        assert c1.push_pull(grads(1.0)).outcome == "done"
+        assert ps_cluster.servers[0].store.version == 0
+    finally:
+        close_all(cs)
+
+
 def test_a_second_initialisation_never_overwrites_the_store(ps_cluster: PsCluster) -> None:
     cs = start(ps_cluster, 1, mode="async")
     try:

@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from psdk.bench import transport
+from psdk.bench import load, transport
 from psdk.errors import ConfigError
 from psdk.metrics import write_json_atomic
 
@@ -79,16 +79,19 @@ def can_isolate() -> bool:
     return probe.returncode == 0
 
 
-def run_psdk(cfg: DictConfig, backend: str, mode: str, num_workers: int = 2, num_ps: int = 1) -> Run:
+def run_psdk(
+    cfg: DictConfig, backend: str, mode: str, num_workers: int = 2, num_ps: int = 1, secure: bool = False
+) -> Run:
     """psdk's own job through its CLI; figures from the summary the chief writes."""
-    system = f"psdk-{backend}"
+    system = f"psdk-{backend}" + ("+CURVE" if secure else "")
     with tempfile.TemporaryDirectory(prefix="psdk-bench-") as tmp:
         command = [
             sys.executable, "-m", "psdk", "run", f"backend={backend}", f"sync={mode}", "optimizer=sgd",
             f"optimizer.lr={cfg.lr}", f"train.steps={cfg.steps}", f"train.batch_size={cfg.batch_size}",
             "train.validate_every=0", f"train.log_every={10 * int(cfg.steps)}", "train.threads=1",
             "checkpoint.final=false", f"topology.num_workers={num_workers}", f"topology.num_ps={num_ps}",
-            f"seed={cfg.seed}", *cfg.psdk_overrides, f"hydra.run.dir={tmp}",
+            f"seed={cfg.seed}", *cfg.psdk_overrides, f"transport.secure={str(secure).lower()}",
+            f"hydra.run.dir={tmp}",
         ]  # fmt: skip
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=float(cfg.timeout_s), env=_env(cfg.data_dir), check=False
@@ -244,6 +247,13 @@ def transport_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def encryption_table(cost: dict[str, Any]) -> str:
+    return (
+        "| floats | plain round trips/s | CURVE round trips/s | CURVE ÷ plain |\n| --- | --- | --- | --- |\n"
+        f"| {cost['size']:,} | {cost['plain']:.0f} | {cost['secure']:.0f} | {cost['ratio']:.2f}× |"
+    )
+
+
 def interleave(plan: dict[str, Callable[[], Run]], reps: int) -> dict[str, list[Run]]:
     """Every item once per repetition, in the same order, so drift hits all alike."""
     runs: dict[str, list[Run]] = {key: [] for key in plan}
@@ -269,6 +279,8 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
     for backend in cfg.backends:
         for mode in cfg.modes:
             plan[f"psdk-{backend}-{mode}"] = functools.partial(run_psdk, cfg, backend, mode)
+        if cfg.secure:
+            plan[f"psdk-{backend}-async-secure"] = functools.partial(run_psdk, cfg, backend, "async", secure=True)
     for peer in cfg.peers:
         for mode in cfg.modes:
             if peer == "torch_ddp" and mode == "async":
@@ -297,6 +309,13 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
         ]
         report["transport"] = results
         sections += ["## Transport: push-and-pull against raw pyzmq (medians)", transport_table(results)]
+    if cfg.load:
+        loaded = load.run(clients=16, replicas=12, seconds=float(cfg.load_seconds))
+        report["load"] = load.summary(loaded)
+        sections += [
+            "## Load: 16 clients, one ps, sync (replicas_to_aggregate=12)",
+            "\n".join(f"- {line}" for line in loaded.lines()),
+        ]
     if cfg.scaling:
         scaling = {
             f"{m} workers={w} ps={p}": [run_psdk(cfg, cfg.backends[0], m, w, p) for _ in range(int(cfg.reps))]

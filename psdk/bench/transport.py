@@ -16,8 +16,10 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,11 +59,12 @@ def _raw_server(size: int, queue: Any) -> None:
     context.destroy(linger=0)
 
 
-def _psdk_server(size: int, queue: Any) -> None:
+def _psdk_server(size: int, queue: Any, keys: str | None = None) -> None:
+    from psdk import security
     from psdk.ps.server import ParameterServer
-    from psdk.zmq_transport import ZmqTransport
+    from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
-    transport = ZmqTransport()
+    transport = ZmqTransport(ZmqOptions(curve=security.load_server(Path(keys)) if keys else None))
     endpoint = transport.serve("127.0.0.1:0", "ps 0")
     queue.put(endpoint.address.split("://", 1)[1])
     ParameterServer(endpoint, 0).serve()
@@ -113,15 +116,18 @@ def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float
     return elapsed, client, s1["cpu_s"] - s0["cpu_s"], s1["max_rss_mb"]
 
 
-def _psdk_client(address: str, size: int, count: int, warmup: int) -> tuple[float, float, float, float]:
+def _psdk_client(
+    address: str, size: int, count: int, warmup: int, keys: str | None = None
+) -> tuple[float, float, float, float]:
+    from psdk import security
     from psdk.client import ParameterClient
     from psdk.cluster import ClusterSpec
     from psdk.consistency import SyncSpec
     from psdk.jobspec import JobSpec
     from psdk.optim import NoOp
-    from psdk.zmq_transport import ZmqTransport
+    from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
-    transport = ZmqTransport()
+    transport = ZmqTransport(ZmqOptions(curve=security.load_worker(Path(keys), 0) if keys else None))
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["localhost"]}), 0)
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)
@@ -146,16 +152,24 @@ def _psdk_client(address: str, size: int, count: int, warmup: int) -> tuple[floa
     return elapsed, cpu, s1["cpu_s"] - s0["cpu_s"], s1["max_rss_mb"]
 
 
-def measure(kind: str, size: int, count: int, warmup: int = 50) -> RoundTrips:
-    """Round trips of ``size`` floats with ``kind`` (``raw`` or ``psdk``), server in its own process."""
+def measure(kind: str, size: int, count: int, warmup: int = 50, keys: str | None = None) -> RoundTrips:
+    """Round trips of ``size`` floats with ``kind`` (``raw`` or ``psdk``), server in its own process.
+
+    ``keys`` (a folder from :func:`psdk.security.generate`) turns CURVE on for psdk.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    server = ctx.Process(target=_raw_server if kind == "raw" else _psdk_server, args=(size, queue), daemon=True)
+    if kind == "raw":
+        server = ctx.Process(target=_raw_server, args=(size, queue), daemon=True)
+    else:
+        server = ctx.Process(target=_psdk_server, args=(size, queue, keys), daemon=True)
     server.start()
     try:
         address = queue.get(timeout=60)
-        client = _raw_client if kind == "raw" else _psdk_client
-        elapsed, client_cpu, server_cpu, server_rss = client(address, size, count, warmup)
+        if kind == "raw":
+            elapsed, client_cpu, server_cpu, server_rss = _raw_client(address, size, count, warmup)
+        else:
+            elapsed, client_cpu, server_cpu, server_rss = _psdk_client(address, size, count, warmup, keys)
     finally:
         server.join(timeout=10)
         if server.is_alive():
@@ -184,3 +198,17 @@ def compare(size: int, count: int, reps: int) -> dict[str, Any]:
         }
     out["ratio"] = out["psdk"]["round_trips_per_s"] / out["raw"]["round_trips_per_s"]
     return out
+
+
+def encryption_cost(size: int, count: int, reps: int) -> dict[str, Any]:
+    """psdk's push-and-pull with CURVE on and off, alternated; medians and their ratio."""
+    from psdk import security
+
+    with tempfile.TemporaryDirectory(prefix="psdk-keys-") as tmp:
+        keys = str(security.generate(Path(tmp) / "keys", 1))
+        plain, secure = [], []
+        for _ in range(reps):
+            plain.append(measure("psdk", size, count).round_trips_per_s)
+            secure.append(measure("psdk", size, count, keys=keys).round_trips_per_s)
+    p, s = float(np.median(plain)), float(np.median(secure))
+    return {"size": size, "plain": p, "secure": s, "ratio": s / p}

@@ -11,6 +11,7 @@ the final parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -25,6 +26,7 @@ import numpy as np
 from psdk.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.errors import ConfigError, ProtocolError
 from psdk.jobspec import JobSpec
+from psdk.logs import RateLimitedLog
 from psdk.optim import rule_from_json
 from psdk.ps.membership import Membership
 from psdk.security import worker_name
@@ -138,6 +140,7 @@ class ParameterServer:
         self.membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
         self.reports: dict[int, dict[str, Any]] = {}
         self.sessions: dict[int, bytes] = {}
+        self._rejections = RateLimitedLog(log)
         self.failure: str | None = None
         self.exit_code: int | None = None
         self._init_waiters: list[tuple[bytes, int]] = []
@@ -162,6 +165,7 @@ class ParameterServer:
             "pause_at": self._on_pause_at,
             "state": self._on_state,
             "resume": self._on_resume,
+            "stop_at": self._on_stop_at,
         }
 
     # ----------------------------------------------------------------- loop
@@ -189,7 +193,7 @@ class ParameterServer:
         message = incoming.message
         if message is None:
             self.stats.rejected += 1
-            log.warning("%s: rejected a malformed message: %s", self.name, incoming.error)
+            self._rejections.warning("%s: rejected a malformed message: %s", self.name, incoming.error)
             if incoming.rid is not None:
                 self._error(incoming.peer, incoming.rid, str(incoming.error), "protocol")
             return
@@ -296,7 +300,7 @@ class ParameterServer:
 
     def _reject(self, peer: bytes, message: Message, text: str) -> None:
         self.stats.rejected += 1
-        log.warning("%s: rejected %s: %s", self.name, message.op, text)
+        self._rejections.warning("%s: rejected %s: %s", self.name, message.op, text)
         self._error(peer, message.rid, text, "rejected")
 
     def _params(self) -> np.ndarray:
@@ -539,6 +543,21 @@ class ParameterServer:
             "process": process_usage(),
         }
         self._send(peer, message.rid, "stats", fields, [])
+
+    def _on_stop_at(self, peer: bytes, message: Message, worker: int | None) -> None:
+        """The chief ends training early: the job is done once this shard reaches ``version``."""
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) stops the job")
+        self._require_init()
+        assert self.job is not None and self.policy is not None
+        target = message.fields.get("version")
+        if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+            raise ProtocolError(f"bad stop version {target!r}")
+        self.job = dataclasses.replace(self.job, steps=min(self.job.steps, max(target, self.store.version)))
+        self._send(peer, message.rid, "ok", {"steps": self.job.steps}, [])
+        if self.done:
+            for push in self.policy.release_parked():
+                self._reply_params(push.peer, push.rid, "done")
 
     def _on_shutdown(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker != CHIEF:

@@ -1,0 +1,48 @@
+"""20,000 mutated real messages from a stranger's connection change nothing on the ps."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from psdk.fuzz import FuzzSession
+
+BATCHES, PER_BATCH = 200, 100
+
+
+def test_the_ps_survives_20000_mutated_messages_and_applies_none_of_them() -> None:
+    session = FuzzSession()
+    try:
+
+        @settings(
+            max_examples=BATCHES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(st.randoms(use_true_random=False))
+        def one_batch(rng: random.Random) -> None:
+            session.fuzz(rng, PER_BATCH)
+
+        one_batch()
+        report = session.finish()
+    finally:
+        session.close()
+    print("\n".join(report.lines()))
+    assert report.sent >= 20_000
+    assert report.parsed >= report.sent / 2  # most reach the handlers, not just the header parser
+    assert report.replies["error"] > report.sent / 3 and report.oversized > 0
+    assert report.applied_after == report.applied_before
+    assert report.digest_after == report.digest_before
+    assert report.ps_running and report.worker_trains_after
+
+
+def test_the_fuzz_command_reports_a_pass(capsys: object) -> None:
+    from psdk.cli import main
+
+    assert main(["fuzz", "count=2000", "seed=3"]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "PASS" in out and "store hash unchanged: True" in out
