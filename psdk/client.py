@@ -48,6 +48,8 @@ class StepResult:
     global_step: int
     done: bool
     outcome: str
+    slowest: int | None = None
+    """Async and ssp: iterations the slowest live worker had finished when this reply left."""
 
 
 class Heartbeat(threading.Thread):
@@ -329,8 +331,11 @@ class ParameterClient:
         for index, reply in replies.items():
             self._take_params(index, reply)
             done = done or bool(reply.fields.get("done"))
-        outcome = str(replies[0].fields.get("outcome", "")) if 0 in replies else ""
-        return StepResult(self.global_step, done, outcome)
+        head = replies[0].fields if 0 in replies else {}
+        slowest = head.get("slowest")
+        return StepResult(
+            self.global_step, done, str(head.get("outcome", "")), int(slowest) if slowest is not None else None
+        )
 
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]

@@ -1,6 +1,11 @@
 """Consistency policies: when a pushed gradient is applied to a shard.
 
 * ``async``: each gradient is applied on arrival, one at a time per shard.
+* ``ssp`` (stale synchronous parallel, bounded staleness ``s``): gradients
+  are applied on arrival, but the reply that lets a worker start iteration c
+  waits until every live worker has finished iteration c - s - 1 (dead
+  workers leave the minimum), so no worker runs more than s iterations ahead
+  of the slowest.
 * ``sync`` (``SyncReplicasOptimizer``): a worker pushes at most one gradient
   per version, tagged with the version it was computed from; the shard
   applies the mean of the first ``replicas_to_aggregate`` gradients for its
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +31,7 @@ import numpy as np
 from psdk.errors import ConfigError
 from psdk.store import ParameterStore
 
-MODES = ("async", "sync")
+MODES = ("async", "sync", "ssp")
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,23 @@ class Decision:
 
 
 class ConsistencyPolicy(ABC):
-    def __init__(self, store: ParameterStore, spec: SyncSpec):
+    def __init__(self, store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset):
         self.store = store
         self.spec = spec
+        self.live = live
+        self.clock: dict[int, int] = {}
+        """Iterations each worker has finished (pushes answered applied or dropped)."""
+
+    def tick(self, worker: int) -> None:
+        self.clock[worker] = self.clock.get(worker, 0) + 1
+
+    def slowest(self) -> int:
+        """Iterations finished by the slowest live worker (0 while one has not pushed yet)."""
+        return min((self.clock.get(w, 0) for w in self.live()), default=0)
+
+    def release_ready(self) -> list[Push]:
+        """Parked pushes that may be answered now (e.g. after a worker died)."""
+        return []
 
     @abstractmethod
     def submit(self, push: Push) -> Decision:
@@ -123,14 +142,45 @@ class AsyncPolicy(ConsistencyPolicy):
         push.staleness = self.store.version - push.version
         self.store.apply(push.grad)
         push.outcome = Outcome.APPLIED
+        self.tick(push.worker)
         return Decision(answer=[push], applied_workers=[push.worker], updates=1)
+
+
+class SSPPolicy(AsyncPolicy):
+    """Bounded staleness: apply on arrival; hold the reply of a worker too far ahead."""
+
+    def __init__(self, store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset):
+        super().__init__(store, spec, live)
+        self._held: list[Push] = []
+
+    def submit(self, push: Push) -> Decision:
+        decision = super().submit(push)
+        self._held.append(push)
+        decision.answer = self.release_ready()
+        return decision
+
+    def release_ready(self) -> list[Push]:
+        # The reply to a worker's k-th push starts its iteration k + 1, which needs every
+        # live worker to have finished iteration k - s.
+        slowest = self.slowest()
+        ready = [p for p in self._held if self.clock.get(p.worker, 0) - self.spec.staleness <= slowest]
+        if ready:
+            self._held = [p for p in self._held if p not in ready]
+        return ready
+
+    def parked(self) -> list[Push]:
+        return list(self._held)
+
+    def release_parked(self) -> list[Push]:
+        released, self._held = self._held, []
+        return released
 
 
 class SyncPolicy(ConsistencyPolicy):
     """Aggregates ``replicas_to_aggregate`` gradients per version, in a float32 accumulator."""
 
-    def __init__(self, store: ParameterStore, spec: SyncSpec):
-        super().__init__(store, spec)
+    def __init__(self, store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset):
+        super().__init__(store, spec, live)
         assert spec.replicas_to_aggregate is not None, "resolve the spec first"
         self.replicas = spec.replicas_to_aggregate
         self.accumulator = np.zeros(store.size, np.float32)
@@ -141,10 +191,12 @@ class SyncPolicy(ConsistencyPolicy):
         if push.version < version:
             push.outcome = Outcome.DROPPED
             push.staleness = version - push.version
+            self.tick(push.worker)
             return Decision(answer=[push])
         if any(p.worker == push.worker for p in self._waiting):
             # A second gradient from one worker for one version is never aggregated.
             push.outcome = Outcome.DROPPED
+            self.tick(push.worker)
             return Decision(answer=[push])
         self.accumulator += push.grad
         self._waiting.append(push)
@@ -156,6 +208,7 @@ class SyncPolicy(ConsistencyPolicy):
         answered, self._waiting = self._waiting, []
         for p in answered:
             p.outcome = Outcome.APPLIED
+            self.tick(p.worker)
         return Decision(answer=answered, applied_workers=[p.worker for p in answered], updates=1)
 
     def parked(self) -> list[Push]:
@@ -178,7 +231,9 @@ class SyncPolicy(ConsistencyPolicy):
         )
 
 
-def make_policy(store: ParameterStore, spec: SyncSpec) -> ConsistencyPolicy:
-    if spec.mode == "sync":
-        return SyncPolicy(store, spec)
-    return AsyncPolicy(store, spec)
+def make_policy(
+    store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset
+) -> ConsistencyPolicy:
+    """The policy of ``spec.mode``; ``live`` tells it which workers may still push."""
+    policies: dict[str, type[ConsistencyPolicy]] = {"sync": SyncPolicy, "ssp": SSPPolicy, "async": AsyncPolicy}
+    return policies[spec.mode](store, spec, live)

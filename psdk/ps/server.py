@@ -242,6 +242,9 @@ class ParameterServer:
             self.exit_code = 1
             return
         log.warning("%s: worker %d is gone: %s", self.name, worker, reason)
+        if self.policy is not None:
+            for push in self.policy.release_ready():  # bounded staleness: the dead leave the minimum
+                self._reply_params(push.peer, push.rid, push.outcome.value)
         if self.policy is not None and not self.done:
             blocked = self.policy.blocked_round(self.membership.live())
             if blocked:
@@ -312,6 +315,8 @@ class ParameterServer:
 
     def _reply_params(self, peer: bytes, rid: int, outcome: str) -> None:
         fields = {"version": self.store.version, "done": self.done, "outcome": outcome}
+        if self.policy is not None and self.job is not None and self.job.sync.mode != "sync":
+            fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
         if self.job is not None and self.job.sync.mode == "sync":
             # Every worker of a round gets this version: one snapshot, one frame, sent N times.
             self._send(peer, rid, "params", fields, [self._params()])
@@ -358,7 +363,7 @@ class ParameterServer:
             raise ProtocolError("init needs one array per variable (and per slot when restoring)")
         self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
         self.job = job
-        self.policy = make_policy(self.store, job.sync)
+        self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
         log.info(
             "%s: initialised %d variables (%d floats), %s, %s mode, %d steps, %d workers%s",
