@@ -130,6 +130,17 @@ def latest(folder: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def prune(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` checkpoints of the highest global steps (``keep <= 0``: none)."""
+    if keep <= 0:
+        return []
+    found = sorted((int(m.group(1)), p) for p in folder.glob("ckpt-*.npz") if (m := _NAME.match(p.name)))
+    doomed = [p for _, p in found[:-keep]]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
 def load_weights(path: Path | str) -> dict[str, np.ndarray]:
     """Variables from a checkpoint or from a run's ``params.npz``."""
     path = Path(path).expanduser()

@@ -58,6 +58,15 @@ def test_a_folder_resumes_from_its_latest_checkpoint(tmp_path: Path) -> None:
         checkpoint.load(tmp_path / "empty")
 
 
+def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
+    for step in (5, 40, 12, 100):
+        checkpoint.save(sample(step), checkpoint.path_for(tmp_path, step))
+    removed = checkpoint.prune(tmp_path, 2)
+    assert sorted(p.name for p in removed) == ["ckpt-12.npz", "ckpt-5.npz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-100.npz", "ckpt-40.npz"]
+    assert checkpoint.prune(tmp_path, 0) == []
+
+
 def test_what_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(DataError, match="cannot be read"):

@@ -113,6 +113,8 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str = "checkpoints"
     every_steps: int = 0
+    every_seconds: float = 0.0
+    keep: int = 5
     final: bool = True
 
 

@@ -166,7 +166,9 @@ class WorkerJob:
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
         self.every_steps = int(cfg.checkpoint.every_steps) if session.is_chief else 0
+        self.every_seconds = float(cfg.checkpoint.every_seconds) if session.is_chief else 0.0
         self.next_checkpoint = self._next_multiple(session.global_step)
+        self.last_checkpoint_time = time.monotonic()
 
     def _next_multiple(self, step: int) -> int | None:
         return (step // self.every_steps + 1) * self.every_steps if self.every_steps > 0 else None
@@ -197,9 +199,8 @@ class WorkerJob:
                 rate = window_steps / max(now - window_start, 1e-9)
                 window_start, window_steps = now, 0
                 self._log_point(batches.epoch, result, loss, validate, rate, now - began)
-            if self.next_checkpoint is not None and result.global_step >= self.next_checkpoint and not result.done:
+            if not result.done and self._checkpoint_due(result.global_step):
                 self.save_checkpoint()
-                self.next_checkpoint = self._next_multiple(self.session.global_step)
             if result.done:
                 break
         self.report.train_time_s = time.time() - began
@@ -242,9 +243,19 @@ class WorkerJob:
             rate,
         )
 
+    def _checkpoint_due(self, global_step: int) -> bool:
+        by_steps = self.next_checkpoint is not None and global_step >= self.next_checkpoint
+        by_time = self.every_seconds > 0 and time.monotonic() - self.last_checkpoint_time >= self.every_seconds
+        return by_steps or by_time
+
     def save_checkpoint(self) -> Path:
         config = OmegaConf.to_yaml(self.cfg, resolve=True)
-        return self.session.save_checkpoint(Path(self.cfg.checkpoint.dir), config=config, backend=self.backend.name)
+        folder = Path(self.cfg.checkpoint.dir)
+        path = self.session.save_checkpoint(folder, config=config, backend=self.backend.name)
+        self.next_checkpoint = self._next_multiple(self.session.global_step)
+        self.last_checkpoint_time = time.monotonic()
+        checkpoint.prune(folder, int(self.cfg.checkpoint.keep))
+        return path
 
     def finalize(self, workers: dict[str, Any], start: float) -> dict[str, Any]:
         """Chief: evaluate the ps's final parameters and write the results (the ps still serves)."""
