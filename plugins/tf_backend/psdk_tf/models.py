@@ -164,7 +164,8 @@ class ForeignModel:
     """A Keras model (or ``tf.Module``) from a training script, seen through the backend's interface."""
 
     def __init__(self, model: Any):
-        self.model = model
+        # Held weakly: this object is the value of a WeakKeyDictionary keyed by the model.
+        self._model = weakref.ref(model)
         self.named = canonical_names(model)
         self._variables = [v for _, v in self.named]
         self._index = {name: i for i, (name, _) in enumerate(self.named)}
@@ -174,9 +175,12 @@ class ForeignModel:
         self._count = tf.function(self._count_correct, reduce_retracing=True)
 
     def _call(self, x: Any, training: bool) -> Any:
-        if isinstance(self.model, keras.layers.Layer):
-            return self.model(x, training=training)
-        return self.model(x)
+        model = self._model()
+        if model is None:
+            raise PsdkError("the model this backend was bound to no longer exists")
+        if isinstance(model, keras.layers.Layer):
+            return model(x, training=training)
+        return model(x)
 
     def _gradients(self, x: Any, y: Any) -> tuple[Any, list[Any]]:
         with tf.GradientTape() as tape:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -156,3 +159,12 @@ def test_batches_of_other_sizes_and_label_dtypes_do_not_retrace() -> None:
     assert isinstance(stack, DenseStack)
     for size in (64, 100, 7):
         backend.forward_backward(stack, *batch(size))  # traced once, at build, for any batch size
+
+
+def test_binding_a_keras_model_does_not_keep_it_alive() -> None:
+    model = keras_mlp("transient")
+    TfBackend().forward_backward(model, *batch(4))
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert model_ref() is None
