@@ -38,7 +38,10 @@ class TfBackend(Backend):
         self.plan = placement.CPU
 
     def setup(
-        self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None
+        self,
+        device: str = "cpu",
+        threads: int | None = None,
+        gpu_memory_fraction: float | None = None,
     ) -> None:
         gpus = len(tf.config.list_physical_devices("GPU"))
         index = placement.gpu_index(device)

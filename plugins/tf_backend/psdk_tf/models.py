@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,11 @@ def _correct(logits: Any, y: Any) -> Any:
     return tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.int64))
 
 
+def _traced(function: Callable[..., Any], *signature: Any) -> Any:
+    """``function`` as a concrete function of ``signature``: traced now, never again."""
+    return tf.function(function, input_signature=list(signature)).get_concrete_function()
+
+
 def batch_arrays(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
     """The batch as the compiled steps take it (float32 images, int64 labels), copied only if needed."""
     return tf.convert_to_tensor(np.asarray(x, np.float32)), tf.convert_to_tensor(np.asarray(y, np.int64))
@@ -60,9 +65,8 @@ class DenseStack(tf.Module):
         super().__init__(name="dense_stack")
         self.spec = spec
         self.specs = layout(spec.variables())
-        self.named = [
-            (s.name, tf.Variable(np.array(weights[s.name], np.float32), name=s.name)) for s in self.specs
-        ]
+        names = [s.name for s in self.specs]
+        self.named = [(n, tf.Variable(np.array(weights[n], np.float32), name=n)) for n in names]
         self._variables = [v for _, v in self.named]
         self._sizes = [s.size for s in self.specs]
         # Staged weights: what write() received, assigned before the next use of the variables.
@@ -75,12 +79,10 @@ class DenseStack(tf.Module):
         y = tf.TensorSpec([None], tf.int64)
         flat = tf.TensorSpec([self._staged.size], tf.float32)
         # Traced once here, with fixed dtypes and a free batch size: no retracing later.
-        self._step = tf.function(self._gradients, input_signature=[x, y]).get_concrete_function()
-        self._assign_step = tf.function(
-            self._assign_gradients, input_signature=[flat, x, y]
-        ).get_concrete_function()
-        self._assign = tf.function(self._assign_flat, input_signature=[flat]).get_concrete_function()
-        self._count = tf.function(self._count_correct, input_signature=[x, y]).get_concrete_function()
+        self._step = _traced(self._gradients, x, y)
+        self._assign_step = _traced(self._assign_gradients, flat, x, y)
+        self._assign = _traced(self._assign_flat, flat)
+        self._count = _traced(self._count_correct, x, y)
 
     @property
     def trainable_variables(self) -> tuple[Any, ...]:
@@ -202,10 +204,9 @@ class ForeignModel:
             if index is None:
                 raise _unknown(name, self._index)
             var = self._variables[index]
-            if tuple(var.shape) != tuple(np.shape(value)):
-                raise PsdkError(
-                    f"{name}: cannot write shape {np.shape(value)} into a variable of {tuple(var.shape)}"
-                )
+            shape = tuple(var.shape)
+            if shape != np.shape(value):
+                raise PsdkError(f"{name}: cannot write shape {np.shape(value)} into a variable of {shape}")
             var.assign(np.asarray(value, np.float32))
 
     def forward_backward(self, x: np.ndarray, y: np.ndarray) -> float:

@@ -79,14 +79,17 @@ def _sgd(c: Mapping[str, Any], lr: dict[str, Any]) -> UpdateRule:
 
 def _adam(c: Mapping[str, Any], lr: dict[str, Any]) -> UpdateRule:
     return Adam(
-        beta1=float(c["beta_1"]), beta2=float(c["beta_2"]), eps=float(c["epsilon"]), epsilon_mode="tf", **lr
+        beta1=float(c["beta_1"]),
+        beta2=float(c["beta_2"]),
+        eps=float(c["epsilon"]),
+        epsilon_mode="tf",
+        **lr,
     )
 
 
 def _adagrad(c: Mapping[str, Any], lr: dict[str, Any]) -> UpdateRule:
-    return Adagrad(
-        initial_accumulator_value=float(c["initial_accumulator_value"]), eps=float(c["epsilon"]), **lr
-    )
+    accumulator = float(c["initial_accumulator_value"])
+    return Adagrad(initial_accumulator_value=accumulator, eps=float(c["epsilon"]), **lr)
 
 
 def _rmsprop(c: Mapping[str, Any], lr: dict[str, Any]) -> UpdateRule:

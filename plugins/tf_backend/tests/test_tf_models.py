@@ -109,9 +109,8 @@ def test_a_keras_model_matches_the_numpy_reference() -> None:
     backend.write_weights(model, weights)
     assert list(backend.variables(model).items()) == SPEC.variables()
     x, y = batch()
-    assert backend.forward_backward(model, x, y) == pytest.approx(
-        reference.forward_backward(ref, x, y), rel=1e-5
-    )
+    expected_loss = reference.forward_backward(ref, x, y)
+    assert backend.forward_backward(model, x, y) == pytest.approx(expected_loss, rel=1e-5)
     grads, expected = zeros(), zeros()
     backend.read_gradients(model, grads)
     reference.read_gradients(ref, expected)

@@ -77,6 +77,10 @@ def test_setup_pins_tensorflows_threads_in_a_fresh_process() -> None:
         "print(t.get_intra_op_parallelism_threads(), t.get_inter_op_parallelism_threads())\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert out.stdout.split() == ["1", "1"]

@@ -18,7 +18,11 @@ def test_importing_the_plugin_does_not_import_tensorflow() -> None:
         "print(sorted(m for m in ('tensorflow', 'keras', 'torch') if m in sys.modules))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert out.stdout.strip() == "[]"
 
