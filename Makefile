@@ -1,24 +1,28 @@
 # Two commands do everything on a fresh machine:
-#   make run    set up .venv (psdk + the torch plugin) and train MNIST on 1 ps + 2 workers
+#   make run    set up .venv (psdk + the torch and TensorFlow plugins) and train MNIST on 1 ps + 2 workers
 #   make test   set up .venv and run lint, type checks and every test suite
-# Extra Hydra overrides go in ARGS:  make run ARGS="sync=sync optimizer=adam"
+# Extra Hydra overrides go in ARGS:  make run ARGS="backend=tf sync=sync optimizer=adam"
 # The torch build comes from TORCH (CPU by default):  make setup TORCH="torch==2.13.0"
+# TensorFlow comes from the tf plugin's extra TF_EXTRA: cpu (tensorflow-cpu, the default),
+# gpu (tensorflow[and-cuda]), or empty to keep a TensorFlow you installed yourself.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TF_EXTRA ?= cpu
+TF_PLUGIN := plugins/tf_backend$(if $(TF_EXTRA),[$(TF_EXTRA)])
 STAMP := $(VENV)/.psdk-installed
 
-.PHONY: setup run test lint typecheck test-core test-torch clean
+.PHONY: setup run test lint typecheck test-core test-torch test-tf clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml
+$(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml plugins/tf_backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,lint]" -e plugins/torch_backend
+	$(PY) -m pip install --quiet -e ".[test,lint]" -e plugins/torch_backend -e "$(TF_PLUGIN)"
 	touch $@
 
 run: setup
@@ -38,7 +42,10 @@ test-core: setup
 test-torch: setup
 	$(PY) -m pytest plugins/torch_backend/tests $(PYTEST_ARGS)
 
-test: lint typecheck test-core test-torch
+test-tf: setup
+	$(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
+
+test: lint typecheck test-core test-torch test-tf
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache outputs multirun

@@ -27,13 +27,17 @@ class BackendRecord:
 
     ``target`` is ``"package.module:ClassName"`` of a :class:`psdk.backend.Backend`
     subclass, imported only when the backend is used, so listing backends never
-    imports a framework.
+    imports a framework. ``modules`` names other top-level modules whose objects
+    belong to this backend, for frameworks split across packages: TensorFlow's
+    optimizers live in ``keras``, so the TensorFlow backend lists it, and
+    ``DistributedOptimizer(keras.optimizers.SGD(...), ...)`` finds that backend.
     """
 
     name: str
     target: str
     framework: str
     description: str = ""
+    modules: tuple[str, ...] = ()
 
 
 @hookspec

@@ -100,6 +100,6 @@ def backend_for(obj: object) -> Backend:
     framework = type(obj).__module__.split(".")[0]
     backends = installed_backends()
     for name, entry in backends.items():
-        if entry.record.framework == framework:
+        if framework == entry.record.framework or framework in entry.record.modules:
             return load_backend(name)
     raise UnknownBackendError(f"<one for {framework} objects like {type(obj).__name__}>", backends)

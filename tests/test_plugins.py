@@ -67,3 +67,14 @@ def test_listing_backends_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_objects_of_a_frameworks_sibling_package_find_its_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorFlow's optimizers live in ``keras``: a record's ``modules`` claims them."""
+    target = "psdk.backends.numpy_backend:NumpyBackend"
+    pm = fake_manager([BackendRecord("fake", target, "fakeflow", modules=("fakeras",))])
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    optimizer = type("SGD", (), {"__module__": "fakeras.optimizers"})()
+    assert isinstance(plugins.backend_for(optimizer), NumpyBackend)
+    with pytest.raises(UnknownBackendError):
+        plugins.backend_for(type("SGD", (), {"__module__": "otherlib.optim"})())

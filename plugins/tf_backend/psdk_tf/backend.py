@@ -1,0 +1,92 @@
+"""The TensorFlow backend. This module imports TensorFlow; psdk loads it only when it is used.
+
+TensorFlow 2, eager, with each model's training step compiled once by
+``tf.function``. What lives where:
+
+* :mod:`psdk_tf.models`: psdk's own network (canonical by construction, the
+  fast path) and Keras models from training scripts (named from their Keras
+  variable paths), with their weights and gradients as numpy arrays;
+* :mod:`psdk_tf.optimizers`: Keras optimizers to and from psdk update rules;
+* :mod:`psdk_tf.placement`: psdk's device string to TensorFlow's device setup.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from psdk.backend import Backend
+from psdk.models import ModelSpec
+from psdk.optim import UpdateRule
+from psdk_tf import optimizers, placement
+from psdk_tf._tf import tf
+from psdk_tf.models import DenseStack, binding
+
+EVAL_BATCH = 5000
+
+
+class TfBackend(Backend):
+    name = "tf"
+    framework = "tensorflow"
+    modules: ClassVar[tuple[str, ...]] = ("tensorflow", "keras")
+    """Top-level modules whose objects belong here: Keras optimizers are TensorFlow's."""
+
+    def __init__(self) -> None:
+        self.plan = placement.CPU
+
+    def setup(
+        self,
+        device: str = "cpu",
+        threads: int | None = None,
+        gpu_memory_fraction: float | None = None,
+    ) -> None:
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        index = placement.gpu_index(device)
+        total = None
+        if gpu_memory_fraction is not None and index is not None and index < gpus:
+            total = placement.total_memory_mb(placement.physical_id(index))
+        growth_left_to_tf = "TF_FORCE_GPU_ALLOW_GROWTH" in os.environ
+        self.plan = placement.plan(device, gpus, gpu_memory_fraction, total, growth_left_to_tf)
+        placement.apply(self.plan, threads, tf)
+        self.device = self.plan.device
+
+    def owns(self, obj: object) -> bool:
+        return type(obj).__module__.split(".")[0] in self.modules
+
+    # ---------------------------------------------------------------- model
+    def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> DenseStack:
+        with tf.device(self.plan.tf_device):
+            return DenseStack(spec, weights)
+
+    def variables(self, model: Any) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(int(d) for d in var.shape) for name, var in binding(model).named}
+
+    def read_weights(self, model: Any) -> dict[str, np.ndarray]:
+        return binding(model).read()
+
+    def write_weights(self, model: Any, weights: Mapping[str, np.ndarray]) -> None:
+        binding(model).write(weights)
+
+    def read_gradients(self, model: Any, out: Mapping[str, np.ndarray]) -> None:
+        binding(model).read_gradients(out)
+
+    def forward_backward(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
+        return binding(model).forward_backward(x, y)
+
+    def accuracy(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
+        bound = binding(model)
+        correct = sum(
+            bound.correct(x[start : start + EVAL_BATCH], y[start : start + EVAL_BATCH])
+            for start in range(0, len(x), EVAL_BATCH)
+        )
+        return correct / max(1, len(x))
+
+    # ------------------------------------------------------------ optimizer
+    def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:
+        return optimizers.make_optimizer(rule)
+
+    def optimizer_rule(self, optimizer: Any) -> UpdateRule:
+        return optimizers.optimizer_rule(optimizer)

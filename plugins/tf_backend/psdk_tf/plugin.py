@@ -1,0 +1,18 @@
+"""psdk's entry point for this plugin: registers the backend without importing TensorFlow."""
+
+from __future__ import annotations
+
+from psdk.hookspecs import BackendRecord, hookimpl
+
+
+@hookimpl
+def psdk_register_backends() -> list[BackendRecord]:
+    return [
+        BackendRecord(
+            name="tf",
+            target="psdk_tf.backend:TfBackend",
+            framework="tensorflow",
+            description="TensorFlow 2 with Keras 3 optimizers (CPU or GPU)",
+            modules=("keras",),
+        )
+    ]

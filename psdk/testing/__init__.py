@@ -1,0 +1,32 @@
+"""Testing helpers for backend authors: the conformance suite and a ps to train against.
+
+::
+
+    from psdk.testing import BackendConformance
+
+    class TestMyBackend(BackendConformance):
+        backend_name = "mybackend"
+
+Attributes are looked up lazily, so the pytest plugin (:mod:`psdk.testing.pytest_plugin`,
+loaded in every pytest session where psdk is installed) costs nothing until used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {"BackendConformance": "psdk.testing.conformance", "running_ps": "psdk.testing.ps"}
+
+__all__ = ["BackendConformance", "running_ps"]
+
+if TYPE_CHECKING:
+    from psdk.testing.conformance import BackendConformance
+    from psdk.testing.ps import running_ps
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psdk.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,229 @@
+"""The backend conformance suite: what every backend plugin must do, held to the numpy reference.
+
+A plugin's tests subclass :class:`BackendConformance` and name their backend::
+
+    # plugins/mybackend/tests/test_conformance.py
+    from psdk.testing import BackendConformance
+
+    class TestMyBackendConformance(BackendConformance):
+        backend_name = "mybackend"
+
+pytest then runs every check below against the installed backend of that
+name (found through the ``psdk`` entry points, as a job finds it). The
+reference is :class:`psdk.backends.numpy_backend.NumpyBackend`, the contract
+at its plainest: same :func:`~psdk.models.init_weights`, same batch, so any
+difference is the backend's. Tolerances are class attributes a subclass may
+loosen, with a comment saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import psdk
+from psdk import plugins
+from psdk.backend import Backend
+from psdk.backends.numpy_backend import NumpyBackend
+from psdk.models import ModelSpec, init_weights
+from psdk.optim import SGD, Adam, UpdateRule
+from psdk.placement import visible_gpus
+from psdk.sharding import flat_size, layout, views
+from psdk.testing.ps import RunningPs, running_ps
+
+# Frameworks that listing backends must never import, whichever plugin is tested.
+KNOWN_FRAMEWORKS = ("jax", "keras", "tensorflow", "torch")
+MAPPED_RULES = (SGD(lr=0.1), SGD(lr=0.05, momentum=0.9), Adam(lr=0.001))
+
+
+def _batch(spec: ModelSpec, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((size, spec.input_dim), dtype=np.float32), rng.integers(0, spec.num_classes, size)
+
+
+def _random_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+    """Weights no backend would start from: every bias non-zero, so a dropped bias shows."""
+    rng = np.random.default_rng(seed)
+    return {name: rng.normal(0, 0.3, shape).astype(np.float32) for name, shape in spec.variables()}
+
+
+def _flat_views(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """Zeroed gradient buffers shaped as the ps client hands them out: views of one flat array."""
+    specs = layout(spec.variables())
+    return views(np.zeros(flat_size(specs), np.float32), specs)
+
+
+class BackendConformance:
+    backend_name: ClassVar[str]
+    """The name the backend is registered under (``backend=`` in a job)."""
+
+    spec: ClassVar[ModelSpec] = ModelSpec(name="conformance", hidden=(32, 16), input_dim=50, num_classes=10)
+    loss_rtol: ClassVar[float] = 1e-5
+    grad_rtol: ClassVar[float] = 1e-4
+    grad_atol: ClassVar[float] = 1e-6
+    train_atol: ClassVar[float] = 1e-5
+    """Weights after a few steps through a ps, against the same steps in numpy."""
+
+    # -------------------------------------------------------------- fixtures
+    @pytest.fixture
+    def backend(self) -> Backend:
+        return plugins.load_backend(self.backend_name)
+
+    @pytest.fixture
+    def reference(self) -> NumpyBackend:
+        return NumpyBackend()
+
+    @pytest.fixture
+    def ps(self) -> Iterator[RunningPs]:
+        with running_ps() as ps:
+            yield ps
+
+    def build(self, backend: Backend, weights: dict[str, np.ndarray] | None = None) -> Any:
+        return backend.build_model(self.spec, init_weights(self.spec, 0) if weights is None else weights)
+
+    # ---------------------------------------------------------- registration
+    def test_it_is_registered_under_its_name(self) -> None:
+        installed = plugins.installed_backends()
+        assert self.backend_name in installed, f"no backend {self.backend_name!r} among {sorted(installed)}"
+        backend = plugins.load_backend(self.backend_name)
+        assert isinstance(backend, Backend) and backend.name == self.backend_name
+
+    def test_registering_it_imports_no_framework(self) -> None:
+        """Listing backends (which imports every plugin's registration module) loads no framework."""
+        record = plugins.installed_backends()[self.backend_name].record
+        frameworks = sorted({record.framework, *record.modules, *KNOWN_FRAMEWORKS} - {"psdk"})
+        code = (
+            "import json, sys\n"
+            "from psdk import plugins\n"
+            f"entry = plugins.installed_backends()[{self.backend_name!r}]\n"
+            "module = plugins.get_plugin_manager().get_plugin(entry.plugin)\n"
+            f"loaded = sorted(m for m in {frameworks!r} if m in sys.modules)\n"
+            "print(json.dumps({'module': getattr(module, '__name__', None), 'loaded': loaded}))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["loaded"] == [], f"registering via {result['module']} imported {result['loaded']}"
+
+    # -------------------------------------------------------- canonical layout
+    def test_variables_are_the_specs_in_order_and_shape(self, backend: Backend) -> None:
+        model = self.build(backend)
+        assert list(backend.variables(model).items()) == self.spec.variables()
+
+    def test_weights_read_back_as_built(self, backend: Backend) -> None:
+        weights = init_weights(self.spec, 1)
+        read = backend.read_weights(self.build(backend, weights))
+        assert list(read) == [name for name, _ in self.spec.variables()]
+        for name, value in weights.items():
+            assert read[name].dtype == np.float32 and read[name].flags.c_contiguous, name
+            np.testing.assert_array_equal(read[name], value, err_msg=name)
+
+    def test_weights_round_trip_through_the_canonical_layout(self, backend: Backend) -> None:
+        model = self.build(backend)
+        written = _random_weights(self.spec, 7)
+        kept = {name: value.copy() for name, value in written.items()}
+        backend.write_weights(model, written)
+        for value in written.values():
+            value += 1.0  # the caller keeps its arrays: the model must hold copies
+        read = backend.read_weights(model)
+        for name, value in kept.items():
+            np.testing.assert_array_equal(read[name], value, err_msg=name)
+        for value in read.values():
+            value += 1.0  # and read_weights hands out copies
+        for name, value in backend.read_weights(model).items():
+            np.testing.assert_array_equal(value, kept[name], err_msg=name)
+
+    # --------------------------------------------------- loss and gradients
+    def test_loss_and_gradients_match_the_numpy_reference(
+        self,
+        backend: Backend,
+        reference: NumpyBackend,
+    ) -> None:
+        first = init_weights(self.spec, 2)
+        model, ref = self.build(backend, first), reference.build_model(self.spec, first)
+        for step, weights in enumerate((None, _random_weights(self.spec, 3))):
+            if weights is not None:  # a write must reach the next forward pass
+                backend.write_weights(model, weights)
+                reference.write_weights(ref, weights)
+            x, y = _batch(self.spec, 64, step)
+            loss = backend.forward_backward(model, x, y)
+            assert loss == pytest.approx(reference.forward_backward(ref, x, y), rel=self.loss_rtol)
+            grads, expected = _flat_views(self.spec), _flat_views(self.spec)
+            backend.read_gradients(model, grads)
+            reference.read_gradients(ref, expected)
+            for name in expected:
+                np.testing.assert_allclose(
+                    grads[name], expected[name], rtol=self.grad_rtol, atol=self.grad_atol, err_msg=name
+                )
+
+    def test_accuracy_agrees_with_the_reference_on_the_same_weights(
+        self, backend: Backend, reference: NumpyBackend
+    ) -> None:
+        model, ref = self.build(backend), reference.build_model(self.spec, init_weights(self.spec, 0))
+        weights = _random_weights(self.spec, 4)
+        backend.write_weights(model, weights)
+        reference.write_weights(ref, weights)
+        x, y = _batch(self.spec, 600, 5)
+        logits, _ = ref.logits(x)
+        y[::2] = np.argmax(logits, axis=1)[::2]  # half right by construction: not a trivial 0.1
+        expected = reference.accuracy(ref, x, y)
+        assert expected > 0.45
+        assert backend.accuracy(model, x, y) == expected
+
+    # ------------------------------------------------------------- placement
+    def test_setup_on_the_cpu_stays_on_the_cpu(self, backend: Backend) -> None:
+        backend.setup("cpu", threads=1)
+        assert backend.device == "cpu"
+
+    def test_cuda_without_a_gpu_falls_back_to_the_cpu(self, backend: Backend) -> None:
+        if visible_gpus():
+            pytest.skip("this machine has a GPU")
+        backend.setup("cuda:0", threads=1)
+        assert backend.device == "cpu"
+        x, y = _batch(self.spec, 8, 0)
+        assert np.isfinite(backend.forward_backward(self.build(backend), x, y))
+
+    # ------------------------------------------------------------- optimizer
+    @pytest.mark.parametrize("rule", MAPPED_RULES, ids=["sgd", "momentum", "adam"])
+    def test_its_optimizer_maps_back_to_the_same_rule(self, backend: Backend, rule: UpdateRule) -> None:
+        optimizer = backend.make_optimizer(self.build(backend), rule)
+        assert backend.optimizer_rule(optimizer) == rule
+        assert backend.owns(optimizer)
+        assert plugins.backend_for(optimizer).name == self.backend_name  # as DistributedOptimizer finds it
+
+    # ------------------------------------------------------------ public API
+    def test_it_trains_through_a_ps_as_numpy_does(
+        self, backend: Backend, reference: NumpyBackend, ps: RunningPs
+    ) -> None:
+        """Five SGD steps of one worker through a real ps equal five local numpy steps."""
+        rule, steps = SGD(lr=0.5), 5
+        batches = [_batch(self.spec, 32, 10 + t) for t in range(steps)]
+        model = self.build(backend)
+        with psdk.connect(ps.cluster(1), 0, steps=steps, transport=ps.transport) as session:
+            opt = psdk.DistributedOptimizer(backend.make_optimizer(model, rule), model, session)
+            opt.broadcast_parameters()
+            for x, y in batches:
+                backend.forward_backward(model, x, y)
+                opt.step()
+            assert session.should_stop()
+            session.finish(wait_s=30)
+            opt.pull()
+        assert session.global_step == steps
+        ref = reference.build_model(self.spec, init_weights(self.spec, 0))
+        for x, y in batches:
+            reference.forward_backward(ref, x, y)
+            ref.flat -= rule.lr * ref.grad_flat
+        for name, value in backend.read_weights(model).items():
+            np.testing.assert_allclose(value, ref.params[name], rtol=0, atol=self.train_atol, err_msg=name)
