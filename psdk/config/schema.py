@@ -146,6 +146,7 @@ class PsConfig:
     bind: Any = None
     announce_file: Any = None
     log_every_s: float = 10.0
+    idle_timeout_s: Any = 60.0  # seconds, or null: never
 
 
 @dataclass
