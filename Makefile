@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,lint]" -e plugins/torch_backend
+	$(PY) -m pip install --quiet -e ".[test,lint,ray]" -e plugins/torch_backend
 	touch $@
 
 run: setup
