@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml plugins/tf_backend
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,lint]" -e plugins/torch_backend -e "$(TF_PLUGIN)"
+	$(PY) -m pip install --quiet -e ".[test,lint,ray]" -e plugins/torch_backend -e "$(TF_PLUGIN)"
 	touch $@
 
 run: setup

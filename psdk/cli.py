@@ -4,12 +4,15 @@
 as TensorFlow 1.x users ran ``--job_name=ps --task_index=0`` in separate
 terminals (those flags are accepted too); ``plugins`` lists the backends.
 A bare comma-separated host list (``ps_hosts=h1:2222,h2:2222``), which Hydra
-alone would read as a sweep, is taken as one list.
+alone would read as a sweep, is taken as one list. When ``TF_CONFIG`` is set
+(a Kubeflow or Kubernetes job), ``task``, ``ps`` and ``worker`` take the role
+and the cluster from it; flags that say otherwise are an error, never ignored.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from psdk import tf_config
 from psdk.errors import ConfigError, PsdkError
 from psdk.logs import set_task_label
 
@@ -34,7 +38,8 @@ commands:
   run       start the whole job on this machine: ps and worker tasks as processes
   ps        run one ps task:      python -m psdk ps task_index=0 ps_hosts=... worker_hosts=...
   worker    run one worker task:  python -m psdk worker task_index=1 ps_hosts=... worker_hosts=...
-  task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too
+  task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too;
+            with TF_CONFIG set (Kubeflow, Kubernetes), the task it names: `python -m psdk task`
   evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
   plugins   list the installed backends and the distributions that provide them
   fuzz      send mutated real messages to a live ps and check nothing changed: fuzz count=100000 seed=0
@@ -82,6 +87,53 @@ def _given(args: Sequence[str], key: str) -> str | None:
     return None
 
 
+def _given_value(args: Sequence[str], key: str) -> object:
+    """The value of ``key=...`` among ``args`` as Hydra parses it (a list, a string, a number)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for arg in args:
+        k, sep, v = arg.lstrip("+").partition("=")
+        if sep and k == key:
+            try:
+                return OverridesParser.create().parse_override(f"{k}={v}").value()
+            except Exception:  # Hydra's parser says why later, with its own message
+                return v
+    return None
+
+
+def _agrees(key: str, given: object, wanted: object) -> bool:
+    from psdk.cluster import parse_hosts
+
+    if key in HOST_KEYS:
+        return parse_hosts(given, key, require_port=key == "ps_hosts") == wanted
+    return str(given) == str(wanted)
+
+
+def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str]) -> list[str]:
+    """``args`` with the role and cluster of ``TF_CONFIG`` added; explicit ones must agree with it."""
+    if command in ("ps", "worker") and command != task.job_name:
+        raise ConfigError(
+            "job_name",
+            f"`python -m psdk {command}` runs a {command} task, but {task.origin} makes this "
+            f"{task.job_name} {task.task_index}; run `python -m psdk task` to take the role from TF_CONFIG",
+        )
+    added = []
+    for key, wanted in task.values().items():
+        given = _given_value(args, key)
+        if given is None:
+            value = ",".join(wanted) if isinstance(wanted, tuple) else wanted
+            added.append(f"{key}='{value}'" if key in HOST_KEYS else f"{key}={value}")
+        elif not _agrees(key, given, wanted):
+            shown = ",".join(wanted) if isinstance(wanted, tuple) else wanted
+            raise ConfigError(
+                key,
+                f"is {_given(args, key)} on the command line but {task.origin} says {shown} "
+                f"(this task is {task.job_name} {task.task_index}); drop the flag, or unset TF_CONFIG "
+                "to give the whole cluster by flags",
+            )
+    return [*added, *args]
+
+
 def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import instantiate
@@ -89,6 +141,9 @@ def _task(cfg: DictConfig) -> None:
     job = cfg.job_name
     set_task_label("launcher" if job is None else f"{job} {cfg.task_index}")
     try:
+        from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
+        if from_tf is not None:
+            log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
         write_resolved_config(cfg, Path(HydraConfig.get().runtime.output_dir))
         if job is None:
             instantiate(cfg.launcher).launch(cfg, list(HydraConfig.get().overrides.task))
@@ -132,6 +187,16 @@ def run_hydra(command: str, args: list[str]) -> None:
     from psdk.config import config_dir, prepare_hydra
 
     prepare_hydra()
+    if command in ("ps", "worker", "task"):
+        from_tf = tf_config.from_environ(os.environ)
+        if from_tf is not None:
+            args = apply_tf_config(from_tf, command, args)
+    elif command == "run" and os.environ.get(tf_config.ENV, "").strip():
+        raise ConfigError(
+            tf_config.ENV,
+            "is set, so this is one task of a cluster job (Kubeflow, Kubernetes): run `python -m psdk task` "
+            "there, which takes its role from TF_CONFIG; unset TF_CONFIG to start a whole job here with `run`",
+        )
     if command in ("ps", "worker", "evaluate"):
         given = _given(args, "job_name")
         if given is not None and given != command:
@@ -139,7 +204,9 @@ def run_hydra(command: str, args: list[str]) -> None:
         if given is None:
             args = [f"job_name={command}", *args]
     elif command == "task" and _given(args, "job_name") is None:
-        raise ConfigError("job_name", "`python -m psdk task` needs job_name=ps or job_name=worker")
+        raise ConfigError(
+            "job_name", "`python -m psdk task` needs job_name=ps or job_name=worker, or TF_CONFIG in the environment"
+        )
     elif command == "run" and _given(args, "job_name") not in (None, "null"):
         raise ConfigError("job_name", "`run` starts every task itself; use `ps` or `worker` for one task")
     if _given(args, "hydra.job.name") is None:

@@ -43,6 +43,11 @@ def _split_host(entry: str, key: str, require_port: bool) -> tuple[str, int | No
     return host, int(port_text)
 
 
+def split_host(entry: str, key: str) -> tuple[str, int | None]:
+    """``host:port`` as (host, port); port ``None`` when absent (or for ``inproc://``/``ipc://``)."""
+    return _split_host(entry.strip(), key, require_port=False)
+
+
 def parse_hosts(value: Any, key: str, require_port: bool = True) -> tuple[str, ...]:
     """A host list from a list, a comma-separated string or one host."""
     if value is None:

@@ -56,6 +56,27 @@ class PortInUseError(PsdkError):
         )
 
 
+class BindError(PsdkError):
+    """A ps task could not bind its address (other than a busy port); says how to fix it."""
+
+    def __init__(self, address: str, task: str, reason: str, explicit: bool) -> None:
+        self.address = address
+        self.task = task
+        self.reason = reason
+        advice = (
+            "ps.bind must be an address of this host"
+            if explicit
+            else "a ps binds its own ps_hosts entry unless told otherwise, and that entry is not an "
+            "address of this host (a Kubernetes service name, a load balancer or a NAT address "
+            "reaches the ps but cannot be bound). Set ps.bind to what this host can bind"
+        )
+        super().__init__(
+            f"{task} cannot bind {address} ({reason}): {advice}, e.g. "
+            "ps.bind=eth0 (an interface; the port comes from ps_hosts), ps.bind='${oc.env:POD_IP}' "
+            "(the pod's IP from the downward API) or ps.bind=0.0.0.0 (every interface, only if you mean it)."
+        )
+
+
 class DataError(PsdkError):
     """MNIST is missing, corrupt, or could not be downloaded."""
 

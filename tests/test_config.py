@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from psdk.cluster import Topology
 from psdk.config import config_dir, prepare_hydra
-from psdk.config.build import cluster_from, model_spec, sync_spec, update_rule
+from psdk.config.build import cluster_from, model_spec, server_options, sync_spec, update_rule
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
 from psdk.launch.local import LocalLauncher
@@ -117,3 +117,12 @@ def test_the_data_dir_defaults_to_psdk_data_dir(monkeypatch: pytest.MonkeyPatch,
     assert compose("config").data.dir == str(tmp_path)
     monkeypatch.delenv("PSDK_DATA_DIR")
     assert compose("config").data.dir is None
+
+
+def test_the_ps_idle_timeout_is_seconds_or_null_and_names_the_chief() -> None:
+    hosts = ["ps_hosts=10.0.0.1:2222", "worker_hosts='10.0.0.2,10.0.0.3'"]
+    options = server_options(compose("config", overrides=[*hosts, "ps.idle_timeout_s=5"]))
+    assert (options.idle_timeout_s, options.chief_host) == (5.0, "10.0.0.2")
+    assert server_options(compose("config", overrides=["ps.idle_timeout_s=null"])).idle_timeout_s is None
+    with pytest.raises(ConfigError, match=r"ps\.idle_timeout_s.*null"):
+        server_options(compose("config", overrides=["ps.idle_timeout_s=0"]))

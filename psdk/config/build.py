@@ -81,10 +81,17 @@ def client_options(cfg: DictConfig) -> ClientOptions:
 
 
 def server_options(cfg: DictConfig) -> ServerOptions:
+    idle = cfg.ps.idle_timeout_s
+    if idle is not None and float(idle) <= 0:
+        raise ConfigError("ps.idle_timeout_s", f"must be a positive number of seconds or null (never), got {idle}")
+    workers = plain(cfg.worker_hosts)
+    chief = cluster_from(cfg).worker_host(0) if workers and cfg.ps_hosts is not None else None
     return ServerOptions(
         heartbeat_timeout_s=float(cfg.transport.heartbeat_timeout_s),
         startup_timeout_s=float(cfg.transport.startup_timeout_s),
         log_every_s=float(cfg.ps.log_every_s),
+        idle_timeout_s=None if idle is None else float(idle),
+        chief_host=chief,
     )
 
 

@@ -100,6 +100,18 @@ class LocalLauncherConfig:
 
 
 @dataclass
+class RayLauncherConfig:
+    _target_: str = "psdk.launch.ray.RayLauncher"
+    address: Any = None
+    num_cpus: Any = None
+    cpus_per_ps: float = 1.0
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    ready_timeout_s: float = 120.0
+    shutdown_timeout_s: float = 30.0
+
+
+@dataclass
 class TrainConfig:
     steps: int = 6000
     batch_size: int = 100
@@ -151,6 +163,7 @@ class PsConfig:
     announce_file: Any = None
     io_threads: Any = None
     log_every_s: float = 10.0
+    idle_timeout_s: Any = 60.0  # seconds, or null: never
 
 
 @dataclass
@@ -198,7 +211,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     },
     "sync": {"base_sync": SyncConfig},
     "topology": {"base_topology": TopologyConfig},
-    "launcher": {"base_local": LocalLauncherConfig},
+    "launcher": {"base_local": LocalLauncherConfig, "base_ray": RayLauncherConfig},
 }
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
@@ -70,18 +70,47 @@ def passed_on(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if _key_of(o) not in OWN_KEYS]
 
 
+# Every task a launcher starts: unbuffered logs, one intra-op thread, and no summary line of its own.
+TASK_ENV = {"PYTHONUNBUFFERED": "1", "PSDK_LAUNCHED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def task_args(job: str, index: int, out: Path, args: Sequence[str]) -> list[str]:
+    """The arguments of ``python -m psdk`` for one task; its logs go to ``out/tasks/<job><index>``."""
+    name = f"{job}{index}"
+    return [job, f"task_index={index}", *args, f"hydra.run.dir={out / 'tasks' / name}", f"hydra.job.name={name}"]
+
+
+class TaskProcess(Protocol):
+    """What supervision needs of a task's process: a local ``Popen``, or one on a Ray node."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Task:
     job: str
     index: int
-    process: subprocess.Popen[bytes]
+    process: TaskProcess
     command: list[str]
+    host: str | None = None  # where it runs, when that is not this machine
 
     @property
     def name(self) -> str:
-        return f"{self.job} {self.index}"
+        return f"{self.job} {self.index}" + (f" (on {self.host})" if self.host else "")
 
     def describe_exit(self) -> str:
+        lost = getattr(self.process, "lost", None)  # a remote process can be lost with its node
+        if lost:
+            return str(lost)
         code = self.process.returncode
         if code is not None and code < 0:
             return f"was killed by {signal.Signals(-code).name}"
@@ -121,45 +150,54 @@ class LocalLauncher:
             keys = keys or security.generate(out / "keys", topology.num_workers)
             log.info("launcher: CURVE on, keys in %s", keys)
             common += ["transport.secure=true", f"transport.keys_dir={keys}"]
-        workers = ",".join([topology.host] * topology.num_workers)
-        placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
         try:
-            for index in range(topology.num_ps):
-                self._start(
-                    "ps",
-                    index,
-                    out,
-                    [
-                        *common,
-                        f"ps_hosts='{placeholders}'",
-                        f"worker_hosts='{workers}'",
-                        f"ps.announce_file={out / 'tasks' / f'ps{index}.json'}",
-                    ],
-                )
-            addresses = self._wait_for_ps(out, topology.num_ps)
-            log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
-            placement = RankPlacement(str(cfg.placement.device))
-            gpus = visible_gpus()
-            cluster = ClusterSpec({"ps": addresses, "worker": workers})
-            for index in range(topology.num_workers):
-                env = placement.isolation_env(cluster, index, gpus) if cfg.placement.isolate_gpus else {}
-                self._start(
-                    "worker",
-                    index,
-                    out,
-                    [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"],
-                    env,
-                )
+            self._start_tasks(cfg, out, common)
             self._supervise()
         except BaseException:
             self._stop_all()
             raise
+        self._collect(out)
         chief_backend = topology.backend_of(0, str(cfg.backend))
         others = sorted(
             {topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)} - {chief_backend}
         )
         accuracies = {name: self._evaluate(name, out, common) for name in others}
         return self._final_summary(out, start, accuracies)
+
+    def _start_tasks(self, cfg: DictConfig, out: Path, common: list[str]) -> None:
+        """Start every ps (each binds a free port and announces it), then every worker."""
+        topology = build.topology(cfg)
+        workers = ",".join([topology.host] * topology.num_workers)
+        placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
+        for index in range(topology.num_ps):
+            self._start(
+                "ps",
+                index,
+                out,
+                [
+                    *common,
+                    f"ps_hosts='{placeholders}'",
+                    f"worker_hosts='{workers}'",
+                    f"ps.announce_file={out / 'tasks' / f'ps{index}.json'}",
+                ],
+            )
+        addresses = self._wait_for_ps(out, topology.num_ps)
+        log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
+        placement = RankPlacement(str(cfg.placement.device))
+        gpus = visible_gpus()
+        cluster = ClusterSpec({"ps": addresses, "worker": workers})
+        for index in range(topology.num_workers):
+            env = placement.isolation_env(cluster, index, gpus) if cfg.placement.isolate_gpus else {}
+            self._start(
+                "worker",
+                index,
+                out,
+                [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"],
+                env,
+            )
+
+    def _collect(self, out: Path) -> None:
+        """Bring the chief's results into ``out`` (here they are there already)."""
 
     def _evaluate(self, backend: str, out: Path, common: list[str]) -> float:
         """Test accuracy of the final parameters computed by ``backend`` (mixed-framework jobs)."""
@@ -185,24 +223,8 @@ class LocalLauncher:
 
     def _start(self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> None:
         name = f"{job}{index}"
-        command = [
-            sys.executable,
-            "-m",
-            "psdk",
-            job,
-            f"task_index={index}",
-            *args,
-            f"hydra.run.dir={out / 'tasks' / name}",
-            f"hydra.job.name={name}",
-        ]
-        env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            PSDK_LAUNCHED="1",
-            OMP_NUM_THREADS="1",
-            MKL_NUM_THREADS="1",
-            **(env_extra or {}),
-        )
+        command = [sys.executable, "-m", "psdk", *task_args(job, index, out, args)]
+        env = {**os.environ, **TASK_ENV, **(env_extra or {})}
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
         process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")

@@ -1,4 +1,10 @@
-"""Entry point of one ps task: bind, announce, serve until the chief ends the job."""
+"""Entry point of one ps task: bind, announce, serve until the chief ends the job.
+
+A ps binds exactly the address it is told: its own ``ps_hosts`` entry, or
+``ps.bind`` when the address the others reach it by cannot be bound here (a
+Kubernetes service name, a load balancer, a NAT). It never binds every
+interface unless told to (``ps.bind=0.0.0.0``).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from psdk.cluster import ClusterSpec, parse_hosts
+from psdk.cluster import ClusterSpec, parse_hosts, split_host
 from psdk.config import build
-from psdk.errors import ConfigError
+from psdk.errors import BindError, ConfigError, TransportError
 from psdk.ps.server import ParameterServer
 from psdk.zmq_transport import ZmqTransport
 
@@ -27,6 +33,24 @@ def announce(path: Path, address: str) -> None:
     os.replace(tmp, path)
 
 
+def bind_address(bind: object, advertised: str) -> str:
+    """What the ps binds: ``ps.bind`` if set, else its own ``ps_hosts`` entry.
+
+    ``ps.bind`` without a port (``ps.bind=eth0``, ``ps.bind=10.0.0.5``) takes
+    the port of the ``ps_hosts`` entry, so the two cannot drift apart.
+    """
+    if bind is None or str(bind).strip() == "":
+        return advertised
+    text = str(bind).strip()
+    host, port = split_host(text, "ps.bind")
+    if port is not None or "://" in host:
+        return f"{host}:{port}" if port is not None else host
+    _, own_port = split_host(advertised, "ps_hosts")
+    if own_port is None:
+        raise ConfigError("ps.bind", f"{text!r} has no port and the ps_hosts entry {advertised!r} has none to lend")
+    return f"{host}:{own_port}"
+
+
 def run_ps(cfg: DictConfig) -> int:
     """Serve ps task ``task_index``; returns the process exit code."""
     task = int(cfg.task_index)
@@ -35,7 +59,10 @@ def run_ps(cfg: DictConfig) -> int:
         raise ConfigError("ps_hosts", "a ps task needs ps_hosts, e.g. ps_hosts=127.0.0.1:2222")
     if not 0 <= task < len(ps_hosts):
         raise ConfigError("task_index", f"is {task} but ps_hosts lists {len(ps_hosts)} ps task(s)")
-    bind = str(cfg.ps.bind or ps_hosts[task])
+    advertised = ps_hosts[task]
+    bind = bind_address(cfg.ps.bind, advertised)
+    if bind != advertised:
+        log.info("ps %d: binding %s; the others reach it at %s", task, bind, advertised)
     workers = parse_hosts(build.plain(cfg.worker_hosts), "worker_hosts", require_port=False)
     # One ZeroMQ I/O thread per worker (up to the cores) moves their messages in parallel.
     io_threads = int(cfg.ps.io_threads or min(max(1, len(workers)), os.cpu_count() or 1))
@@ -45,7 +72,11 @@ def run_ps(cfg: DictConfig) -> int:
     if curve is not None:
         log.info("ps %d: CURVE on: %d worker key(s) accepted, traffic encrypted", task, len(curve.allowed))
     try:
-        endpoint = transport.serve(bind, f"ps {task}")
+        try:
+            endpoint = transport.serve(bind, f"ps {task}")
+        except TransportError as exc:
+            reason = str(exc).split(": ", 1)[-1].split(" (addr=")[0]  # "No such device (addr=...)"
+            raise BindError(bind, f"ps {task}", reason, explicit=bind != advertised) from None
         if cfg.ps.announce_file:
             announce(Path(cfg.ps.announce_file), endpoint.address)
         return ParameterServer(endpoint, task, build.server_options(cfg)).serve()

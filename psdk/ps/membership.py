@@ -61,6 +61,11 @@ class Membership:
                 newly_dead.append((index, state.reason))
         return newly_dead
 
+    def silent_for(self, worker: int, now: float) -> float | None:
+        """Seconds since ``worker`` was last heard from, whatever its status; ``None`` if never."""
+        state = self.workers.get(worker)
+        return None if state is None or state.last_seen is None else now - state.last_seen
+
     def live(self) -> set[int]:
         """Workers that may still push: alive, or not yet seen but still expected."""
         return {i for i, s in self.workers.items() if s.status in (ALIVE, UNSEEN)}

@@ -28,7 +28,7 @@ from psdk.errors import ConfigError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.logs import RateLimitedLog
 from psdk.optim import rule_from_json
-from psdk.ps.membership import Membership
+from psdk.ps.membership import FINISHED, Membership
 from psdk.security import worker_name
 from psdk.store import FlatStore, ParameterStore, RestoreState
 from psdk.transport import Incoming, ServerEndpoint
@@ -47,6 +47,8 @@ class ServerOptions:
     startup_timeout_s: float = 600.0
     log_every_s: float = 10.0
     poll_s: float = 0.1
+    idle_timeout_s: float | None = 60.0  # a chief silent this long has vanished (ps.idle_timeout_s)
+    chief_host: str | None = None  # named in messages about the chief
 
 
 def process_usage() -> dict[str, float]:
@@ -218,6 +220,7 @@ class ParameterServer:
     def _housekeeping(self, now: float) -> None:
         for worker, reason in self.membership.check(now):
             self._on_worker_lost(worker, reason)
+        self._check_chief_idle(now)
         if self.job is None and now - self.membership.started > self.options.startup_timeout_s:
             log.error(
                 "%s: no chief initialised the job within %.0f s; exiting (raise "
@@ -236,9 +239,31 @@ class ParameterServer:
                 self.stats.dropped,
             )
 
+    def _check_chief_idle(self, now: float) -> None:
+        """Exit once the chief has been silent for ``idle_timeout_s``, even after it finished.
+
+        Heartbeat deaths only cover a chief still training: one that finished
+        and then vanished without a shutdown would leave this ps running for
+        ever, the classic lingering ps of a Kubernetes job.
+        """
+        limit, silent = self.options.idle_timeout_s, self.membership.silent_for(CHIEF, now)
+        if not limit or silent is None or silent <= limit or self.exit_code is not None:
+            return
+        chief = self._chief_label()
+        if self.done and self.membership.status(CHIEF) == FINISHED:
+            log.warning("%s: %s finished, then went silent for %.0f s without a shutdown", self.name, chief, silent)
+            self.exit_code = 0
+            return
+        self.fail(f"nothing heard from {chief} for {silent:.0f} s (ps.idle_timeout_s={limit:g}): it has vanished")
+        self.exit_code = 1
+
+    def _chief_label(self) -> str:
+        host = self.options.chief_host
+        return f"the chief (worker 0{f' at {host}' if host else ''})"
+
     def _on_worker_lost(self, worker: int, reason: str) -> None:
         if worker == CHIEF:
-            self.fail(f"the chief (worker 0) is gone: {reason}; stopping this ps")
+            self.fail(f"{self._chief_label()} is gone: {reason}; stopping this ps")
             self.exit_code = 1
             return
         log.warning("%s: worker %d is gone: %s", self.name, worker, reason)

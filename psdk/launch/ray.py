@@ -1,0 +1,411 @@
+"""The Ray launcher: the job's ps and worker tasks placed on a Ray cluster.
+
+Ray only *places* the tasks: each one is a small actor that runs the same
+per-task command a user would type (``python -m psdk ps|worker ...``) as a
+subprocess on the node Ray picked, so a task behaves exactly as under the
+local launcher or by hand. The ps tasks ask Ray for CPUs only; the workers
+ask for ``gpus_per_worker`` GPUs each, and Ray shows each of them only its
+own (``CUDA_VISIBLE_DEVICES``). A ps binds the IP of the node it landed on
+(port 0, a free one) and announces the address back through its actor; the
+workers reach it there. Supervision is the local launcher's: the chief's
+exit ends the job, a dead ps or chief stops it naming the task and its node.
+
+Ray is an optional extra (``pip install 'psdk[ray]'``): it is imported only
+here, and only when a job is launched. ``address: null`` starts a local Ray
+for trying it out; it keeps every socket on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from omegaconf import DictConfig
+
+from psdk.cluster import Topology
+from psdk.config import build
+from psdk.errors import ConfigError, JobFailedError, PsdkError
+from psdk.launch.local import TASK_ENV, LocalLauncher, Task, task_args
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'psdk[ray]'"
+POLL_S = 0.2  # how often the launcher asks an actor whether its task ended
+RPC_TIMEOUT_S = 30.0  # every call to an actor is bounded
+TAIL_LINES = 20
+RESULTS = ("summary.json", "params.npz", "metrics.jsonl")
+
+
+def import_ray() -> ModuleType:
+    """Ray, or an error that says how to install it."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read at import: each task's log lines are its own
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            "launcher", f"launcher=ray needs Ray, which is not installed ({exc}); {INSTALL_HINT}"
+        ) from None
+    return ray
+
+
+# ------------------------------------------------------------------ on the node
+def _pdeathsig() -> Callable[[], None]:
+    """A ``preexec_fn`` that has the child killed when the actor dies (libc resolved before the fork)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: ray.kill still ends the actor
+        return lambda: None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class TaskRunner:
+    """A Ray actor that runs one psdk task as a subprocess on its node.
+
+    Its methods return at once (Ray runs them one at a time on the actor's
+    main thread, which is also the subprocess's parent, as
+    ``PR_SET_PDEATHSIG`` needs). The task's output goes to the actor's
+    stdout, which Ray forwards to the launcher prefixed with the task's name;
+    the last lines are kept for error messages.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.process: subprocess.Popen[str] | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
+        return self.name.replace(" ", "")
+
+    def where(self) -> tuple[str, str]:
+        """The IP and Ray node id of the node this task landed on."""
+        import ray
+
+        return str(ray.util.get_node_ip_address()), str(ray.get_runtime_context().get_node_id())
+
+    def start(self, args: list[str], env: dict[str, str]) -> int:
+        full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # the launcher gives the cluster
+        full_env.update(TASK_ENV)
+        full_env.update(env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "psdk", *args],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_pdeathsig(),
+        )
+        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
+        return self.process.pid
+
+    def _pump(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.tail.append(line.rstrip("\n"))
+            print(line, end="", flush=True)
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def announced(self, path: str) -> str | None:
+        """The address a ps announced in ``path`` on this node, once it has."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            return str(json.loads(Path(path).read_text())["address"])
+        return None
+
+    def last_lines(self) -> list[str]:
+        return list(self.tail)
+
+    def signal(self, kill: bool) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        if kill:
+            self.process.kill()
+        else:
+            self.process.terminate()
+
+    def read_results(self, folder: str) -> dict[str, bytes]:
+        """The chief's results in ``folder`` on this node, for a launcher on another machine."""
+        root = Path(folder)
+        paths = [root / name for name in RESULTS] + sorted((root / "checkpoints").glob("*.npz"))
+        return {str(p.relative_to(root)): p.read_bytes() for p in paths if p.is_file()}
+
+
+# ------------------------------------------------------------- on the launcher
+class RemoteProcess:
+    """A task's subprocess on a Ray node, seen through its actor and shaped like ``Popen``."""
+
+    def __init__(self, ray: Any, actor: Any):
+        self._ray, self.actor = ray, actor
+        self.returncode: int | None = None
+        self.lost: str | None = None
+        self._polled = 0.0
+
+    def poll(self) -> int | None:
+        now = time.monotonic()
+        if self.returncode is None and now - self._polled >= POLL_S:
+            self._polled = now
+            try:
+                self.returncode = self._ray.get(self.actor.poll.remote(), timeout=RPC_TIMEOUT_S)
+            except self._ray.exceptions.GetTimeoutError:
+                pass
+            except self._ray.exceptions.RayError as exc:  # the actor, or its node, died
+                self.lost = f"was lost with its Ray actor ({type(exc).__name__}; did its node die?)"
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("psdk task on Ray", timeout or 0.0)
+            time.sleep(POLL_S / 4)
+        return code
+
+    def terminate(self) -> None:
+        self._signal(kill=False)
+
+    def kill(self) -> None:
+        self._signal(kill=True)
+
+    def _signal(self, kill: bool) -> None:
+        with contextlib.suppress(self._ray.exceptions.RayError):
+            self._ray.get(self.actor.signal.remote(kill), timeout=RPC_TIMEOUT_S)
+
+    def last_lines(self) -> list[str]:
+        try:
+            return list(self._ray.get(self.actor.last_lines.remote(), timeout=RPC_TIMEOUT_S))
+        except self._ray.exceptions.RayError:
+            return []
+
+
+class RayLauncher(LocalLauncher):
+    """Places the ps tasks (CPU only) and the workers (``gpus_per_worker`` each) on a Ray cluster."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        num_cpus: float | None = None,
+        cpus_per_ps: float = 1.0,
+        cpus_per_worker: float = 1.0,
+        gpus_per_worker: float = 0.0,
+        ready_timeout_s: float = 120.0,
+        shutdown_timeout_s: float = 30.0,
+    ):
+        super().__init__(ready_timeout_s, shutdown_timeout_s)
+        for key, value in (("cpus_per_ps", cpus_per_ps), ("cpus_per_worker", cpus_per_worker)):
+            if value <= 0:
+                raise ConfigError(f"launcher.{key}", f"must be above 0 (Ray accepts fractions), got {value}")
+        if gpus_per_worker < 0:
+            raise ConfigError("launcher.gpus_per_worker", f"must be 0 (CPU workers) or more, got {gpus_per_worker}")
+        if num_cpus is not None and num_cpus <= 0:
+            raise ConfigError("launcher.num_cpus", f"must be above 0 or null, got {num_cpus}")
+        self.address = None if address in (None, "", "local") else str(address)
+        self.num_cpus = num_cpus
+        self.cpus_per_ps, self.cpus_per_worker, self.gpus_per_worker = cpus_per_ps, cpus_per_worker, gpus_per_worker
+        self.actors: list[Any] = []
+        self._ray: Any = None
+        self._driver_node: str | None = None
+        self._chief_node: str | None = None
+        self._nodes: list[str] = []
+
+    @property
+    def local_cluster(self) -> bool:
+        return self.address is None
+
+    def bind_host(self, node_ip: str) -> str:
+        """What a ps binds: its node's IP, or loopback on a local Ray (nothing else can reach it)."""
+        return "127.0.0.1" if self.local_cluster else node_ip
+
+    # ------------------------------------------------------------- connect
+    def launch(self, cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
+        ray = import_ray()
+        self.validate(cfg)
+        try:
+            self._connect(ray, build.topology(cfg))
+            return super().launch(cfg, overrides)
+        finally:
+            self._disconnect()
+
+    def needs(self, topology: Topology) -> tuple[float, float]:
+        """CPUs and GPUs the job asks of Ray."""
+        cpus = topology.num_ps * self.cpus_per_ps + topology.num_workers * self.cpus_per_worker
+        return cpus, topology.num_workers * self.gpus_per_worker
+
+    def _connect(self, ray: Any, topology: Topology) -> None:
+        cpus, gpus = self.needs(topology)
+        asked = (
+            f"{topology.num_ps} ps x {self.cpus_per_ps:g} CPU + {topology.num_workers} workers x "
+            f"{self.cpus_per_worker:g} CPU, {gpus:g} GPU"
+        )
+        if self.local_cluster:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a try-out Ray phones nobody
+            offered = self.num_cpus if self.num_cpus is not None else max(os.cpu_count() or 1, math.ceil(cpus))
+            if cpus > offered:
+                raise ConfigError(
+                    "launcher.num_cpus",
+                    f"the local Ray offers {offered:g} CPUs but the job asks for {cpus:g} ({asked}); raise "
+                    "launcher.num_cpus or lower launcher.cpus_per_ps / launcher.cpus_per_worker",
+                )
+            ray.init(address="local", num_cpus=offered, include_dashboard=False, logging_level=logging.WARNING)
+            self._ray = ray
+            have_gpus = float(ray.cluster_resources().get("GPU", 0))
+            if gpus > have_gpus:
+                raise ConfigError(
+                    "launcher.gpus_per_worker",
+                    f"the job asks for {gpus:g} GPUs ({asked}) but this machine's Ray sees {have_gpus:g}",
+                )
+            log.info("launcher: started a local Ray (%g CPUs, no dashboard) for this job", offered)
+        else:
+            try:
+                ray.init(address=self.address, logging_level=logging.WARNING)
+            except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ... depending on the address
+                raise PsdkError(
+                    f"launcher.address: cannot connect to the Ray cluster at {self.address!r}: {exc} "
+                    "(`ray status` on the head node shows its address; null starts a local Ray)"
+                ) from None
+            self._ray = ray
+            log.info("launcher: connected to the Ray cluster at %s (job asks %s)", self.address, asked)
+        with contextlib.suppress(Exception):  # a Ray Client driver is on no node
+            self._driver_node = str(ray.get_runtime_context().get_node_id())
+
+    def _disconnect(self) -> None:
+        ray, self._ray = self._ray, None
+        if ray is None:
+            return
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)  # its task, if still running, dies with it (PR_SET_PDEATHSIG)
+        self.actors.clear()
+        ray.shutdown()
+
+    # -------------------------------------------------------------- tasks
+    def _start_tasks(self, cfg: DictConfig, out: Path, common: list[str]) -> None:
+        topology = build.topology(cfg)
+        runner = self._ray.remote(TaskRunner)
+        names = [("ps", i) for i in range(topology.num_ps)] + [("worker", i) for i in range(topology.num_workers)]
+        for job, index in names:
+            resources = (
+                {"num_cpus": self.cpus_per_ps, "num_gpus": 0}
+                if job == "ps"
+                else {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker}
+            )
+            self.actors.append(runner.options(**resources).remote(f"{job} {index}"))
+        places = self._placed(names)
+        self._nodes = [node for _, node in places]
+        ps_ips, worker_ips = places[: topology.num_ps], places[topology.num_ps :]
+        self._chief_node = worker_ips[0][1]
+        binds = ",".join(f"{self.bind_host(ip)}:0" for ip, _ in ps_ips)
+        workers = ",".join(ip for ip, _ in worker_ips)
+        for index, (ip, _) in enumerate(ps_ips):
+            announce = out / "tasks" / f"ps{index}.json"
+            args = [*common, f"ps_hosts='{binds}'", f"worker_hosts='{workers}'", f"ps.announce_file={announce}"]
+            self._start_on(index, "ps", index, ip, out, args, {"CUDA_VISIBLE_DEVICES": ""})
+        addresses = self._wait_for_ps(out, topology.num_ps)
+        log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
+        no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if self.gpus_per_worker == 0 else {}  # else Ray set it
+        for index, (ip, _) in enumerate(worker_ips):
+            args = [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"]
+            self._start_on(topology.num_ps + index, "worker", index, ip, out, args, no_gpu)
+
+    def _placed(self, names: list[tuple[str, int]]) -> list[tuple[str, str]]:
+        """Each task's node (IP, node id), once Ray has placed them all."""
+        pending = {actor.where.remote(): i for i, actor in enumerate(self.actors)}
+        places: dict[int, tuple[str, str]] = {}
+        deadline = time.monotonic() + self.ready_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            ready, _ = self._ray.wait(list(pending), num_returns=len(pending), timeout=max(0.0, min(left, 1.0)))
+            for ref in ready:
+                index = pending.pop(ref)
+                try:
+                    places[index] = self._ray.get(ref, timeout=RPC_TIMEOUT_S)
+                except self._ray.exceptions.RayError as exc:
+                    job, i = names[index]
+                    raise JobFailedError(f"Ray could not start {job} {i}: {exc}") from None
+            if pending and time.monotonic() > deadline:
+                waiting = ", ".join(f"{names[i][0]} {names[i][1]}" for i in sorted(pending.values()))
+                raise JobFailedError(
+                    f"Ray placed no node for {waiting} within {self.ready_timeout_s:.0f} s; the cluster has "
+                    f"{self._ray.available_resources()} free. Lower launcher.cpus_per_ps, cpus_per_worker or "
+                    "gpus_per_worker, add nodes, or raise launcher.ready_timeout_s"
+                )
+        return [places[i] for i in range(len(names))]
+
+    def _start_on(
+        self, slot: int, job: str, index: int, ip: str, out: Path, args: list[str], env: dict[str, str]
+    ) -> None:
+        actor = self.actors[slot]
+        argv = task_args(job, index, out, args)
+        log.info("launcher: starting %s %d on Ray node %s: python -m psdk %s", job, index, ip, " ".join(argv[:-2]))
+        try:
+            pid = self._ray.get(actor.start.remote(argv, env), timeout=RPC_TIMEOUT_S)
+        except self._ray.exceptions.RayError as exc:
+            raise JobFailedError(f"{job} {index} (on {ip}) could not be started through Ray: {exc}") from None
+        if self._nodes[slot] == self._driver_node:  # a pid means something only on this machine
+            (out / "tasks" / f"{job}{index}.pid").write_text(f"{pid}\n")
+        self.tasks.append(Task(job, index, RemoteProcess(self._ray, actor), ["python", "-m", "psdk", *argv], ip))
+
+    def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
+        deadline = time.monotonic() + self.ready_timeout_s
+        ps_tasks = [t for t in self.tasks if t.job == "ps"]
+        addresses: dict[int, str] = {}
+        while len(addresses) < num_ps:
+            for task in ps_tasks:
+                if task.index in addresses:
+                    continue
+                if task.process.poll() is not None:
+                    raise JobFailedError(
+                        f"{task.name} {task.describe_exit()} before it was listening{self._tail(task)}"
+                    )
+                assert isinstance(task.process, RemoteProcess)
+                path = str(out / "tasks" / f"ps{task.index}.json")
+                address = self._ray.get(task.process.actor.announced.remote(path), timeout=RPC_TIMEOUT_S)
+                if address:
+                    addresses[task.index] = address
+            if len(addresses) < num_ps and time.monotonic() > deadline:
+                waiting = ", ".join(t.name for t in ps_tasks if t.index not in addresses)
+                raise JobFailedError(f"{waiting} did not start listening within {self.ready_timeout_s:.0f} s")
+            time.sleep(POLL_S)
+        return [addresses[i] for i in range(num_ps)]
+
+    def _supervise(self) -> None:
+        try:
+            super()._supervise()
+        except JobFailedError as exc:
+            tails = "".join(self._tail(t) for t in self.tasks if t.process.returncode not in (None, 0))
+            raise JobFailedError(f"{exc}{tails}") from None
+
+    def _tail(self, task: Task) -> str:
+        lines = task.process.last_lines() if isinstance(task.process, RemoteProcess) else []
+        return f"\n--- last lines of {task.name} ---\n" + "\n".join(lines) if lines else ""
+
+    def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
+        self._disconnect()  # first, so that no task's forwarded log line comes after the summary line
+        return super()._final_summary(out, start, accuracies)
+
+    def _collect(self, out: Path) -> None:
+        """Fetch the chief's results when it ran on another machine than this launcher."""
+        if self._chief_node is None or self._chief_node == self._driver_node:
+            return
+        chief = next(t for t in self.tasks if t.job == "worker" and t.index == 0)
+        assert isinstance(chief.process, RemoteProcess)
+        files = self._ray.get(chief.process.actor.read_results.remote(str(out)), timeout=RPC_TIMEOUT_S * 4)
+        for name, data in files.items():
+            path = out / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        log.info("launcher: fetched %s from the chief's node %s", ", ".join(sorted(files)), chief.host)
