@@ -1,0 +1,34 @@
+"""Fixtures for the peer smoke tests: the MNIST folder and a way to run a peer script.
+
+The tests only run the peer scripts as subprocesses and read their JSON line,
+so this pytest process imports neither torch nor TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PEERS = REPO / "benchmarks" / "peers"
+MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+
+if str(PEERS) not in sys.path:  # _common is framework-free: unit-testable here
+    sys.path.insert(0, str(PEERS))
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
+        pytest.fail(f"MNIST is expected in {MNIST_DIR} (../shared/data/mnist beside the repo, or PSDK_TEST_DATA_DIR)")
+    return MNIST_DIR
+
+
+@pytest.fixture
+def token() -> str:
+    """A marker put in a run's environment, so its processes can be found in /proc afterwards."""
+    return uuid.uuid4().hex
