@@ -32,9 +32,10 @@ from psdk.checkpoint import Checkpoint
 from psdk.client import ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import PsdkError
+from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.plugins import backend_for
+from psdk.recovery import latest_or_none
 from psdk.security import CurveKeys
 from psdk.transport import Pending, Transport
 from psdk.zmq_transport import ZmqOptions, ZmqTransport
@@ -86,11 +87,21 @@ class WorkerSession:
             return {}
         return self.client.wait_for_workers(wait_s)
 
-    def save_checkpoint(self, folder: Path | str, config: str = "", **extra: Any) -> Path:
-        """Chief: write a consistent checkpoint of every shard to ``folder/ckpt-<step>.npz``."""
+    def save_checkpoint(self, folder: Path | str, config: str = "", **extra: Any) -> Path | None:
+        """Chief: write a consistent checkpoint of every shard to ``folder/ckpt-<step>.npz``.
+
+        If a ps is lost meanwhile and recovery is on, no checkpoint is written:
+        the job is restored from the previous one instead (returns ``None``).
+        """
         if not self.is_chief:
             raise PsdkError("only the chief (worker 0) writes checkpoints")
-        state = self.client.checkpoint_state()
+        try:
+            state = self.client.checkpoint_state()
+        except (PeerDeadError, PeerRestartedError) as exc:
+            if self.client.options.recovery_timeout_s is None:
+                raise
+            self.record(self.client.recover(f"{exc} during a checkpoint"))
+            return None
         state.config, state.extra = config, dict(extra)
         path = checkpoint.save(state, checkpoint.path_for(Path(folder), state.global_step))
         log.info("worker 0: checkpoint at global step %d written to %s", state.global_step, path)
@@ -132,6 +143,7 @@ def connect(
     options: ClientOptions | None = None,
     transport: Transport | None = None,
     curve: CurveKeys | None = None,
+    checkpoint_dir: Path | str | None = None,
 ) -> WorkerSession:
     """Join ``cluster`` as worker ``task_index``.
 
@@ -139,7 +151,9 @@ def connect(
     configure the job; only the chief's values reach the ps, as only the
     chief's graph mattered in TensorFlow. ``curve`` (see
     :func:`psdk.security.load_worker`) authenticates this worker and encrypts
-    its traffic.
+    its traffic. With ``options.recovery_timeout_s`` set, the chief restores
+    a lost ps from the latest checkpoint in ``checkpoint_dir`` (or the
+    initial state) and the other workers wait for it.
     """
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
     job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers)
@@ -159,6 +173,9 @@ def connect(
         if own is not None:
             own.close()
         raise
+    if checkpoint_dir is not None:
+        folder = checkpoint_dir
+        client.recovery_source = lambda: latest_or_none(folder)
     return WorkerSession(client, job, sharding, own)
 
 

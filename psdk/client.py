@@ -15,7 +15,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from psdk.checkpoint import Checkpoint
 from psdk.cluster import ClusterSpec
-from psdk.errors import PsdkError, RemoteError, TransportError
+from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError, RemoteError, TransportError
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
@@ -39,6 +39,8 @@ class ClientOptions:
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 300.0
     init_timeout_s: float = 300.0
+    recovery_timeout_s: float | None = None
+    """When set, a lost ps or a restored job is waited out (this long at most) instead of failing."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Heartbeat(threading.Thread):
         self.transport, self.addresses, self.names = transport, addresses, names
         self.worker, self.interval_s, self.identity = worker, interval_s, identity
         self.last_heard: list[float | None] = [None] * len(addresses)
+        self.boot: list[str | None] = [None] * len(addresses)
         self._stop_event = threading.Event()
         self._ready = threading.Event()
 
@@ -83,8 +86,9 @@ class Heartbeat(threading.Thread):
                         endpoint.send(index, ping)
                 deadline = time.monotonic() + self.interval_s
                 while not self._stop_event.is_set() and (left := deadline - time.monotonic()) > 0:
-                    for index, _ in endpoint.receive(min(left, 0.1)):
+                    for index, pong in endpoint.receive(min(left, 0.1)):
                         self.last_heard[index] = time.monotonic()
+                        self.boot[index] = pong.fields.get("boot")
         finally:
             endpoint.close()
 
@@ -137,6 +141,15 @@ class ParameterClient:
         self._params: dict[str, np.ndarray] = {}
         self._grads: dict[str, np.ndarray] = {}
         self._creation_order: list[str] = []
+        self.epoch = 0
+        self.boots: list[str | None] = [None] * cluster.num_ps
+        """Each shard's boot id as of the last layout: a different one means it restarted."""
+        self._retired: list[set[str]] = [set() for _ in range(cluster.num_ps)]
+        self.rule_json: dict[str, Any] = {}
+        self._fallback: Checkpoint | None = None
+        self.recoveries: list[dict[str, Any]] = []
+        self.recovery_source: Callable[[], Checkpoint | None] | None = None
+        """The chief's state to restore a lost shard from (its latest checkpoint), if any."""
         self.heartbeat: Heartbeat | None = None
         if heartbeat:
             self.heartbeat = Heartbeat(
@@ -173,11 +186,29 @@ class ParameterClient:
             what,
             silence_s=silence,
             dead_after_s=self.options.heartbeat_timeout_s,
+            restarted=self._restarted if watch else None,
         )
         for index, reply in replies.items():
             if reply.op == "error":
                 raise RemoteError(self.names[index], str(reply.fields.get("error")), str(reply.fields.get("kind")))
         return replies
+
+    def _restarted(self, index: int) -> bool:
+        known, heard = self.boots[index], self.heartbeat.boot[index] if self.heartbeat else None
+        return known is not None and heard is not None and heard != known and heard not in self._retired[index]
+
+    def heard_from(self, index: int, boot: str | None) -> None:
+        """A reply from shard ``index`` is as good as a heartbeat (a restarted ps may not have pinged back yet)."""
+        if self.heartbeat is not None:
+            self.heartbeat.last_heard[index] = time.monotonic()
+            self.heartbeat.boot[index] = boot
+
+    def set_boot(self, index: int, boot: str | None) -> None:
+        """Shard ``index`` now runs as ``boot``; late heartbeats from its earlier process are ignored."""
+        old = self.boots[index]
+        if old is not None and old != boot:
+            self._retired[index].add(old)
+        self.boots[index] = boot
 
     def _all(self, op: str, **fields: Any) -> dict[int, Message]:
         return {i: Message(op, self._fields(**fields)) for i in range(self.cluster.num_ps)}
@@ -208,6 +239,13 @@ class ParameterClient:
             variables = restore.variables
         order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
         self._creation_order = [name for name, _ in order]
+        self.rule_json = rule.to_json()
+        self._fallback = restore or Checkpoint(
+            global_step=0,
+            variables={n: np.array(v, np.float32) for n, v in variables.items()},
+            slots={s: {n: np.zeros(np.shape(v), np.float32) for n, v in variables.items()} for s in rule.slot_names()},
+            rule=self.rule_json,
+        )
         placement = assign_shards(order, self.cluster.num_ps, sharding)
         messages = {}
         for index in range(self.cluster.num_ps):
@@ -225,7 +263,9 @@ class ParameterClient:
                     np.ascontiguousarray(restore.slots[s][n], dtype=np.float32) for s in slot_names for n in names
                 ]
             messages[index] = Message("init", fields, arrays)
-        replies = self._request(messages, "initialising the variables", self.options.init_timeout_s)
+        replies = self._rejoining(
+            lambda: self._request(messages, "initialising the variables", self.options.init_timeout_s)
+        )
         fresh = {reply.op == "ok" for reply in replies.values()}
         if len(fresh) > 1:
             raise PsdkError(
@@ -237,13 +277,31 @@ class ParameterClient:
 
     def wait_initialized(self) -> None:
         """Non-chief workers: wait (bounded) until the chief has initialised every shard."""
-        replies = self._request(
-            self._all("wait_init"),
-            "the chief (worker 0) to initialise the variables",
-            self.options.init_timeout_s,
-            watch=False,
+        replies = self._rejoining(
+            lambda: self._request(
+                self._all("wait_init"),
+                "the chief (worker 0) to initialise the variables",
+                self.options.init_timeout_s,
+                watch=False,
+            )
         )
         self._set_layout(replies)
+
+    def _rejoining(self, request: Callable[[], dict[int, Message]]) -> dict[int, Message]:
+        """``request``, retried while a ps still holds this worker's previous (dead) connection.
+
+        A restarted worker gets in once the ps has declared its old process
+        dead, which takes at most a heartbeat timeout.
+        """
+        deadline = time.monotonic() + self.options.heartbeat_timeout_s + 10.0
+        while True:
+            try:
+                return request()
+            except RemoteError as exc:
+                if "another session" not in exc.remote_message or time.monotonic() > deadline:
+                    raise
+                log.info("worker %d: the ps still holds this worker's old connection; retrying", self.task_index)
+                time.sleep(0.5)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
         self.shards, self._params, self._grads = [], {}, {}
@@ -257,6 +315,8 @@ class ParameterClient:
             self._params.update(views(shard.params, specs))
             self._grads.update(views(shard.grads, specs))
             jobs.add(repr(fields["job"]))
+            self.set_boot(index, fields.get("boot"))
+        self.epoch = int(replies[0].fields.get("epoch", 0))
         self.job = JobSpec.from_json(replies[0].fields["job"])
         if len(jobs) > 1:
             raise PsdkError("the ps shards were initialised for different jobs: restart every ps task")
@@ -319,14 +379,33 @@ class ParameterClient:
                     np.copyto(view, grads[name], casting="same_kind")
         self._seq += 1
         messages = {
-            i: Message("push_pull", self._fields(version=self.shards[i].version, seq=self._seq), [self.shards[i].grads])
+            i: Message(
+                "push_pull",
+                self._fields(version=self.shards[i].version, seq=self._seq, epoch=self.epoch),
+                [self.shards[i].grads],
+            )
             for i in self._live()
         }
         return self.endpoint.start_many(messages)
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
-        """Wait for every shard's reply and take in the fresh parameters."""
-        replies = self._collect(pending, "a push-and-pull")
+        """Wait for every shard's reply and take in the fresh parameters.
+
+        With recovery on, a lost ps or a "resync" reply is waited out: the
+        chief restores the shards from its latest checkpoint, the others wait
+        for it, and every worker pulls the restored parameters.
+        """
+        try:
+            replies = self._collect(pending, "a push-and-pull")
+        except (PeerDeadError, PeerRestartedError) as exc:
+            if self.options.recovery_timeout_s is None:
+                raise
+            return self.recover(str(exc))
+        resync = [r for r in replies.values() if r.op == "resync"]
+        if resync:
+            if self.options.recovery_timeout_s is None:
+                raise PsdkError(f"the job needs recovery ({resync[0].fields.get('why')}) but recovery is off")
+            return self.recover(str(resync[0].fields.get("why")))
         done = False
         for index, reply in replies.items():
             self._take_params(index, reply)
@@ -343,6 +422,12 @@ class ParameterClient:
             raise PsdkError(f"{self.names[index]} sent parameters of the wrong size")
         np.copyto(shard.params, reply.arrays[0])
         shard.version = int(reply.fields["version"])
+
+    def recover(self, why: str) -> StepResult:
+        """Get back onto the job after a ps was lost or the chief restored it."""
+        from psdk.recovery import recover
+
+        return recover(self, why)
 
     # -------------------------------------------------------------- the end
     def finish(self, report: Mapping[str, Any]) -> None:
@@ -386,6 +471,7 @@ class ParameterClient:
         """
         versions = self._request(self._all("status"), "shard versions for a checkpoint")
         target = max(int(r.fields["version"]) for r in versions.values())
+        failed = True
         try:
             for _ in range(max_rounds):
                 replies = self._request(
@@ -399,8 +485,13 @@ class ParameterClient:
             else:
                 raise PsdkError(f"the shards did not settle on one version in {max_rounds} rounds")
             states = self._request(self._all("state"), "the shards' state for a checkpoint")
+            failed = False
         finally:
-            self._request(self._all("resume"), "resuming after a checkpoint")
+            try:
+                self._request(self._all("resume"), "resuming after a checkpoint")
+            except TransportError:
+                if not failed:
+                    raise  # else the first error says more
         return self._assemble(states, target)
 
     def _assemble(self, states: Mapping[int, Message], version: int) -> Checkpoint:

@@ -112,6 +112,15 @@ class PeerDeadError(TransportError):
         )
 
 
+class PeerRestartedError(TransportError):
+    """A ps answered heartbeats as a new process while a request to its old self was in flight."""
+
+    def __init__(self, peer: str, what: str) -> None:
+        self.peer = peer
+        self.what = what
+        super().__init__(f"{peer} restarted while waiting for {what}; the request was lost with it")
+
+
 class RemoteError(PsdkError):
     """A ps task refused a request and said why."""
 

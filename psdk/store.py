@@ -53,6 +53,10 @@ class ParameterStore(ABC):
         """Set the variables and the update rule, once (from a checkpoint's state if given)."""
 
     @abstractmethod
+    def reset(self, variables: Mapping[str, np.ndarray], restore: RestoreState) -> None:
+        """Roll an initialised store back to a checkpoint's variables, slots, version and step."""
+
+    @abstractmethod
     def slots(self) -> dict[str, np.ndarray]:
         """The update rule's flat slot buffers, by slot name (live: copy before they change)."""
 
@@ -158,6 +162,17 @@ class FlatStore(ParameterStore):
             raise ProtocolError("a restored version and rule step must be >= 0")
         self._version = restore.version
         self.rule_state.step = restore.rule_step
+
+    def reset(self, variables: Mapping[str, np.ndarray], restore: RestoreState) -> None:
+        if not self._initialized:
+            raise ProtocolError("only an initialised store can be rolled back")
+        for name, view in views(self._flat, self._specs).items():
+            value = variables.get(name)
+            if value is None or value.shape != view.shape or not np.all(np.isfinite(value)):
+                raise ProtocolError(f"variable {name!r} is missing, has the wrong shape or is not finite")
+        for name, view in views(self._flat, self._specs).items():
+            view[...] = variables[name]
+        self._restore(restore)
 
     def slots(self) -> dict[str, np.ndarray]:
         return dict(self.rule_state.slots)

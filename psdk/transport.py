@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from psdk.errors import PeerDeadError, PeerTimeoutError, ProtocolError
+from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, ProtocolError
 from psdk.wire import Message
 
 # How often a waiting client wakes to check deadlines and peer liveness.
@@ -124,8 +124,13 @@ class Pending:
         what: str,
         silence_s: Callable[[int], float | None] | None = None,
         dead_after_s: float | None = None,
+        restarted: Callable[[int], bool] | None = None,
     ) -> dict[int, Message]:
-        """Every reply, or an error naming the server that did not answer (see ``request_many``)."""
+        """Every reply, or an error naming the server that did not answer (see ``request_many``).
+
+        ``restarted(index)`` tells when a server came back as a new process:
+        a request to its old self will never be answered.
+        """
         endpoint, expected = self.endpoint, self.expected
         replies: dict[int, Message] = {}
         start = time.monotonic()
@@ -140,6 +145,10 @@ class Pending:
                     silent = silence_s(index)
                     if silent is not None and silent > dead_after_s:
                         raise PeerDeadError(endpoint.peers[index], what, silent)
+            if restarted is not None:
+                for index in pending:
+                    if restarted(index):
+                        raise PeerRestartedError(endpoint.peers[index], what)
             for index, message in endpoint.receive(min(WAIT_SLICE_S, deadline - now)):
                 if expected.get(index) == message.rid and index not in replies:
                     replies[index] = message

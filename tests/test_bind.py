@@ -59,7 +59,15 @@ def test_port_0_means_any_port_never_any_interface() -> None:
 def test_an_address_that_cannot_be_bound_says_to_set_ps_bind(
     tmp_path: Path, extra: list[str], fragments: list[str]
 ) -> None:
-    result = psdk("ps", f"ps_hosts={SERVICE}:{free_port()}", "worker_hosts=a", *extra, out=tmp_path, timeout=60)
+    result = psdk(
+        "ps",
+        f"ps_hosts={SERVICE}:{free_port()}",
+        "worker_hosts=a",
+        "transport.secure=false",
+        *extra,
+        out=tmp_path,
+        timeout=60,
+    )
     text = result.stdout + result.stderr
     assert result.returncode != 0
     for fragment in [*fragments, "ps.bind=eth0", "ps 0"]:
@@ -79,6 +87,7 @@ def test_a_ps_reached_by_a_service_name_binds_the_interface_it_is_told(tmp_path:
             "ps",
             f"ps_hosts={SERVICE}:{port}",
             "worker_hosts=a",
+            "transport.secure=false",
             "ps.bind=lo",
             f"ps.announce_file={announce}",
             f"hydra.run.dir={tmp_path / 'run'}",

@@ -97,7 +97,15 @@ def test_per_task_mode_as_in_tensorflow_1(tmp_path: Path) -> None:
 
 
 def test_a_dead_worker_in_async_mode_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
-    job = start("run", "backend=numpy", "train.steps=3000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
+    job = start(
+        "run",
+        "backend=numpy",
+        "train.steps=3000",
+        "train.validate_every=0",
+        "recovery.enabled=false",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
     try:
         wait_for(lambda: progress_of(tmp_path, "worker1") >= 100, job)
         os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
@@ -119,6 +127,7 @@ def test_a_dead_worker_that_sync_cannot_spare_stops_the_job_naming_it(tmp_path: 
         "sync=sync",
         "train.steps=5000",
         "train.validate_every=0",
+        "recovery.enabled=false",
         *FAST_FLAGS,
         out=tmp_path,
     )
@@ -139,7 +148,15 @@ def test_a_dead_worker_that_sync_cannot_spare_stops_the_job_naming_it(tmp_path: 
     [("worker0", "the chief (worker 0) was killed by SIGKILL"), ("ps0", "ps 0 was killed by SIGKILL")],
 )
 def test_a_dead_chief_or_ps_stops_the_job_with_an_error_naming_it(tmp_path: Path, victim: str, message: str) -> None:
-    job = start("run", "backend=numpy", "train.steps=5000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
+    job = start(
+        "run",
+        "backend=numpy",
+        "train.steps=5000",
+        "train.validate_every=0",
+        "recovery.enabled=false",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
     try:
         wait_for(lambda: progress_of(tmp_path, "worker0") >= 60, job)
         os.kill(pid_of(tmp_path, victim), signal.SIGKILL)
@@ -209,3 +226,77 @@ def test_a_secure_job_authenticates_and_encrypts(tmp_path: Path) -> None:
     summary = check_run(tmp_path, result, 200)
     assert "CURVE on" in result.stdout and (tmp_path / "keys" / "server.key_secret").exists()
     assert summary["gradients_applied"] == 200
+
+
+def test_a_killed_ps_is_restarted_and_restored_from_the_last_checkpoint(tmp_path: Path) -> None:
+    job = start(
+        "run",
+        "backend=numpy",
+        "topology.num_ps=2",
+        "train.steps=4000",
+        "train.validate_every=0",
+        "checkpoint.every_steps=500",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
+    try:
+        # Measured progress: the second checkpoint exists.
+        wait_for(
+            lambda: (
+                (tmp_path / "checkpoints" / "ckpt-1000.npz").exists()
+                or len(list((tmp_path / "checkpoints").glob("ckpt-*.npz"))) >= 2
+            ),
+            job,
+        )
+        os.kill(pid_of(tmp_path, "ps1"), signal.SIGKILL)
+        output = job.communicate(timeout=120)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 4000 and summary["restarts"] == {"ps 1": 1}
+    (recovery,) = summary["recoveries"]
+    assert recovery["lost_steps"] <= 500 + 2 * 2  # one checkpoint interval, plus pushes in flight
+    assert "restarting it (1/3)" in output and "restored every shard" in output
+    assert summary["test_accuracy"] > 0.9
+    assert all_tasks_gone(tmp_path)
+
+
+def test_a_killed_worker_is_restarted_and_rejoins(tmp_path: Path) -> None:
+    job = start("run", "backend=numpy", "train.steps=3000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker1") >= 100, job)
+        os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
+        output = job.communicate(timeout=120)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["restarts"] == {"worker 1": 1} and summary["workers"]["1"]["status"] == "finished"
+    assert "back on a new connection" in output and summary["global_step"] == 3000
+    assert all_tasks_gone(tmp_path)
+
+
+def test_a_killed_worker_in_sync_mode_with_a_backup_is_not_missed(tmp_path: Path) -> None:
+    job = start(
+        "run",
+        "backend=numpy",
+        "sync=sync",
+        "sync.replicas_to_aggregate=2",
+        "topology.num_workers=3",
+        "train.steps=600",
+        "train.validate_every=100",
+        "recovery.enabled=false",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
+    try:
+        wait_for(lambda: progress_of(tmp_path, "worker2") >= 40, job)
+        os.kill(pid_of(tmp_path, "worker2"), signal.SIGKILL)
+        output = job.communicate(timeout=120)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 600 and summary["workers"]["2"]["status"] == "dead"
+    assert summary["test_accuracy"] > 0.9

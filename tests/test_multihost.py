@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from psdk import security
+
 from . import netns
 from .conftest import REPO, free_port
 from .jobs import FAST_FLAGS, env, progress_of, test_accuracy, wait_for
@@ -48,7 +50,15 @@ def start_job(
     ps, w0, w1 = lan["ps"], lan["w0"], lan["w1"]
     # A loaded machine may delay heartbeats: only the test that wants a death detects it quickly.
     fast = [f for f in FAST_FLAGS if not f.startswith("transport.heartbeat_timeout_s=")]
-    common = ["backend=numpy", *fast, f"transport.heartbeat_timeout_s={heartbeat_timeout_s}", *flags]
+    # Tasks on several hosts use CURVE by default: every host gets the job's keys.
+    keys = security.generate(tmp_path / "keys", 2)
+    common = [
+        "backend=numpy",
+        *fast,
+        f"transport.heartbeat_timeout_s={heartbeat_timeout_s}",
+        f"transport.keys_dir={keys}",
+        *flags,
+    ]
     # The three hosts share this machine's cores, as under the local launcher: one BLAS thread each.
     base_env = dict(env(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cluster = [f"--ps_hosts={ps.address}:{port}", f"--worker_hosts={w0.address},{w1.address}"]
@@ -92,7 +102,7 @@ def test_one_ps_and_two_workers_on_three_hosts_train_mnist(hosts: netns.Lan, tmp
     for worker in ("0", "1"):
         assert summary["workers"][worker]["status"] == "finished"
         assert summary["workers"][worker]["gradients_applied"] >= 100
-    assert f"serving at tcp://{ps.address}:{port}" in outputs["ps"]
+    assert f"serving at tcp://{ps.address}:{port}" in outputs["ps"] and "CURVE on" in outputs["ps"]
     assert "shut down by the chief at version 600" in outputs["ps"]
     if tf_config:
         assert "worker 1: role and cluster from TF_CONFIG task worker 0" in outputs["w1"]
@@ -101,7 +111,7 @@ def test_one_ps_and_two_workers_on_three_hosts_train_mnist(hosts: netns.Lan, tmp
 
 
 def test_when_the_chief_host_vanishes_the_ps_exits_naming_the_chief(hosts: netns.Lan, tmp_path: Path) -> None:
-    flags = ["train.steps=1000000", "train.validate_every=0"]
+    flags = ["train.steps=1000000", "train.validate_every=0", "recovery.enabled=false"]
     procs = start_job(hosts, tmp_path, free_port(), *flags, heartbeat_timeout_s=3)
     wait_for(lambda: progress_of(tmp_path / "w1", "worker1") >= 40, procs["w1"], timeout=120)
     hosts.unplug(hosts["w0"])

@@ -77,6 +77,7 @@ def client_options(cfg: DictConfig) -> ClientOptions:
         heartbeat_timeout_s=float(t.heartbeat_timeout_s),
         request_timeout_s=float(t.request_timeout_s),
         init_timeout_s=float(t.init_timeout_s),
+        recovery_timeout_s=float(cfg.recovery.timeout_s) if cfg.recovery.enabled else None,
     )
 
 
@@ -92,6 +93,7 @@ def server_options(cfg: DictConfig) -> ServerOptions:
         log_every_s=float(cfg.ps.log_every_s),
         idle_timeout_s=None if idle is None else float(idle),
         chief_host=chief,
+        recovery=bool(cfg.recovery.enabled),
     )
 
 

@@ -122,6 +122,13 @@ class TrainConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    enabled: bool = True
+    max_restarts: int = 3
+    timeout_s: float = 120.0
+
+
+@dataclass
 class CheckpointConfig:
     dir: str = "checkpoints"
     every_steps: int = 0
@@ -193,6 +200,7 @@ class PsdkConfig:
     output_dir: Any = None
     resume: Any = None
     weights: Any = None
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,11 @@ class WorkerReport:
     last_val_accuracy: float | None = None
     train_time_s: float = 0.0
     epochs: int = 0
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "recoveries": self.recoveries,
             "backend": self.backend,
             "device": self.device,
             "local_steps": self.local_steps,
@@ -121,6 +123,7 @@ def run_worker(cfg: DictConfig) -> None:
             sharding=str(cfg.topology.sharding),
             options=build.client_options(cfg),
             curve=build.worker_keys(cfg, cluster, task),
+            checkpoint_dir=cfg.checkpoint.dir if task == 0 else None,
         ) as session:
             optimizer = DistributedOptimizer(framework_optimizer, model, session, backend=backend)
             tune_compute_thread(cfg, cluster.local_rank(task))
@@ -205,6 +208,7 @@ class WorkerJob:
                 break
         self.report.train_time_s = time.time() - began
         self.report.epochs = batches.epoch
+        self.report.recoveries = list(self.session.client.recoveries)
         log.info(
             "worker %d: training time %.2f s, %d local steps (%.0f steps/s)",
             self.task,
@@ -248,7 +252,7 @@ class WorkerJob:
         by_time = self.every_seconds > 0 and time.monotonic() - self.last_checkpoint_time >= self.every_seconds
         return by_steps or by_time
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         config = OmegaConf.to_yaml(self.cfg, resolve=True)
         folder = Path(self.cfg.checkpoint.dir)
         path = self.session.save_checkpoint(folder, config=config, backend=self.backend.name)

@@ -80,6 +80,7 @@ def build_summary(
         "global_steps_per_s": rate,
         "wall_s": wall_s,
         "workers": per_worker,
+        "recoveries": per_worker.get("0", {}).get("recoveries", []),
         "ps": [
             {
                 "task": s["task"],

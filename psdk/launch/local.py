@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,7 @@ class Task:
     process: TaskProcess
     command: list[str]
     host: str | None = None  # where it runs, when that is not this machine
+    env: dict[str, str] | None = None  # what it was started with, to start it again
 
     @property
     def name(self) -> str:
@@ -122,6 +124,13 @@ class LocalLauncher:
         self.ready_timeout_s = ready_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.tasks: list[Task] = []
+        self.ps_addresses: list[str] = []
+        self.max_restarts = 0  # recovery.max_restarts when recovery is on
+        self.restarts: Counter[str] = Counter()
+
+    def spans_hosts(self) -> bool:
+        """Whether the tasks run on more than one host (then CURVE is on by default)."""
+        return False
 
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
@@ -140,16 +149,20 @@ class LocalLauncher:
     def launch(self, cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         start = time.time()
         self.validate(cfg)
+        self.max_restarts = int(cfg.recovery.max_restarts) if cfg.recovery.enabled else 0
         topology = build.topology(cfg)
         out = Path(cfg.output_dir).resolve()
         (out / "tasks").mkdir(parents=True, exist_ok=True)
         data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
-        if cfg.transport.secure:
+        secure = bool(cfg.transport.secure) if cfg.transport.secure is not None else self.spans_hosts()
+        if secure:
             keys = Path(cfg.transport.keys_dir) if cfg.transport.keys_dir else None
             keys = keys or security.generate(out / "keys", topology.num_workers)
             log.info("launcher: CURVE on, keys in %s", keys)
             common += ["transport.secure=true", f"transport.keys_dir={keys}"]
+        else:
+            common += ["transport.secure=false"]  # decided here, for every task alike
         try:
             self._start_tasks(cfg, out, common)
             self._supervise()
@@ -182,6 +195,7 @@ class LocalLauncher:
                 ],
             )
         addresses = self._wait_for_ps(out, topology.num_ps)
+        self.ps_addresses = addresses
         log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
         placement = RankPlacement(str(cfg.placement.device))
         gpus = visible_gpus()
@@ -228,7 +242,7 @@ class LocalLauncher:
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
         process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
-        self.tasks.append(Task(job, index, process, command))
+        self.tasks.append(Task(job, index, process, command, env=env))
 
     def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -250,25 +264,24 @@ class LocalLauncher:
         return [json.loads(f.read_text())["address"] for f in files]
 
     def _supervise(self) -> None:
-        """Wait for the chief; stop the job if it or a ps fails; report other deaths."""
+        """Wait for the chief; restart lost tasks (recovery on) or stop the job; report other deaths."""
         chief = next(t for t in self.tasks if t.job == "worker" and t.index == 0)
         reported: set[str] = set()
-        while chief.process.poll() is None:
+        while chief.process.poll() != 0:
             for task in self.tasks:
-                if task is chief or task.process.poll() is None or task.name in reported:
+                code = task.process.poll()
+                if code is None or code == 0 or task.name in reported:
+                    continue
+                if self._may_restart(task):
+                    self._restart(task)
                     continue
                 reported.add(task.name)
-                if task.job == "ps" and task.process.returncode != 0:
+                if task is chief:
+                    raise JobFailedError(f"the chief (worker 0) {chief.describe_exit()}; stopping the job")
+                if task.job == "ps":
                     self._fail(task, chief)
-                if task.process.returncode != 0:
-                    log.warning(
-                        "launcher: %s %s; the job goes on without it while it can",
-                        task.name,
-                        task.describe_exit(),
-                    )
+                log.warning("launcher: %s %s; the job goes on without it while it can", task.name, task.describe_exit())
             time.sleep(POLL_S)
-        if chief.process.returncode != 0:
-            raise JobFailedError(f"the chief (worker 0) {chief.describe_exit()}; stopping the job")
         deadline = time.monotonic() + self.shutdown_timeout_s
         for task in self.tasks:
             left = max(0.1, deadline - time.monotonic())
@@ -284,6 +297,33 @@ class LocalLauncher:
                 task.process.wait(timeout=10)
             if task.job == "ps" and task.process.returncode != 0:
                 raise JobFailedError(f"{task.name} {task.describe_exit()} at the end of the job")
+
+    def _may_restart(self, task: Task) -> bool:
+        """A lost task comes back (recovery on): a worker after any failure, a ps only when killed.
+
+        A ps that exits by itself decided to (the chief aborted the job or vanished).
+        """
+        code = task.process.returncode
+        killed = code is not None and code < 0
+        return self.restarts[task.name] < self.max_restarts and (task.job == "worker" or killed)
+
+    def _restart(self, task: Task) -> None:
+        """Start ``task`` again with its own command; a ps on the address it had before."""
+        self.restarts[task.name] += 1
+        log.warning(
+            "launcher: %s %s; restarting it (%d/%d)",
+            task.name,
+            task.describe_exit(),
+            self.restarts[task.name],
+            self.max_restarts,
+        )
+        command = list(task.command)
+        if task.job == "ps" and self.ps_addresses:
+            command = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in command]
+        task.process = subprocess.Popen(command, env=task.env, preexec_fn=_die_with_parent)
+        task.command = command
+        run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{task.process.pid}\n")
 
     def _fail(self, ps: Task, chief: Task) -> None:
         """A ps failed: give the chief a moment to report why (it may have aborted the job)."""
@@ -314,6 +354,7 @@ class LocalLauncher:
             raise JobFailedError(f"the chief finished but wrote no {path}")
         summary: dict[str, Any] = json.loads(path.read_text())
         summary["test_accuracy_by_backend"].update(accuracies)
+        summary["restarts"] = dict(self.restarts)
         if accuracies:
             log.info(
                 "launcher: test accuracy of the final parameters by backend: %s",

@@ -226,6 +226,11 @@ class RayLauncher(LocalLauncher):
     def local_cluster(self) -> bool:
         return self.address is None
 
+    def spans_hosts(self) -> bool:
+        # A Ray cluster's nodes are separate hosts; the keys go in the run's folder, which the
+        # nodes must share (or pass transport.keys_dir=, a folder present on every node).
+        return not self.local_cluster
+
     def bind_host(self, node_ip: str) -> str:
         """What a ps binds: its node's IP, or loopback on a local Ray (nothing else can reach it)."""
         return "127.0.0.1" if self.local_cluster else node_ip

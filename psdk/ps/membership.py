@@ -40,8 +40,8 @@ class Membership:
         if state is None:
             state = self.workers[worker] = WorkerState()
         state.last_seen = now
-        if state.status == UNSEEN:
-            state.status = ALIVE
+        if state.status in (UNSEEN, DEAD):  # the dead may come back (a restarted worker)
+            state.status, state.reason = ALIVE, ""
 
     def finish(self, worker: int) -> None:
         self.workers.setdefault(worker, WorkerState()).status = FINISHED

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import resource
+import secrets
 import threading
 import time
 from collections import Counter
@@ -48,7 +49,14 @@ class ServerOptions:
     log_every_s: float = 10.0
     poll_s: float = 0.1
     idle_timeout_s: float | None = 60.0  # a chief silent this long has vanished (ps.idle_timeout_s)
+    recovery: bool = False  # dead tasks come back (recovery.enabled): wait for them instead of failing
     chief_host: str | None = None  # named in messages about the chief
+
+
+def _epoch(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"bad epoch {value!r}")
+    return value
 
 
 def process_usage() -> dict[str, float]:
@@ -142,6 +150,10 @@ class ParameterServer:
         self.membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
         self.reports: dict[int, dict[str, Any]] = {}
         self.sessions: dict[int, bytes] = {}
+        # A restarted ps has a new boot id; every restore by the chief starts a new epoch, and a
+        # push computed in an older epoch is answered "resync" instead of being applied.
+        self.boot = secrets.token_hex(4)
+        self.epoch = 0
         self._rejections = RateLimitedLog(log)
         self.failure: str | None = None
         self.exit_code: int | None = None
@@ -168,6 +180,7 @@ class ParameterServer:
             "state": self._on_state,
             "resume": self._on_resume,
             "stop_at": self._on_stop_at,
+            "restore": self._on_restore,
         }
 
     # ----------------------------------------------------------------- loop
@@ -262,17 +275,21 @@ class ParameterServer:
         return f"the chief (worker 0{f' at {host}' if host else ''})"
 
     def _on_worker_lost(self, worker: int, reason: str) -> None:
-        if worker == CHIEF:
+        if worker == CHIEF and not self.options.recovery:
             self.fail(f"{self._chief_label()} is gone: {reason}; stopping this ps")
             self.exit_code = 1
             return
+        if worker == CHIEF:
+            log.warning("%s: %s is gone (%s); waiting for it to come back", self.name, self._chief_label(), reason)
         log.warning("%s: worker %d is gone: %s", self.name, worker, reason)
         if self.policy is not None:
             for push in self.policy.release_ready():  # bounded staleness: the dead leave the minimum
                 self._reply_params(push.peer, push.rid, push.outcome.value)
         if self.policy is not None and not self.done:
             blocked = self.policy.blocked_round(self.membership.live())
-            if blocked:
+            if blocked and self.options.recovery:
+                log.warning("%s: %s until worker %d comes back", self.name, blocked, worker)
+            elif blocked:
                 self.fail(f"{blocked}; dead: worker {worker} ({reason})")
 
     def fail(self, reason: str) -> None:
@@ -318,6 +335,7 @@ class ParameterServer:
             raise ProtocolError(f"worker {worker} is already connected from another session: not accepted")
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
+            self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
         self.sessions[worker] = session
 
     def _send(self, peer: bytes, rid: int, op: str, fields: dict[str, Any], arrays: list[Any]) -> None:
@@ -354,6 +372,8 @@ class ParameterServer:
         return {
             "version": self.store.version,
             "done": self.done,
+            "epoch": self.epoch,
+            "boot": self.boot,
             "job": self.job.to_json(),
             "names": [s.name for s in self.store.specs],
             "shapes": [list(s.shape) for s in self.store.specs],
@@ -365,7 +385,19 @@ class ParameterServer:
 
     # ------------------------------------------------------------ handlers
     def _on_ping(self, peer: bytes, message: Message, worker: int | None) -> None:
-        self._send(peer, message.rid, "pong", {"version": self.store.version, "done": self.done}, [])
+        fields = {"version": self.store.version, "done": self.done, "boot": self.boot, "epoch": self.epoch}
+        self._send(peer, message.rid, "pong", fields, [])
+
+    def _resync(self, peer: bytes, rid: int, why: str) -> None:
+        """Tell a worker to wait for the chief's restore and pull again: a typed reply, not an error."""
+        fields = {
+            "why": why,
+            "initialized": self.store.initialized,
+            "epoch": self.epoch,
+            "boot": self.boot,
+            "version": self.store.version,
+        }
+        self._send(peer, rid, "resync", fields, [])
 
     def _on_init(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker != CHIEF:
@@ -387,6 +419,7 @@ class ParameterServer:
         if len(message.arrays) != len(names) * (1 + (len(restore.slots) if restore else 0)):
             raise ProtocolError("init needs one array per variable (and per slot when restoring)")
         self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
+        self.epoch = _epoch(message.fields.get("epoch", 0))
         self.job = job
         self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
@@ -419,10 +452,16 @@ class ParameterServer:
             self._init_waiters.append((peer, message.rid))
 
     def _on_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if not self.store.initialized and worker is not None and self.options.recovery:
+            self._resync(peer, message.rid, f"{self.name} has restarted and waits for the chief to restore it")
+            return
         self._require_init()
         self._reply_params(peer, message.rid, "pulled")
 
     def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
+        if not self.store.initialized and worker is not None and self.options.recovery:
+            self._resync(peer, message.rid, f"{self.name} has restarted and waits for the chief to restore it")
+            return
         self._require_init()
         assert self.job is not None and self.policy is not None
         if worker is None:
@@ -434,6 +473,9 @@ class ParameterServer:
             raise ProtocolError(f"bad sequence number {seq!r}")
         if len(message.arrays) != 1:
             raise ProtocolError("push_pull carries exactly one flat gradient")
+        if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
+            self._resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
+            return
         grad = message.arrays[0]
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
             raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
@@ -555,6 +597,8 @@ class ParameterServer:
             "version": self.store.version,
             "done": self.done,
             "initialized": self.store.initialized,
+            "epoch": self.epoch,
+            "boot": self.boot,
             "failure": self.failure,
             "workers": self.membership.summary(),
         }
@@ -588,6 +632,35 @@ class ParameterServer:
         if self.done:
             for push in self.policy.release_parked():
                 self._reply_params(push.peer, push.rid, "done")
+
+    def _on_restore(self, peer: bytes, message: Message, worker: int | None) -> None:
+        """The chief rolls this shard back to a checkpoint after another shard was lost.
+
+        Every push waiting here (a sync round, a pause, bounded staleness) is
+        answered "resync": its gradient belongs to the abandoned timeline.
+        """
+        if worker != CHIEF:
+            raise ProtocolError("only the chief (worker 0) restores the store")
+        self._require_init()
+        assert self.job is not None and self.policy is not None
+        names = [s.name for s in self.store.specs]
+        if message.fields.get("names") != names:
+            raise ProtocolError(f"restore must name this shard's variables {names}")
+        restore = _restore_state(message.fields.get("restore"), names, message.arrays)
+        if restore is None:
+            raise ProtocolError("restore needs the checkpoint's state")
+        self.store.reset(dict(zip(names, message.arrays, strict=False)), restore)
+        self.epoch = _epoch(message.fields.get("epoch"))
+        why = f"the chief restored the job at version {restore.version} (epoch {self.epoch})"
+        stale = [(p.peer, p.rid) for p in self.policy.release_parked()] + [(h[0], h[1]) for h in self._held]
+        self._held.clear()
+        self.pause_version = None
+        self.policy = make_policy(self.store, self.job.sync, self.membership.live)
+        self._snapshot = None
+        log.warning("%s: %s", self.name, why)
+        self._send(peer, message.rid, "ok", self._layout(), [])
+        for stale_peer, rid in stale:
+            self._resync(stale_peer, rid, why)
 
     def _on_shutdown(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker != CHIEF:

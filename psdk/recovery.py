@@ -1,0 +1,138 @@
+"""Getting a job back on its feet after a ps was lost: the chief restores, the others follow.
+
+A ps that dies loses its shard. When it comes back (restarted by the
+launcher, or by hand in per-task mode) it is empty, and answers pushes with
+a typed "resync" reply. The chief then restores the whole job from its
+latest checkpoint, by variable name, over the transport: the new ps gets its
+variables and optimizer slots, every surviving shard rolls back to the same
+global step, and all shards enter a new epoch. Any push computed in the old
+epoch is answered "resync"; every worker then pulls the restored parameters
+and goes on. At most the steps since the last checkpoint are lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from psdk.checkpoint import Checkpoint
+from psdk.errors import PsdkError, TransportError
+from psdk.wire import Message
+
+if TYPE_CHECKING:
+    from psdk.client import ParameterClient, StepResult
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+
+
+def recover(client: ParameterClient, why: str) -> StepResult:
+    """Wait out the loss, restore (the chief) or follow (the others), then pull."""
+    from psdk.client import StepResult
+
+    timeout = client.options.recovery_timeout_s or 0.0
+    deadline = time.monotonic() + timeout
+    log.warning("worker %d: %s; recovering (at most %.0f s)", client.task_index, why, timeout)
+    if client.task_index == 0:
+        lost = lead(client, deadline)
+    else:
+        follow(client, deadline)
+        lost = None
+    step = client.pull()
+    log.warning(
+        "worker %d: recovered at global step %d (epoch %d)%s",
+        client.task_index,
+        step,
+        client.epoch,
+        f", {lost} global steps lost" if lost is not None else "",
+    )
+    client.recoveries.append({"global_step": step, "epoch": client.epoch, "lost_steps": lost, "why": why})
+    return StepResult(step, False, "resync")
+
+
+def statuses(client: ParameterClient, deadline: float, what: str) -> dict[int, dict[str, Any]]:
+    """Every shard's status, waiting for shards that do not answer (yet)."""
+    found: dict[int, dict[str, Any]] = {}
+    while True:
+        for index in range(client.cluster.num_ps):
+            if index in found:
+                continue
+            try:
+                reply = client._request({index: Message("status", client._fields())}, what, timeout_s=1.0, watch=False)
+                found[index] = reply[index].fields
+                client.heard_from(index, found[index].get("boot"))
+            except TransportError:
+                pass
+        if len(found) == client.cluster.num_ps:
+            return found
+        if time.monotonic() > deadline:
+            missing = ", ".join(client.names[i] for i in range(client.cluster.num_ps) if i not in found)
+            raise PsdkError(f"gave up recovering: {missing} did not come back in time")
+        time.sleep(POLL_S)
+
+
+def lead(client: ParameterClient, deadline: float) -> int:
+    """The chief: restore every shard from the latest checkpoint into a new epoch; returns steps lost."""
+    shards = statuses(client, deadline, "a lost ps to come back")
+    state = client.recovery_source() if client.recovery_source is not None else None
+    state = state or client._fallback
+    if state is None:
+        raise PsdkError("a ps was lost but the chief has no state to restore it from")
+    epoch = max(int(s["epoch"]) for s in shards.values()) + 1
+    reached = max(int(s["version"]) for s in shards.values())
+    for index, status in shards.items():  # the shards as they are now (a restarted one has a new boot id)
+        client.set_boot(index, status.get("boot"))
+    messages = {}
+    for index, shard in enumerate(client.shards):
+        names = [spec.name for spec in shard.specs]
+        arrays = [np.ascontiguousarray(state.variables[n], np.float32) for n in names]
+        slot_names = list(state.slots)
+        arrays += [np.ascontiguousarray(state.slots[s][n], np.float32) for s in slot_names for n in names]
+        fields = client._fields(
+            names=names,
+            epoch=epoch,
+            restore={"version": state.global_step, "rule_step": state.rule_step, "slots": slot_names},
+        )
+        if shards[index]["initialized"]:
+            messages[index] = Message("restore", fields, arrays)
+        else:
+            assert client.job is not None
+            fields.update(job=client.job.to_json(), rule=client.rule_json)
+            messages[index] = Message("init", fields, arrays)
+    client._request(messages, "restoring the shards from the latest checkpoint")
+    client.epoch = epoch
+    log.warning(
+        "worker 0: restored every shard to global step %d (epoch %d) from %s",
+        state.global_step,
+        epoch,
+        "the latest checkpoint" if state is not client._fallback else "the initial state",
+    )
+    return max(0, reached - state.global_step)
+
+
+def follow(client: ParameterClient, deadline: float) -> None:
+    """Any other worker: wait until the chief has restored every shard into a newer epoch."""
+    while True:
+        shards = statuses(client, deadline, "the chief to restore the job")
+        epochs = {int(s["epoch"]) for s in shards.values()}
+        if all(s["initialized"] for s in shards.values()) and len(epochs) == 1 and min(epochs) > client.epoch:
+            client.epoch = min(epochs)
+            for index, status in shards.items():
+                client.set_boot(index, status.get("boot"))
+            return
+        if time.monotonic() > deadline:
+            raise PsdkError("gave up recovering: the chief did not restore the job in time")
+        time.sleep(POLL_S)
+
+
+def latest_or_none(folder: Any) -> Checkpoint | None:
+    from pathlib import Path
+
+    from psdk import checkpoint
+
+    path = checkpoint.latest(Path(folder)) if folder else None
+    return checkpoint.load(path) if path is not None else None
