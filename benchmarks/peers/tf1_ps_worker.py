@@ -232,7 +232,7 @@ def launch(args: argparse.Namespace) -> int:
             "notes": notes,
         }
 
-    return c.run_launcher("tf1_ps_worker", "tensorflow", args.mode, args.timeout, body)
+    return c.run_launcher(args, "tf1_ps_worker", "tensorflow", body)
 
 
 def tf_version() -> str:

@@ -22,6 +22,7 @@ wrapped in ``DDP``, a plain ``zero_grad``/``backward``/``step`` loop.
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def run_rank(args: argparse.Namespace) -> None:
         init_method=f"tcp://127.0.0.1:{int(args.ports)}",
         rank=rank,
         world_size=world,
-        timeout=__import__("datetime").timedelta(seconds=max(10.0, args.deadline - time.time())),
+        timeout=datetime.timedelta(seconds=max(10.0, args.deadline - time.time())),
     )
     model = nn.Sequential(nn.Linear(784, 100), nn.ReLU(), nn.Linear(100, 10))
     with torch.no_grad():  # TF layout (in, out) -> torch (out, in)
@@ -102,7 +103,7 @@ def launch(args: argparse.Namespace) -> int:
             + c.cpu_per_update_ms(cpu, args.steps - 1),
         }
 
-    return c.run_launcher("torch_ddp", "torch", args.mode, args.timeout, body)
+    return c.run_launcher(args, "torch_ddp", "torch", body)
 
 
 def main() -> int:

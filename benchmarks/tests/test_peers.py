@@ -8,6 +8,7 @@ environment, which every task inherits.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -39,10 +40,24 @@ def leftovers(token: str) -> list[str]:
     return found
 
 
-def start(script: str, args: list[str], token: str) -> subprocess.Popen[str]:
+@functools.cache
+def can_unshare_net() -> bool:
+    """Whether `unshare -n` and `ip` work here (root, or user namespaces allowed)."""
+    try:
+        probe = ["unshare", "-n", "sh", "-c", "ip link set lo up"]
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def start(script: str, args: list[str], token: str, netns: bool = False) -> subprocess.Popen[str]:
+    """Run a peer script; with ``netns``, as the harness does: in a network namespace with only loopback."""
     env = dict(os.environ, PSDK_PEER_TEST=token)
+    argv = [sys.executable, str(PEERS / script), *args]
+    if netns:
+        argv = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
     return subprocess.Popen(
-        [sys.executable, str(PEERS / script), *args],
+        argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -83,7 +98,7 @@ def check_contract(out: str, err: str, system: str, framework: str, mode: str, h
 
 RUNS = [
     ("single.py", ["--framework", "torch"], "single", "torch", "single", False),
-    ("single.py", ["--framework", "tf"], "single", "tf", "single", False),
+    ("single.py", ["--framework", "tf"], "single", "tensorflow", "single", False),
     ("torch_ddp.py", ["--mode", "sync"], "torch_ddp", "torch", "sync", False),
     ("torch_rpc_ps.py", ["--mode", "async"], "torch_rpc_ps", "torch", "async", True),
     ("torch_rpc_ps.py", ["--mode", "sync"], "torch_rpc_ps", "torch", "sync", True),
@@ -108,8 +123,9 @@ def test_smoke(
     mnist_dir: Path,
     token: str,
 ) -> None:
+    """A short run of every peer; in a loopback-only network namespace where one can be made (as the harness runs)."""
     args = [*extra, "--steps", str(STEPS), "--workers", "2", "--data", str(mnist_dir), "--timeout", "120"]
-    code, out, err = finish(start(script, args, token), token, timeout=140)
+    code, out, err = finish(start(script, args, token, netns=can_unshare_net()), token, timeout=140)
     assert code == 0, err[-3000:]
     check_contract(out, err, system, framework, mode, has_ps)
 
@@ -122,6 +138,15 @@ def test_timeout_kills_every_task_and_names_the_one_waited_for(mnist_dir: Path, 
     assert code == 124
     assert out == ""
     assert "timed out after 1 s waiting for task rank0" in err
+
+
+@pytest.mark.timeout(30)
+def test_missing_data_fails_fast_in_the_launcher(tmp_path: Path, token: str) -> None:
+    proc = start("tf1_ps_worker.py", ["--mode", "sync", "--data", str(tmp_path)], token)
+    code, out, err = finish(proc, token, timeout=25)
+    assert code == 2
+    assert out == ""
+    assert "MNIST files missing" in err
 
 
 @pytest.mark.timeout(60)
