@@ -199,3 +199,9 @@ def test_rate_counts_like_psdk() -> None:
     assert c.rate(2000, 10.0, 12.0) == 1000.0
     assert c.rate(1, 10.0, 10.0) is None
     assert c.rate(10, None, 12.0) is None
+
+
+def test_this_process_imports_no_framework() -> None:
+    """The smoke tests talk to the peers through subprocesses and JSON only."""
+    assert "torch" not in sys.modules
+    assert "tensorflow" not in sys.modules
