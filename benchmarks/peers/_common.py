@@ -325,6 +325,13 @@ class TaskFailed(RuntimeError):
         self.code = code
 
 
+class Interrupted(TaskFailed):
+    """Ctrl-C, SIGTERM or SIGHUP reached the launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name}: every task was killed", 128 + signum)
+
+
 @dataclass
 class Launcher:
     """Starts the tasks, waits for them under the overall deadline, and always cleans up.
@@ -339,6 +346,7 @@ class Launcher:
     started: float = field(default_factory=time.time)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     killed: set[str] = field(default_factory=set)  # tasks the launcher ended on purpose
+    signalled: int = 0  # the signal that asked the launcher to stop, if any
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="psdk-peer-")))
 
     @property
@@ -346,16 +354,27 @@ class Launcher:
         return self.started + self.timeout_s
 
     def __enter__(self) -> Launcher:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _raise_exit)
+        # The handlers only take note; ``check`` raises at points of our choosing. An
+        # exception raised straight from a handler can land in code that swallows it
+        # (Python's at-fork hooks inside ``Popen`` do), and the run would go on.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
         self.kill_all()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signalled = self.signalled or signum
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` if a stop signal has arrived."""
+        if self.signalled:
+            raise Interrupted(self.signalled)
+
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.check()
         self.procs[name] = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -366,12 +385,14 @@ class Launcher:
         )
         # Tasks may sample each other's CPU time (see ``task_pid``).
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
+        self.check()
 
     def wait(self, names: Sequence[str], deadline: float | None = None, what: str = "") -> None:
         """Wait until every task in ``names`` has exited; any task failing fails the run."""
         deadline = self.deadline if deadline is None else min(deadline, self.deadline)
         pending = list(names)
         while pending:
+            self.check()
             for name, proc in self.procs.items():
                 code = proc.poll()
                 if code is not None and code != 0 and name not in self.killed:
@@ -421,10 +442,6 @@ class Launcher:
         return time.time() - self.started
 
 
-def _raise_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL it when the launcher dies."""
     with contextlib.suppress(OSError, AttributeError):
@@ -455,11 +472,12 @@ def run_launcher(args: argparse.Namespace, system: str, framework: str, body: An
             result.setdefault("framework", framework)
             result.setdefault("mode", mode)
             result["wall_s"] = round(launcher.elapsed(), 3)
+            launcher.check()  # a signal during the last steps still means: no result
     except TaskFailed as exc:
         log(f"error: {exc}")
         return exc.code
-    except KeyboardInterrupt:
-        log(f"{system}: interrupted; every task was killed")
+    except KeyboardInterrupt:  # before the launcher's handlers were in place
+        log(f"{system}: interrupted")
         return 130
     emit(result)
     return 0

@@ -50,9 +50,11 @@ def can_unshare_net() -> bool:
         return False
 
 
-def start(script: str, args: list[str], token: str, netns: bool = False) -> subprocess.Popen[str]:
+def start(
+    script: str, args: list[str], token: str, netns: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """Run a peer script; with ``netns``, as the harness does: in a network namespace with only loopback."""
-    env = dict(os.environ, PSDK_PEER_TEST=token)
+    env = dict(os.environ, **(env or {}), PSDK_PEER_TEST=token)
     argv = [sys.executable, str(PEERS / script), *args]
     if netns:
         argv = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
@@ -150,17 +152,21 @@ def test_missing_data_fails_fast_in_the_launcher(tmp_path: Path, token: str) -> 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_kills_every_task(mnist_dir: Path, token: str, sig: signal.Signals) -> None:
-    proc = start("torch_rpc_ps.py", ["--mode", "sync", "--data", str(mnist_dir), "--timeout", "60"], token)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_signal_kills_every_task(mnist_dir: Path, token: str, sig: signal.Signals, tmp_path: Path) -> None:
+    """Ctrl-C and SIGTERM: the launcher kills its tasks and cleans up; SIGKILL: the kernel kills them."""
+    args = ["--mode", "sync", "--data", str(mnist_dir), "--timeout", "60"]
+    proc = start("torch_rpc_ps.py", args, token, env={"TMPDIR": str(tmp_path)})
     deadline = time.time() + 20
     while len(leftovers(token)) < 4 and time.time() < deadline:  # launcher + ps + 2 workers
         time.sleep(0.05)
     assert len(leftovers(token)) == 4
     proc.send_signal(sig)
     code, out, _ = finish(proc, token, timeout=30)
-    assert code != 0
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig)
     assert out == ""
+    if sig != signal.SIGKILL:
+        assert not list(tmp_path.iterdir()), "the launcher's temporary folder is left"
 
 
 @pytest.mark.timeout(30)
