@@ -16,6 +16,10 @@ psdk's initial weights for ``--seed``, and time from the end of the first
 update to the end of the last: updates/s = steps ÷ (t_last - t_first), the
 way psdk's ps counts. ``--workers`` and ``--mode`` are accepted and ignored.
 
+For TF, handing the step ``tf.constant`` batches instead of numpy arrays,
+or replacing the Keras optimizer with ``assign_sub``, measured the same
+within noise, so the guide's form stays.
+
 The launcher runs the training in one child process (so the timeout and
 clean-up behave as for the distributed peers); that child imports only the
 chosen framework.

@@ -17,6 +17,12 @@ wrapped in ``DDP``, a plain ``zero_grad``/``backward``/``step`` loop.
 * updates/s on rank 0: optimizer steps ÷ (time of its last step - time of
   its first step), as psdk counts. Rank 0 evaluates the final replica on the
   test set. ``ps_max_rss_mb`` is null: there is no ps.
+
+Where the time goes: ~2.5 ms of CPU per step and rank against ~1.1 ms for
+the single-process step; a bare gloo allreduce of the 318 KB of gradients
+costs ~0.6-0.7 ms of CPU on loopback, the rest is DDP's bucket copies,
+hooks and the wait for the other rank. ``gradient_as_bucket_view=True``
+made no measurable difference, so the tutorial's defaults stay.
 """
 
 from __future__ import annotations
