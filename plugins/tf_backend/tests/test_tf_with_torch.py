@@ -21,8 +21,14 @@ FAST = ["transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5",
 
 def run(out: Path, *args: str) -> tuple[dict, str]:
     env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR))
-    done = subprocess.run([sys.executable, "-m", "psdk", "run", *args, *FAST, f"hydra.run.dir={out}"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "psdk", "run", *args, *FAST, f"hydra.run.dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "summary.json").read_text()), done.stdout
 
@@ -41,8 +47,14 @@ def test_a_torch_worker_and_a_tf_worker_train_one_model(tmp_path: Path) -> None:
 def test_a_checkpoint_written_by_one_framework_resumes_on_the_other(tmp_path: Path, first: str, second: str) -> None:
     before, _ = run(tmp_path / "a", f"backend={first}", "optimizer=adam", "train.steps=1500")
     saved = tmp_path / "a" / "checkpoints" / "ckpt-1500.npz"
-    after, stdout = run(tmp_path / "b", f"backend={second}", "optimizer=adam", "train.steps=3000",
-                        "topology.num_ps=2", f"resume={saved}")
+    after, stdout = run(
+        tmp_path / "b",
+        f"backend={second}",
+        "optimizer=adam",
+        "train.steps=3000",
+        "topology.num_ps=2",
+        f"resume={saved}",
+    )
     assert "resumed from" in stdout and after["global_step"] == 3000 and after["gradients_applied"] == 1500
     assert after["backend"] == second and after["resumed_from"] == str(saved)
     # The accuracy carries over (the optimizer's moments and step came along too).
