@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from psdk.errors import PortInUseError, ProtocolError, TransportError
+from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, TransportError
 from psdk.logs import RateLimitedLog
 from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
@@ -160,6 +160,7 @@ class ZmqClient(ClientEndpoint):
         identity: bytes | None = None,
     ):
         super().__init__()
+        self.options = options
         self.peers = list(names)
         self.socks: list[zmq.Socket[Any]] = []
         self.poller = zmq.Poller()
@@ -183,13 +184,31 @@ class ZmqClient(ClientEndpoint):
             self._reuse.append(FrameReuse())
 
     def send(self, index: int, message: Message) -> None:
+        parts = encode(message)
+        if message.stable:
+            parts = self._reuse[index].frames(parts)
+        sock = self.socks[index]
         try:
-            parts = encode(message)
-            if message.stable:
-                parts = self._reuse[index].frames(parts)
-            send_parts(self.socks[index], parts, copy=message.volatile)
+            send_parts(sock, parts, copy=message.volatile)
+            return
         except zmq.Again:
-            raise TransportError(f"the send queue to {self.peers[index]} is full") from None
+            pass
+        # No pipe to the peer just now: between reconnects (a ps restarting, or one refusing
+        # the handshake, e.g. a secure ps and a client without its keys) ZeroMQ queues nothing.
+        # Wait for one, as long as a heartbeat would, rather than fail on a transient gap.
+        waited = self.options.heartbeat_timeout_s
+        if sock.poll(int(waited * 1000), zmq.POLLOUT):
+            try:
+                send_parts(sock, parts, copy=message.volatile)
+                return
+            except zmq.Again:
+                pass
+        raise PeerTimeoutError(
+            self.peers[index],
+            f"sending {message.op}: no connection to it was accepted (is it running at that address, and does "
+            "it want CURVE keys this client lacks? transport.secure must be the same on every task)",
+            waited,
+        )
 
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
         got: list[tuple[int, Message]] = []

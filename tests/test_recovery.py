@@ -121,9 +121,10 @@ def test_a_lost_ps_is_restored_from_the_last_checkpoint_and_training_goes_on(tmp
         transport.context.destroy(linger=0)
     assert shards[0].server.store.version == shards[1].server.store.version == STEPS
     chief = results[0]["recoveries"]
-    # Restored to the last checkpoint written before the loss: only the steps since then are lost
-    # (plus at most one push in flight per worker).
+    # Restored to the last checkpoint written before the loss: only the steps since then are lost,
+    # plus what ps 0 applied after `reached` was read: per worker, the push ps 1 had answered
+    # before it died but ps 0 had not applied yet, and the worker's next push.
     assert len(chief) == 1 and chief[0]["global_step"] == latest >= KILL_AT
-    assert chief[0]["lost_steps"] <= reached - latest + 2
+    assert chief[0]["lost_steps"] <= reached - latest + 2 * 2
     assert "resync" in results[1]["outcomes"]
     assert shards[0].server.epoch == shards[1].server.epoch == 1
