@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from psdk import tf_config
-from psdk.errors import ConfigError, PsdkError
+from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError
 from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
@@ -30,6 +30,7 @@ TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
 COMMANDS = (*TASK_COMMANDS, "plugins", "bench", "keys", "fuzz")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
+LAUNCHED_ENV = "PSDK_LAUNCHED"
 
 USAGE = """\
 usage: python -m psdk <command> [key=value ...] [hydra options]
@@ -136,7 +137,8 @@ def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str])
 
 def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import instantiate
+
+    from psdk.config import build
 
     job = cfg.job_name
     set_task_label("launcher" if job is None else f"{job} {cfg.task_index}")
@@ -146,7 +148,7 @@ def _task(cfg: DictConfig) -> None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
         write_resolved_config(cfg, Path(HydraConfig.get().runtime.output_dir))
         if job is None:
-            instantiate(cfg.launcher).launch(cfg, list(HydraConfig.get().overrides.task))
+            build.launcher(cfg).launch(cfg, list(HydraConfig.get().overrides.task))
         elif job == "ps":
             from psdk.ps.main import run_ps
 
@@ -163,6 +165,9 @@ def _task(cfg: DictConfig) -> None:
             run_evaluate(cfg)
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
+    except (ConfigError, DataError) as exc:  # the same command would fail again: a launcher does not retry it
+        log.error("%s", exc)
+        raise SystemExit(USAGE_EXIT) from None
     except PsdkError as exc:
         log.error("%s", exc)
         raise SystemExit(1) from None
@@ -212,6 +217,10 @@ def run_hydra(command: str, args: list[str]) -> None:
     if _given(args, "hydra.job.name") is None:
         # Prepended: Hydra's parser wants overrides before flags such as `--cfg job`.
         args = [f"hydra.job.name={command if command != 'task' else _given(args, 'job_name')}", *args]
+    if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
+        from psdk.config.check import check_overrides
+
+        check_overrides(args, config_dir())
     sys.argv = [f"psdk {command}", *args]
     hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 

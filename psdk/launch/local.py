@@ -27,14 +27,14 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from psdk import security
+from psdk import checkpoint, security
 from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.data import mnist
-from psdk.errors import JobFailedError, UnknownBackendError
+from psdk.errors import USAGE_EXIT, JobFailedError
 from psdk.metrics import summary_line, write_json_atomic
 from psdk.placement import RankPlacement, visible_gpus
-from psdk.plugins import installed_backends
+from psdk.plugins import check_framework
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +135,16 @@ class LocalLauncher:
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
         """Fail before starting anything, naming the key and the valid choices."""
-        backends = installed_backends()
         topology = build.topology(cfg)
-        for name in {str(cfg.backend), *(topology.worker_backends or ())}:
-            if name not in backends:
-                raise UnknownBackendError(name, backends)
+        for name in sorted({topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)}):
+            check_framework(name)
         build.sync_spec(cfg).resolved(topology.num_workers)
         build.model_spec(cfg)
         build.update_rule(cfg)
+        build.check_training(cfg, topology.num_workers)
         RankPlacement(str(cfg.placement.device))
+        if cfg.resume:
+            checkpoint.load(cfg.resume)  # a path that is no checkpoint fails here, not in a restarted chief
 
     # --------------------------------------------------------------- launch
     def launch(self, cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
@@ -301,11 +302,13 @@ class LocalLauncher:
     def _may_restart(self, task: Task) -> bool:
         """A lost task comes back (recovery on): a worker after any failure, a ps only when killed.
 
-        A ps that exits by itself decided to (the chief aborted the job or vanished).
+        A ps that exits by itself decided to (the chief aborted the job or vanished); a task
+        that refused its configuration (exit code 2) would refuse it again.
         """
         code = task.process.returncode
         killed = code is not None and code < 0
-        return self.restarts[task.name] < self.max_restarts and (task.job == "worker" or killed)
+        refused = code == USAGE_EXIT  # its configuration or data: it would be refused again
+        return self.restarts[task.name] < self.max_restarts and ((task.job == "worker" and not refused) or killed)
 
     def _restart(self, task: Task) -> None:
         """Start ``task`` again with its own command; a ps on the address it had before."""
