@@ -14,7 +14,7 @@ TF_EXTRA ?= cpu
 TF_PLUGIN := plugins/tf_backend$(if $(TF_EXTRA),[$(TF_EXTRA)])
 STAMP := $(VENV)/.psdk-installed
 
-.PHONY: setup run test lint typecheck test-core test-torch test-tf clean
+.PHONY: setup run test lint typecheck test-core test-torch test-tf test-bench clean
 
 setup: $(STAMP)
 
@@ -45,7 +45,11 @@ test-torch: setup
 test-tf: setup
 	$(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
 
-test: lint typecheck test-core test-torch test-tf
+# The peer scripts psdk is compared against (benchmarks/peers): short smoke runs, each in a subprocess.
+test-bench: setup
+	$(PY) -m pytest benchmarks/tests $(PYTEST_ARGS)
+
+test: lint typecheck test-core test-torch test-tf test-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache outputs multirun

@@ -214,7 +214,9 @@ class DistributedOptimizer:
         else:
             client.wait_initialized()
         self._check_variables(client.variable_shapes())
-        return self.pull()
+        step = self.pull()
+        self.backend.share_buffers(self.model, client.params, client.grads)
+        return step
 
     def _check_variables(self, remote: dict[str, tuple[int, ...]]) -> None:
         local = {n: tuple(s) for n, s in self.backend.variables(self.model).items()}

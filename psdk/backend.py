@@ -71,6 +71,18 @@ class Backend(ABC):
     def read_gradients(self, model: Any, out: Mapping[str, np.ndarray]) -> None:
         """Copy the gradients left by the last backward pass into ``out`` (canonical layout)."""
 
+    def share_buffers(self, model: Any, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> bool:
+        """Optionally make the model's weights and gradients live in psdk's own buffers.
+
+        If a backend can (torch on the CPU can), the backward pass writes the
+        gradients straight into the buffers that are sent and the parameters
+        that arrive land straight in the model; :meth:`read_gradients` and
+        :meth:`write_weights` then copy only what no longer aliases those
+        buffers (e.g. after a ``zero_grad(set_to_none=True)``). Return
+        ``False`` (the default) to keep copying.
+        """
+        return False
+
     @abstractmethod
     def forward_backward(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
         """Mean softmax cross-entropy on a batch; leaves fresh gradients in the model."""

@@ -383,6 +383,7 @@ class ParameterClient:
                 "push_pull",
                 self._fields(version=self.shards[i].version, seq=self._seq, epoch=self.epoch),
                 [self.shards[i].grads],
+                stable=True,
             )
             for i in self._live()
         }

@@ -100,6 +100,7 @@ class FlatStore(ParameterStore):
 
     def __init__(self) -> None:
         self._flat = np.zeros(0, np.float32)
+        self._readonly: np.ndarray | None = None
         self._specs: list[VarSpec] = []
         self._version = 0
         self._initialized = False
@@ -187,6 +188,7 @@ class FlatStore(ParameterStore):
         self._version += 1
 
     def params(self) -> np.ndarray:
-        view = self._flat.view()
-        view.flags.writeable = False
-        return view
+        if self._readonly is None or self._readonly.base is not self._flat:
+            self._readonly = self._flat.view()
+            self._readonly.flags.writeable = False
+        return self._readonly

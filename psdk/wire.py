@@ -24,6 +24,9 @@ ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i4", "<i8", "|u1", "|i1"})
 MAX_HEADER_BYTES = 1 << 16
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
+# Built once: json.dumps/json.loads rebuild their coder objects and sniff the encoding per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_DECODER = json.JSONDecoder()
 # A worker's heartbeat socket has its main socket's routing id plus this suffix.
 HEARTBEAT_SUFFIX = b"/hb"
 
@@ -38,6 +41,9 @@ class Message:
     rid: int = 0
     volatile: bool = False
     """The arrays change once the send call returns: the transport must copy them there."""
+    stable: bool = False
+    """The arrays are long-lived buffers sent again and again: zero-copy frames may be kept for them.
+    The sender must not change one before the peer has received it (a reply proves it has)."""
 
 
 def _dtype_code(array: np.ndarray) -> str:
@@ -56,7 +62,7 @@ def encode(message: Message) -> list[Any]:
         "f": message.fields,
         "a": [[_dtype_code(a), list(a.shape)] for a in arrays],
     }
-    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    head = _ENCODER.encode(header).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     return [head, *arrays]
@@ -98,7 +104,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(bytes(head))
+        header = _DECODER.decode(bytes(head).decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):

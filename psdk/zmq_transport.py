@@ -49,30 +49,46 @@ def endpoint(address: str) -> str:
 
 
 class FrameReuse:
-    """Zero-copy frames that are built once per buffer, not once per send.
+    """Zero-copy frames built once per long-lived buffer, not once per send.
 
     pyzmq can send one ``zmq.Frame`` many times (each send takes a reference
     to the same message data), while a fresh ``copy=False`` frame per send
     costs a Python object and a release through pyzmq's garbage-collector
-    thread. A socket that sends the same array again (a worker's gradient
-    buffer every step, the ps's parameter snapshot to every worker of a sync
-    round) reuses its frame. The caller must not change a buffer until the
-    peer has received it, which a request/reply exchange guarantees.
+    thread, and a copying send allocates (and page-faults) a new buffer. For
+    messages marked ``stable`` (a worker's gradient buffer, a ps's reply
+    buffer for one worker) the frame is kept. The sender must not change a
+    buffer until the peer has received it, which a request/reply exchange
+    guarantees.
     """
 
-    def __init__(self) -> None:
-        self._last: dict[int, tuple[Any, zmq.Frame]] = {}
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._frames: dict[int, tuple[Any, zmq.Frame]] = {}
 
     def frames(self, parts: list[Any]) -> list[Any]:
         out = list(parts)
         for i, part in enumerate(parts):
             if isinstance(part, np.ndarray) and part.nbytes >= zmq.COPY_THRESHOLD:
-                last = self._last.get(i)
-                if last is None or last[0] is not part:
-                    last = (part, zmq.Frame(part))
-                    self._last[i] = last
-                out[i] = last[1]
+                kept = self._frames.get(id(part))
+                if kept is None or kept[0] is not part:
+                    if len(self._frames) >= self.capacity:
+                        self._frames.pop(next(iter(self._frames)))
+                    kept = self._frames[id(part)] = (part, zmq.Frame(part))
+                out[i] = kept[1]
         return out
+
+
+# Plain ints: pyzmq's flag enums cost a Python-level ``Flag.__or__`` on every frame sent.
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+
+
+def send_parts(sock: zmq.Socket[Any], parts: list[Any], copy: bool) -> None:
+    """``send_multipart`` without blocking, minus its per-frame flag arithmetic."""
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        sock.send(part, _NOBLOCK if i == last else _NOBLOCK_MORE, copy=copy)
 
 
 def _apply_common(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
@@ -106,12 +122,10 @@ class ZmqServer(ServerEndpoint):
         self._failures = RateLimitedLog(log)
 
     def receive(self, timeout_s: float) -> Incoming | None:
-        try:  # a busy ps finds the next request already queued: skip the poll
-            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if not self.sock.poll(max(0, int(timeout_s * 1000))):
-                return None
-            frames = self.sock.recv_multipart(copy=False)
+        # A busy ps finds the next request already queued: then it skips the poll.
+        if not self.sock.getsockopt(zmq.EVENTS) & _POLLIN and not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
         user = body[0].get("User-Id") if self.secure and body else None
@@ -122,11 +136,11 @@ class ZmqServer(ServerEndpoint):
 
     def reply(self, peer: bytes, message: Message) -> bool:
         try:
-            if message.volatile:
-                self.sock.send_multipart([peer, *encode(message)], flags=zmq.NOBLOCK, copy=True)
-            else:
-                parts = self._reuse.frames([peer, *encode(message)])
-                self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            parts = [peer, *encode(message)]
+            if message.stable:
+                send_parts(self.sock, self._reuse.frames(parts), copy=False)
+            else:  # volatile: copied inside the send; else a fresh zero-copy frame each
+                send_parts(self.sock, parts, copy=message.volatile)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading
             self._failures.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
             return False
@@ -170,8 +184,10 @@ class ZmqClient(ClientEndpoint):
 
     def send(self, index: int, message: Message) -> None:
         try:
-            parts = self._reuse[index].frames(encode(message))
-            self.socks[index].send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            parts = encode(message)
+            if message.stable:
+                parts = self._reuse[index].frames(parts)
+            send_parts(self.socks[index], parts, copy=message.volatile)
         except zmq.Again:
             raise TransportError(f"the send queue to {self.peers[index]} is full") from None
 

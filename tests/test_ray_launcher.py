@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from psdk import security
 from psdk.cluster import Topology
 from psdk.errors import ConfigError
-from psdk.launch.ray import RayLauncher, import_ray
+from psdk.launch.ray import RayLauncher, TaskRunner, import_ray, key_files
 
 from .conftest import REPO
 from .jobs import FAST_FLAGS, all_tasks_gone, psdk, test_accuracy
@@ -76,6 +77,24 @@ def test_a_ps_binds_its_node_ip_and_a_local_ray_keeps_to_loopback() -> None:
     assert RayLauncher(gpus_per_worker=0.5).needs(Topology(num_ps=2, num_workers=4)) == (6.0, 2.0)
 
 
+def test_each_node_gets_only_the_keys_its_task_needs(tmp_path: Path) -> None:
+    keys = security.generate(tmp_path / "keys", 2)
+
+    def shipped(job: str, index: int) -> Path:
+        folder = tmp_path / f"{job}{index}" / "keys"
+        files = {str(p.relative_to(keys)): p.read_bytes() for g in key_files(job, index) for p in keys.glob(g)}
+        TaskRunner(f"{job} {index}").write_files(str(folder), files)
+        return folder
+
+    ps = shipped("ps", 0)
+    assert len(security.load_server(ps).allowed) == 2
+    assert sorted(p.name for p in ps.rglob("*_secret")) == ["server.key_secret"]
+    worker = shipped("worker", 1)
+    assert security.load_worker(worker, 1).server_public == security.load_server(keys).public
+    assert sorted(p.name for p in worker.rglob("*_secret")) == ["worker-1.key_secret"]
+    assert all(p.stat().st_mode & 0o077 == 0 for p in worker.rglob("*_secret"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
@@ -92,6 +111,7 @@ def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
         "backend=numpy",
         "train.steps=300",
         "train.validate_every=100",
+        "transport.secure=true",
         *FAST_FLAGS,
         out=tmp_path,
         timeout=240,
@@ -106,5 +126,6 @@ def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
     assert "started a local Ray (2 CPUs, no dashboard)" in text
     assert "starting ps 0 on Ray node" in text and "starting worker 1 on Ray node" in text
     assert "ps tasks listening at 127.0.0.1:" in text
+    assert "CURVE on: 2 worker key(s) accepted" in text
     assert result.stdout.strip().splitlines()[-1].startswith("psdk done:")
     assert all_tasks_gone(tmp_path)

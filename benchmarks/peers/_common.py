@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -85,17 +86,45 @@ def task_argv(args: argparse.Namespace, role: str, index: int, run_dir: Path, po
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now (all sockets held until all are picked)."""
-    socks = []
+    """``n`` distinct ports free on 127.0.0.1 now, chosen below the kernel's ephemeral range.
+
+    A port found free must stay free until a task binds it a few seconds
+    later. Ports from the ephemeral range (what ``bind(0)`` hands out) are
+    also what every outgoing connection on the machine takes, so on a busy
+    shared machine one can be gone by then; below that range only explicit
+    binds compete. Falls back to ``bind(0)`` if no such port is found.
+    """
     try:
-        for _ in range(n):
-            s = socket.socket()
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = np.random.default_rng()
+    ports: list[int] = []
+    for _ in range(200):
+        if len(ports) == n:
+            break
+        port = int(rng.integers(10000, max(10001, low)))
+        if port not in ports and _bindable(port):
+            ports.append(port)
+    while len(ports) < n:
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+            if (port := int(s.getsockname()[1])) not in ports:
+                ports.append(port)
+    return ports
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 and, where IPv6 exists, on ``[::]`` (TF's gRPC server)."""
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                continue  # no IPv6 here: gRPC falls back to IPv4
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- data
@@ -296,6 +325,13 @@ class TaskFailed(RuntimeError):
         self.code = code
 
 
+class Interrupted(TaskFailed):
+    """Ctrl-C, SIGTERM or SIGHUP reached the launcher."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name}: every task was killed", 128 + signum)
+
+
 @dataclass
 class Launcher:
     """Starts the tasks, waits for them under the overall deadline, and always cleans up.
@@ -309,6 +345,8 @@ class Launcher:
     timeout_s: float
     started: float = field(default_factory=time.time)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    killed: set[str] = field(default_factory=set)  # tasks the launcher ended on purpose
+    signalled: int = 0  # the signal that asked the launcher to stop, if any
     run_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="psdk-peer-")))
 
     @property
@@ -316,15 +354,27 @@ class Launcher:
         return self.started + self.timeout_s
 
     def __enter__(self) -> Launcher:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _raise_exit)
+        # The handlers only take note; ``check`` raises at points of our choosing. An
+        # exception raised straight from a handler can land in code that swallows it
+        # (Python's at-fork hooks inside ``Popen`` do), and the run would go on.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.kill_all()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signalled = self.signalled or signum
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` if a stop signal has arrived."""
+        if self.signalled:
+            raise Interrupted(self.signalled)
+
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.check()
         self.procs[name] = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -335,15 +385,17 @@ class Launcher:
         )
         # Tasks may sample each other's CPU time (see ``task_pid``).
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
+        self.check()
 
     def wait(self, names: Sequence[str], deadline: float | None = None, what: str = "") -> None:
         """Wait until every task in ``names`` has exited; any task failing fails the run."""
         deadline = self.deadline if deadline is None else min(deadline, self.deadline)
         pending = list(names)
         while pending:
+            self.check()
             for name, proc in self.procs.items():
                 code = proc.poll()
-                if code is not None and code != 0 and not getattr(proc, "_killed_by_us", False):
+                if code is not None and code != 0 and name not in self.killed:
                     raise TaskFailed(f"{self.system}: task {name} exited with code {code}")
             pending = [n for n in pending if self.procs[n].poll() is None]
             if not pending:
@@ -361,24 +413,24 @@ class Launcher:
     def peak_rss_mb(self, name: str) -> float | None:
         return vmhwm_mb(self.procs[name].pid)
 
-    def kill(self, name: str, grace_s: float = 3.0) -> None:
-        """SIGTERM the task's process group, SIGKILL it after ``grace_s``."""
-        proc = self.procs[name]
-        if proc.poll() is not None:
-            return
-        proc._killed_by_us = True  # type: ignore[attr-defined]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+    def kill(self, *names: str, grace_s: float = 3.0) -> None:
+        """SIGTERM the tasks' process groups, SIGKILL what is left after ``grace_s``."""
+        live = [n for n in names if self.procs[n].poll() is None]
+        for name in live:
+            self.killed.add(name)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+                os.killpg(self.procs[name].pid, signal.SIGTERM)
+        end = time.time() + grace_s
+        for name in live:
+            try:
+                self.procs[name].wait(timeout=max(0.0, end - time.time()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.procs[name].pid, signal.SIGKILL)
+                self.procs[name].wait()
 
     def kill_all(self) -> None:
-        for name in self.procs:
-            self.kill(name)
+        self.kill(*self.procs)
 
     def result(self, name: str) -> dict[str, Any]:
         res = read_result(self.run_dir, name)
@@ -390,30 +442,42 @@ class Launcher:
         return time.time() - self.started
 
 
-def _raise_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL it when the launcher dies."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
 
 
-def run_launcher(system: str, framework: str, mode: str, timeout_s: float, body: Any) -> int:
-    """Run ``body(launcher) -> result dict`` and print the JSON line; map failures to exit codes."""
+def check_args(args: argparse.Namespace) -> None:
+    """Fail fast in the launcher, before any task starts, on what every task would fail on."""
+    from psdk.data import mnist
+    from psdk.errors import DataError
+
+    if args.workers < 1 or args.steps < 2 or args.batch < 1 or args.timeout <= 0:
+        raise TaskFailed("need --workers >= 1, --steps >= 2, --batch >= 1 and --timeout > 0")
     try:
-        with Launcher(system, timeout_s) as launcher:
+        mnist.resolve_dir(args.data, allow_download=False)
+    except DataError as exc:
+        raise TaskFailed(str(exc)) from None
+
+
+def run_launcher(args: argparse.Namespace, system: str, framework: str, body: Any) -> int:
+    """Run ``body(launcher) -> result dict`` and print the JSON line; map failures to exit codes."""
+    mode = "single" if system == "single" else args.mode
+    try:
+        check_args(args)
+        with Launcher(system, args.timeout) as launcher:
             result = body(launcher)
             result.setdefault("system", system)
             result.setdefault("framework", framework)
             result.setdefault("mode", mode)
             result["wall_s"] = round(launcher.elapsed(), 3)
+            launcher.check()  # a signal during the last steps still means: no result
     except TaskFailed as exc:
         log(f"error: {exc}")
         return exc.code
-    except KeyboardInterrupt:
-        log(f"{system}: interrupted; every task was killed")
+    except KeyboardInterrupt:  # before the launcher's handlers were in place
+        log(f"{system}: interrupted")
         return 130
     emit(result)
     return 0

@@ -50,7 +50,25 @@ interval and without changing how a step runs:
   launcher reads its peak RSS (``VmHWM`` in ``/proc``) and then kills it.
   A sync worker that is left waiting for a token after the chief stopped
   (the other classic problem) is killed the same way after a grace period;
-  the JSON notes say whether that happened.
+  the JSON notes say whether that happened (it did not in our runs: the
+  last update hands both workers a token and ``StopAtStepHook`` re-reads
+  the global step before stopping).
+* ``MonitoredTrainingSession(stop_grace_period_secs=2)``: on close, the
+  chief's ``SyncReplicasOptimizer`` queue runner is blocked in ``take_grad``
+  waiting for gradients that will never come, and the session waits the
+  grace period (default 120 s) before cancelling it. This only shortens
+  ``wall_s``; async mode has no queue runner.
+
+Where the time goes (CPU per update, from the notes): async, the ps spends
+~2.5 ms per update and each worker ~4 ms per local step, against ~1 ms for
+the same step in one graph-mode process; the rest is TF's distributed
+runtime (a RunGraph per partition, a RecvTensor per variable and per
+gradient, gRPC threads: per-thread accounting puts most of it on unnamed
+gRPC/TF threads and ``event_engine``, not on ``tf_Compute``). Sync doubles
+that per update and adds the wait for the slower worker.
+
+TF 2.21: every ``tf.compat.v1`` API used here still works
+(``SyncReplicasOptimizer`` and ``QueueRunner`` log deprecation warnings).
 """
 
 from __future__ import annotations
@@ -232,7 +250,7 @@ def launch(args: argparse.Namespace) -> int:
             "notes": notes,
         }
 
-    return c.run_launcher("tf1_ps_worker", "tensorflow", args.mode, args.timeout, body)
+    return c.run_launcher(args, "tf1_ps_worker", "tensorflow", body)
 
 
 def tf_version() -> str:

@@ -17,11 +17,18 @@ wrapped in ``DDP``, a plain ``zero_grad``/``backward``/``step`` loop.
 * updates/s on rank 0: optimizer steps ÷ (time of its last step - time of
   its first step), as psdk counts. Rank 0 evaluates the final replica on the
   test set. ``ps_max_rss_mb`` is null: there is no ps.
+
+Where the time goes: ~2.5 ms of CPU per step and rank against ~1.1 ms for
+the single-process step; a bare gloo allreduce of the 318 KB of gradients
+costs ~0.6-0.7 ms of CPU on loopback, the rest is DDP's bucket copies,
+hooks and the wait for the other rank. ``gradient_as_bucket_view=True``
+made no measurable difference, so the tutorial's defaults stay.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 from pathlib import Path
@@ -50,7 +57,7 @@ def run_rank(args: argparse.Namespace) -> None:
         init_method=f"tcp://127.0.0.1:{int(args.ports)}",
         rank=rank,
         world_size=world,
-        timeout=__import__("datetime").timedelta(seconds=max(10.0, args.deadline - time.time())),
+        timeout=datetime.timedelta(seconds=max(10.0, args.deadline - time.time())),
     )
     model = nn.Sequential(nn.Linear(784, 100), nn.ReLU(), nn.Linear(100, 10))
     with torch.no_grad():  # TF layout (in, out) -> torch (out, in)
@@ -102,7 +109,7 @@ def launch(args: argparse.Namespace) -> int:
             + c.cpu_per_update_ms(cpu, args.steps - 1),
         }
 
-    return c.run_launcher("torch_ddp", "torch", args.mode, args.timeout, body)
+    return c.run_launcher(args, "torch_ddp", "torch", body)
 
 
 def main() -> int:

@@ -308,7 +308,7 @@ def launch(args: argparse.Namespace) -> int:
             "notes": notes,
         }
 
-    return c.run_launcher("torch_rpc_ps", "torch", args.mode, args.timeout, body)
+    return c.run_launcher(args, "torch_rpc_ps", "torch", body)
 
 
 def main() -> int:

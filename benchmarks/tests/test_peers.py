@@ -8,6 +8,7 @@ environment, which every task inherits.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -39,10 +40,26 @@ def leftovers(token: str) -> list[str]:
     return found
 
 
-def start(script: str, args: list[str], token: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PSDK_PEER_TEST=token)
+@functools.cache
+def can_unshare_net() -> bool:
+    """Whether `unshare -n` and `ip` work here (root, or user namespaces allowed)."""
+    try:
+        probe = ["unshare", "-n", "sh", "-c", "ip link set lo up"]
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def start(
+    script: str, args: list[str], token: str, netns: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Run a peer script; with ``netns``, as the harness does: in a network namespace with only loopback."""
+    env = dict(os.environ, **(env or {}), PSDK_PEER_TEST=token)
+    argv = [sys.executable, str(PEERS / script), *args]
+    if netns:
+        argv = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
     return subprocess.Popen(
-        [sys.executable, str(PEERS / script), *args],
+        argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -83,7 +100,7 @@ def check_contract(out: str, err: str, system: str, framework: str, mode: str, h
 
 RUNS = [
     ("single.py", ["--framework", "torch"], "single", "torch", "single", False),
-    ("single.py", ["--framework", "tf"], "single", "tf", "single", False),
+    ("single.py", ["--framework", "tf"], "single", "tensorflow", "single", False),
     ("torch_ddp.py", ["--mode", "sync"], "torch_ddp", "torch", "sync", False),
     ("torch_rpc_ps.py", ["--mode", "async"], "torch_rpc_ps", "torch", "async", True),
     ("torch_rpc_ps.py", ["--mode", "sync"], "torch_rpc_ps", "torch", "sync", True),
@@ -108,8 +125,9 @@ def test_smoke(
     mnist_dir: Path,
     token: str,
 ) -> None:
+    """A short run of every peer; in a loopback-only network namespace where one can be made (as the harness runs)."""
     args = [*extra, "--steps", str(STEPS), "--workers", "2", "--data", str(mnist_dir), "--timeout", "120"]
-    code, out, err = finish(start(script, args, token), token, timeout=140)
+    code, out, err = finish(start(script, args, token, netns=can_unshare_net()), token, timeout=140)
     assert code == 0, err[-3000:]
     check_contract(out, err, system, framework, mode, has_ps)
 
@@ -124,18 +142,31 @@ def test_timeout_kills_every_task_and_names_the_one_waited_for(mnist_dir: Path, 
     assert "timed out after 1 s waiting for task rank0" in err
 
 
+@pytest.mark.timeout(30)
+def test_missing_data_fails_fast_in_the_launcher(tmp_path: Path, token: str) -> None:
+    proc = start("tf1_ps_worker.py", ["--mode", "sync", "--data", str(tmp_path)], token)
+    code, out, err = finish(proc, token, timeout=25)
+    assert code == 2
+    assert out == ""
+    assert "MNIST files missing" in err
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_kills_every_task(mnist_dir: Path, token: str, sig: signal.Signals) -> None:
-    proc = start("torch_rpc_ps.py", ["--mode", "sync", "--data", str(mnist_dir), "--timeout", "60"], token)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_signal_kills_every_task(mnist_dir: Path, token: str, sig: signal.Signals, tmp_path: Path) -> None:
+    """Ctrl-C and SIGTERM: the launcher kills its tasks and cleans up; SIGKILL: the kernel kills them."""
+    args = ["--mode", "sync", "--data", str(mnist_dir), "--timeout", "60"]
+    proc = start("torch_rpc_ps.py", args, token, env={"TMPDIR": str(tmp_path)})
     deadline = time.time() + 20
     while len(leftovers(token)) < 4 and time.time() < deadline:  # launcher + ps + 2 workers
         time.sleep(0.05)
     assert len(leftovers(token)) == 4
     proc.send_signal(sig)
     code, out, _ = finish(proc, token, timeout=30)
-    assert code != 0
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig)
     assert out == ""
+    if sig != signal.SIGKILL:
+        assert not list(tmp_path.iterdir()), "the launcher's temporary folder is left"
 
 
 @pytest.mark.timeout(30)
@@ -174,3 +205,9 @@ def test_rate_counts_like_psdk() -> None:
     assert c.rate(2000, 10.0, 12.0) == 1000.0
     assert c.rate(1, 10.0, 10.0) is None
     assert c.rate(10, None, 12.0) is None
+
+
+def test_this_process_imports_no_framework() -> None:
+    """The smoke tests talk to the peers through subprocesses and JSON only."""
+    assert "torch" not in sys.modules
+    assert "tensorflow" not in sys.modules

@@ -36,6 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from psdk import security
 from psdk.cluster import Topology
 from psdk.config import build
 from psdk.errors import ConfigError, JobFailedError, PsdkError
@@ -60,6 +61,18 @@ def import_ray() -> ModuleType:
             "launcher", f"launcher=ray needs Ray, which is not installed ({exc}); {INSTALL_HINT}"
         ) from None
     return ray
+
+
+def key_files(job: str, index: int) -> list[str]:
+    """The files of a key folder that one task needs (``psdk.security`` says which), as globs.
+
+    A ps gets the ps tasks' secret and the workers' public keys; worker i its
+    own secret and the ps tasks' public key: no node holds a secret it does
+    not use.
+    """
+    if job == "ps":
+        return [f"{security.SERVER}.key_secret", f"{security.WORKERS}/*.key"]
+    return [f"{security.SERVER}.key", f"{security.WORKERS}/{security.worker_name(index)}.key_secret"]
 
 
 # ------------------------------------------------------------------ on the node
@@ -136,6 +149,15 @@ class TaskRunner:
             self.process.kill()
         else:
             self.process.terminate()
+
+    def write_files(self, folder: str, files: dict[str, bytes]) -> None:
+        """Put ``files`` (CURVE keys) under ``folder`` on this node, readable by their owner only."""
+        root = Path(folder)
+        for name, data in files.items():
+            path = root / name
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path.write_bytes(data)
+            path.chmod(0o600)
 
     def read_results(self, folder: str) -> dict[str, bytes]:
         """The chief's results in ``folder`` on this node, for a launcher on another machine."""
@@ -227,8 +249,8 @@ class RayLauncher(LocalLauncher):
         return self.address is None
 
     def spans_hosts(self) -> bool:
-        # A Ray cluster's nodes are separate hosts; the keys go in the run's folder, which the
-        # nodes must share (or pass transport.keys_dir=, a folder present on every node).
+        # A Ray cluster's nodes are separate hosts: CURVE is on by default, and each task on
+        # another node than the launcher's gets its keys through its actor (_send_keys).
         return not self.local_cluster
 
     def bind_host(self, node_ip: str) -> str:
@@ -313,6 +335,7 @@ class RayLauncher(LocalLauncher):
         self._nodes = [node for _, node in places]
         ps_ips, worker_ips = places[: topology.num_ps], places[topology.num_ps :]
         self._chief_node = worker_ips[0][1]
+        self._send_keys(common, names)
         binds = ",".join(f"{self.bind_host(ip)}:0" for ip, _ in ps_ips)
         workers = ",".join(ip for ip, _ in worker_ips)
         for index, (ip, _) in enumerate(ps_ips):
@@ -325,6 +348,25 @@ class RayLauncher(LocalLauncher):
         for index, (ip, _) in enumerate(worker_ips):
             args = [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"]
             self._start_on(topology.num_ps + index, "worker", index, ip, out, args, no_gpu)
+
+    def _send_keys(self, common: list[str], names: list[tuple[str, int]]) -> None:
+        """Give each task on another node than this one the CURVE key files it needs, and no others.
+
+        The keys are in the launcher's ``transport.keys_dir`` (a fresh set in
+        ``<run>/keys`` unless given); a task reads them at the same path on its
+        node, so no shared file system is needed.
+        """
+        given = [a.split("=", 1)[1] for a in common if a.startswith("transport.keys_dir=")]
+        folder = Path(given[-1]) if given else None
+        if folder is None or not folder.is_dir():
+            return  # not secure, or keys the user put on every node himself
+        elsewhere = [slot for slot in range(len(names)) if self._nodes[slot] != self._driver_node]
+        for slot in elsewhere:
+            job, index = names[slot]
+            files = {str(p.relative_to(folder)): p.read_bytes() for g in key_files(job, index) for p in folder.glob(g)}
+            self._ray.get(self.actors[slot].write_files.remote(str(folder), files), timeout=RPC_TIMEOUT_S)
+        if elsewhere:
+            log.info("launcher: sent each of %d task(s) on other nodes the keys it needs", len(elsewhere))
 
     def _placed(self, names: list[tuple[str, int]]) -> list[tuple[str, str]]:
         """Each task's node (IP, node id), once Ray has placed them all."""

@@ -28,6 +28,8 @@ class Membership:
         self.started = now
         self.workers: dict[int, WorkerState] = {}
         self.expected: int = 0
+        self._live_key: tuple[tuple[int, str], ...] = ()
+        self._live: frozenset[int] = frozenset()
 
     def expect(self, num_workers: int) -> None:
         """The job has ``num_workers`` workers; unseen ones are waited for until start-up times out."""
@@ -66,9 +68,13 @@ class Membership:
         state = self.workers.get(worker)
         return None if state is None or state.last_seen is None else now - state.last_seen
 
-    def live(self) -> set[int]:
+    def live(self) -> frozenset[int]:
         """Workers that may still push: alive, or not yet seen but still expected."""
-        return {i for i, s in self.workers.items() if s.status in (ALIVE, UNSEEN)}
+        statuses = tuple((i, s.status) for i, s in self.workers.items())
+        if statuses != self._live_key:  # asked on every push: rebuilt only when a status changed
+            self._live_key = statuses
+            self._live = frozenset(i for i, status in statuses if status in (ALIVE, UNSEEN))
+        return self._live
 
     def status(self, worker: int) -> str:
         state = self.workers.get(worker)

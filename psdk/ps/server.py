@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import resource
 import secrets
@@ -162,7 +163,7 @@ class ParameterServer:
         self.pause_version: int | None = None
         self._pause_waiters: list[tuple[bytes, int]] = []
         self._held: list[tuple[bytes, int, int, int, np.ndarray]] = []
-        self._snapshot: tuple[int, np.ndarray] | None = None
+        self._reply_buffers: dict[int, np.ndarray] = {}
         self._last_log = time.monotonic()
         self._next_housekeeping = 0.0
         self._handlers = {
@@ -284,7 +285,7 @@ class ParameterServer:
         log.warning("%s: worker %d is gone: %s", self.name, worker, reason)
         if self.policy is not None:
             for push in self.policy.release_ready():  # bounded staleness: the dead leave the minimum
-                self._reply_params(push.peer, push.rid, push.outcome.value)
+                self._reply_params(push.peer, push.rid, push.outcome.value, push.worker)
         if self.policy is not None and not self.done:
             blocked = self.policy.blocked_round(self.membership.live())
             if blocked and self.options.recovery:
@@ -349,23 +350,20 @@ class ParameterServer:
         self._rejections.warning("%s: rejected %s: %s", self.name, message.op, text)
         self._error(peer, message.rid, text, "rejected")
 
-    def _params(self) -> np.ndarray:
-        """An immutable copy of the parameters, shared by every reply at this version."""
-        version = self.store.version
-        if self._snapshot is None or self._snapshot[0] != version:
-            self._snapshot = (version, self.store.snapshot())
-        return self._snapshot[1]
-
-    def _reply_params(self, peer: bytes, rid: int, outcome: str) -> None:
-        fields = {"version": self.store.version, "done": self.done, "outcome": outcome}
+    def _reply_params(self, peer: bytes, rid: int, outcome: str, worker: int | None = None) -> None:
+        fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
         if self.policy is not None and self.job is not None and self.job.sync.mode != "sync":
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
-        if self.job is not None and self.job.sync.mode == "sync":
-            # Every worker of a round gets this version: one snapshot, one frame, sent N times.
-            self._send(peer, rid, "params", fields, [self._params()])
-        else:
-            # One reply per version: the transport copies the live buffer as it sends.
+        if worker is None:  # a stranger's pull: the transport copies the live buffer as it sends
             self.endpoint.reply(peer, Message("params", fields, [self.store.params()], rid, volatile=True))
+            return
+        # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is
+        # safe to refill on the worker's next request: the worker only sends one once it has this reply.
+        buffer = self._reply_buffers.get(worker)
+        if buffer is None or buffer.shape != (self.store.size,):
+            buffer = self._reply_buffers[worker] = np.empty(self.store.size, np.float32)
+        np.copyto(buffer, self.store.params())
+        self.endpoint.reply(peer, Message("params", fields, [buffer], rid, stable=True))
 
     def _layout(self) -> dict[str, Any]:
         assert self.job is not None
@@ -456,7 +454,7 @@ class ParameterServer:
             self._resync(peer, message.rid, f"{self.name} has restarted and waits for the chief to restore it")
             return
         self._require_init()
-        self._reply_params(peer, message.rid, "pulled")
+        self._reply_params(peer, message.rid, "pulled", worker)
 
     def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
         if not self.store.initialized and worker is not None and self.options.recovery:
@@ -484,7 +482,8 @@ class ParameterServer:
         counters = self.stats.worker(worker)
         if seq <= counters.last_seq:
             raise ProtocolError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
-        if not np.isfinite(grad).all():
+        # One BLAS pass finds NaN and Inf; only if it overflows are the values checked one by one.
+        if not math.isfinite(float(np.dot(grad, grad))) and not np.isfinite(grad).all():
             counters.last_seq = seq
             raise ProtocolError(f"gradient from worker {worker} holds NaN or Inf: not applied")
         counters.last_seq = seq
@@ -497,7 +496,7 @@ class ParameterServer:
         """Hand a checked push to the consistency policy (or hold it while paused)."""
         assert self.policy is not None
         if self.done:
-            self._reply_params(peer, rid, "done")
+            self._reply_params(peer, rid, "done", worker)
             return
         if self._paused():
             self._held.append((peer, rid, worker, version, grad))
@@ -519,10 +518,10 @@ class ParameterServer:
             else:
                 c.dropped += 1
                 self.stats.dropped += 1
-            self._reply_params(push.peer, push.rid, push.outcome.value)
+            self._reply_params(push.peer, push.rid, push.outcome.value, push.worker)
         if self.done:
             for push in self.policy.release_parked():
-                self._reply_params(push.peer, push.rid, "done")
+                self._reply_params(push.peer, push.rid, "done", push.worker)
         if decision.updates and self._paused():
             for waiter_peer, waiter_rid in self._pause_waiters:
                 self._send(waiter_peer, waiter_rid, "paused", {"version": self.store.version}, [])
@@ -631,7 +630,7 @@ class ParameterServer:
         self._send(peer, message.rid, "ok", {"steps": self.job.steps}, [])
         if self.done:
             for push in self.policy.release_parked():
-                self._reply_params(push.peer, push.rid, "done")
+                self._reply_params(push.peer, push.rid, "done", push.worker)
 
     def _on_restore(self, peer: bytes, message: Message, worker: int | None) -> None:
         """The chief rolls this shard back to a checkpoint after another shard was lost.
@@ -656,7 +655,6 @@ class ParameterServer:
         self._held.clear()
         self.pause_version = None
         self.policy = make_policy(self.store, self.job.sync, self.membership.live)
-        self._snapshot = None
         log.warning("%s: %s", self.name, why)
         self._send(peer, message.rid, "ok", self._layout(), [])
         for stale_peer, rid in stale:

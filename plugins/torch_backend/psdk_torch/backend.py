@@ -88,6 +88,7 @@ class TorchBackend(Backend):
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")
         self._named: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        self._shared: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------ placement
     def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
@@ -125,16 +126,43 @@ class TorchBackend(Backend):
 
     @torch.no_grad()
     def write_weights(self, model: nn.Module, weights: Mapping[str, np.ndarray]) -> None:
-        for name, p in self._parameters(model):
+        shared = self._shared.get(id(model))
+        for i, (name, p) in enumerate(self._parameters(model)):
+            if shared is not None and p.data_ptr() == shared[i][0] and weights[name].ctypes.data == shared[i][0]:
+                continue  # the parameter is the very buffer the weights arrived in
             p.copy_(torch.as_tensor(np.asarray(weights[name])), non_blocking=False)
 
     @torch.no_grad()
     def read_gradients(self, model: nn.Module, out: Mapping[str, np.ndarray]) -> None:
-        for name, p in self._parameters(model):
+        shared = self._shared.get(id(model))
+        for i, (name, p) in enumerate(self._parameters(model)):
+            if shared is not None and p.grad is shared[i][1]:
+                continue  # backward wrote straight into the buffer that is sent
             if p.grad is None:
                 out[name].fill(0.0)
             else:
                 np.copyto(out[name], p.grad.detach().cpu().numpy())
+                if shared is not None:
+                    p.grad = shared[i][1]  # alias again (a zero_grad(set_to_none=True) had replaced it)
+
+    @torch.no_grad()
+    def share_buffers(
+        self, model: nn.Module, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]
+    ) -> bool:
+        """On the CPU, point every parameter and its gradient at psdk's buffers (no copies per step)."""
+        named = self._parameters(model)
+        if self.torch_device.type != "cpu" or any(
+            p.dtype != torch.float32 or tuple(p.shape) != params[n].shape or not params[n].flags.writeable
+            for n, p in named
+        ):
+            return False
+        shared = []
+        for name, p in named:
+            p.data = torch.from_numpy(params[name])
+            p.grad = torch.from_numpy(grads[name])
+            shared.append((p.data.data_ptr(), p.grad))
+        self._shared[id(model)] = shared
+        return True
 
     def forward_backward(self, model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
         xt = torch.from_numpy(x).to(self.torch_device, non_blocking=True)

@@ -1,0 +1,61 @@
+"""TensorFlow and PyTorch workers on one set of parameters, and checkpoints that cross frameworks.
+
+Every framework runs in its own process (the jobs are subprocesses); this
+pytest process imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import MNIST_DIR, REPO
+
+FAST = ["transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5", "train.validate_every=500"]
+
+
+def run(out: Path, *args: str) -> tuple[dict, str]:
+    env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR))
+    done = subprocess.run(
+        [sys.executable, "-m", "psdk", "run", *args, *FAST, f"hydra.run.dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), done.stdout
+
+
+def test_a_torch_worker_and_a_tf_worker_train_one_model(tmp_path: Path) -> None:
+    summary, stdout = run(tmp_path, "topology.worker_backends=[torch,tf]")
+    assert {w["backend"] for w in summary["workers"].values()} == {"torch", "tf"}
+    assert all(w["gradients_applied"] >= summary["global_step"] / 4 for w in summary["workers"].values())
+    by_backend = summary["test_accuracy_by_backend"]
+    assert set(by_backend) == {"torch", "tf"} and min(by_backend.values()) >= 0.97
+    assert abs(by_backend["torch"] - by_backend["tf"]) <= 0.001
+    assert "(tf 0." in stdout.strip().splitlines()[-1] and "by backend" in stdout
+
+
+@pytest.mark.parametrize("first, second", [("torch", "tf"), ("tf", "torch")])
+def test_a_checkpoint_written_by_one_framework_resumes_on_the_other(tmp_path: Path, first: str, second: str) -> None:
+    before, _ = run(tmp_path / "a", f"backend={first}", "optimizer=adam", "train.steps=1500")
+    saved = tmp_path / "a" / "checkpoints" / "ckpt-1500.npz"
+    after, stdout = run(
+        tmp_path / "b",
+        f"backend={second}",
+        "optimizer=adam",
+        "train.steps=3000",
+        "topology.num_ps=2",
+        f"resume={saved}",
+    )
+    assert "resumed from" in stdout and after["global_step"] == 3000 and after["gradients_applied"] == 1500
+    assert after["backend"] == second and after["resumed_from"] == str(saved)
+    # The accuracy carries over (the optimizer's moments and step came along too).
+    assert after["test_accuracy"] >= before["test_accuracy"] - 0.005 and after["test_accuracy"] >= 0.96
