@@ -32,6 +32,7 @@ from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.data import mnist
 from psdk.errors import USAGE_EXIT, JobFailedError
+from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
 from psdk.placement import RankPlacement, visible_gpus
 from psdk.plugins import check_framework
@@ -48,6 +49,7 @@ OWN_KEYS = (
     "worker_hosts",
     "output_dir",
     "ps.announce_file",
+    "ps.progress_file",
     "data.dir",
     "hydra.run.dir",
     "hydra.job.name",
@@ -120,6 +122,9 @@ class Task:
 
 
 class LocalLauncher:
+    # Whether the tasks' files (metrics.jsonl, ps progress) appear in the run's folder as they train.
+    shows_progress = True
+
     def __init__(self, ready_timeout_s: float = 60.0, shutdown_timeout_s: float = 30.0):
         self.ready_timeout_s = ready_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -127,6 +132,7 @@ class LocalLauncher:
         self.ps_addresses: list[str] = []
         self.max_restarts = 0  # recovery.max_restarts when recovery is on
         self.restarts: Counter[str] = Counter()
+        self.monitor: ProgressMonitor | None = None
 
     def spans_hosts(self) -> bool:
         """Whether the tasks run on more than one host (then CURVE is on by default)."""
@@ -164,12 +170,22 @@ class LocalLauncher:
             common += ["transport.secure=true", f"transport.keys_dir={keys}"]
         else:
             common += ["transport.secure=false"]  # decided here, for every task alike
+        self.monitor = self._monitor(cfg, topology.num_workers, topology.num_ps, out)
+        if self.monitor is not None and self.monitor.live:
+            # The terminal belongs to the live display: the tasks' full logs stay in their folders.
+            log.info("launcher: live progress below; the tasks' logs are in %s", out / "tasks")
+            common += ["+hydra.job_logging.handlers.console.level=WARNING"]
         try:
+            if self.monitor is not None:
+                self.monitor.start()
             self._start_tasks(cfg, out, common)
             self._supervise()
         except BaseException:
             self._stop_all()
             raise
+        finally:
+            if self.monitor is not None:
+                self.monitor.stop()
         self._collect(out)
         chief_backend = topology.backend_of(0, str(cfg.backend))
         others = sorted(
@@ -177,6 +193,31 @@ class LocalLauncher:
         )
         accuracies = {name: self._evaluate(name, out, common) for name in others}
         return self._final_summary(out, start, accuracies)
+
+    def _monitor(self, cfg: DictConfig, num_workers: int, num_ps: int, out: Path) -> ProgressMonitor | None:
+        """The progress display ``progress.mode`` asks for (None: off, or tasks that run elsewhere)."""
+        if not self.shows_progress:
+            return None
+        progress = cfg.get("progress") or {}
+        mode, every_s = str(progress.get("mode", "auto")), float(progress.get("every_s", 10.0))
+        return make_monitor(mode, every_s, out, num_workers, num_ps, int(cfg.train.steps))
+
+    def _popen(self, command: list[str], env: dict[str, str] | None) -> subprocess.Popen[Any]:
+        """Start a task's process; under a live display its output goes through the display."""
+        if self.monitor is None or not self.monitor.live:
+            return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            command,
+            env=env,
+            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        assert process.stdout is not None
+        self.monitor.pump(process.stdout)
+        return process
 
     def _start_tasks(self, cfg: DictConfig, out: Path, common: list[str]) -> None:
         """Start every ps (each binds a free port and announces it), then every worker."""
@@ -193,6 +234,7 @@ class LocalLauncher:
                     f"ps_hosts='{placeholders}'",
                     f"worker_hosts='{workers}'",
                     f"ps.announce_file={out / 'tasks' / f'ps{index}.json'}",
+                    f"ps.progress_file={ps_progress_path(out, index)}",
                 ],
             )
         addresses = self._wait_for_ps(out, topology.num_ps)
@@ -241,7 +283,7 @@ class LocalLauncher:
         command = [sys.executable, "-m", "psdk", *task_args(job, index, out, args)]
         env = {**os.environ, **TASK_ENV, **(env_extra or {})}
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
-        process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        process = self._popen(command, env)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
         self.tasks.append(Task(job, index, process, command, env=env))
 
@@ -323,7 +365,7 @@ class LocalLauncher:
         command = list(task.command)
         if task.job == "ps" and self.ps_addresses:
             command = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in command]
-        task.process = subprocess.Popen(command, env=task.env, preexec_fn=_die_with_parent)
+        task.process = self._popen(command, task.env)
         task.command = command
         run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
         run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{task.process.pid}\n")
