@@ -133,6 +133,7 @@ class LocalLauncher:
         self.max_restarts = 0  # recovery.max_restarts when recovery is on
         self.restarts: Counter[str] = Counter()
         self.monitor: ProgressMonitor | None = None
+        self.plot = True  # report.plot: curves.png when the job ends
 
     def spans_hosts(self) -> bool:
         """Whether the tasks run on more than one host (then CURVE is on by default)."""
@@ -157,6 +158,7 @@ class LocalLauncher:
         start = time.time()
         self.validate(cfg)
         self.max_restarts = int(cfg.recovery.max_restarts) if cfg.recovery.enabled else 0
+        self.plot = bool(cfg.get("report", {}).get("plot", True))
         topology = build.topology(cfg)
         out = Path(cfg.output_dir).resolve()
         (out / "tasks").mkdir(parents=True, exist_ok=True)
@@ -393,6 +395,20 @@ class LocalLauncher:
                 task.process.kill()
                 task.process.wait(timeout=10)
 
+    def _write_curves(self, out: Path) -> None:
+        """``curves.png`` (report.plot): a figure is a convenience, so failing to draw it only warns."""
+        if not self.plot:
+            return
+        try:
+            from psdk.report.plot import plot_curves
+            from psdk.report.runs import load_run
+
+            log.info("launcher: training curves in %s", plot_curves(load_run(out), out / "curves.png"))
+        except Exception as exc:
+            log.warning(
+                "launcher: could not draw the training curves (%s); `python -m psdk report %s` retries", exc, out
+            )
+
     def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
         path = out / "summary.json"
         if not path.exists():
@@ -408,5 +424,6 @@ class LocalLauncher:
         summary["chief_wall_s"] = summary.get("wall_s")
         summary["wall_s"] = time.time() - start
         write_json_atomic(path, summary)
+        self._write_curves(out)
         print(summary_line(summary), flush=True)
         return summary

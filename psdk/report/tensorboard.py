@@ -5,7 +5,9 @@ needs only a handful of fields (wall time, step, and a summary holding
 ``tag``/``simple_value`` pairs), so they are encoded here by hand: the core
 gains no dependency, and a worker on any backend can write one. TensorBoard
 (``tensorboard --logdir outputs/<run>/tensorboard``) reads them as it reads
-``tf.summary`` files; the tests check that with TensorBoard's own loader.
+``tf.summary`` files. tests/test_report.py decodes what is written here
+independently (the record framing with its masked CRC-32C, and the Event,
+Summary and Value fields by number), as TensorBoard is no dependency.
 """
 
 from __future__ import annotations
