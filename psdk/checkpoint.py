@@ -29,6 +29,10 @@ FORMAT = "psdk-checkpoint"
 FORMAT_VERSION = 1
 META = "__meta__"
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
+WHAT_TO_RESUME = (
+    "resume= takes a checkpoint the chief wrote (outputs/<run>/checkpoints/ckpt-<step>.npz) or a folder of "
+    "them (outputs/<run>/checkpoints: its latest)"
+)
 
 
 @dataclass
@@ -93,21 +97,27 @@ def load(path: Path | str) -> Checkpoint:
     if path.is_dir():
         found = latest(path)
         if found is None:
-            raise DataError(f"{path} holds no checkpoint (ckpt-<step>.npz)")
+            raise DataError(f"{path} holds no checkpoint (ckpt-<step>.npz); {WHAT_TO_RESUME}")
         path = found
     if not path.is_file():
-        raise DataError(f"no checkpoint at {path}")
+        raise DataError(f"no checkpoint at {path}: no such file or folder; {WHAT_TO_RESUME}")
     try:
         with np.load(path, allow_pickle=False) as data:
+            if META not in data.files:
+                raise DataError(
+                    f"{path} cannot be read as a psdk checkpoint (no {META} record: a params.npz holds the "
+                    f"final weights only); {WHAT_TO_RESUME}"
+                )
             meta = json.loads(data[META].tobytes())
             if meta.get("format") != FORMAT:
-                raise DataError(f"{path} is not a psdk checkpoint")
+                raise DataError(f"{path} is not a psdk checkpoint; {WHAT_TO_RESUME}")
             variables = {n: np.array(data[f"params/{n}"]) for n in meta["variables"]}
             slots = {
                 slot: {n: np.array(data[f"slots/{slot}/{n}"]) for n in names} for slot, names in meta["slots"].items()
             }
     except (OSError, ValueError, KeyError) as exc:
-        raise DataError(f"{path} cannot be read as a psdk checkpoint: {exc}") from None
+        reason = "not an .npz file" if "pickled" in str(exc) else str(exc)
+        raise DataError(f"{path} cannot be read as a psdk checkpoint ({reason}); {WHAT_TO_RESUME}") from None
     known = {"format", "format_version", "global_step", "variables", "slots", "rule", "rule_step", "config"}
     return Checkpoint(
         global_step=int(meta["global_step"]),

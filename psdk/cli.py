@@ -21,15 +21,18 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from psdk import tf_config
-from psdk.errors import ConfigError, PsdkError
+from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError
 from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
 
 TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
-COMMANDS = (*TASK_COMMANDS, "plugins", "bench", "keys", "fuzz")
+COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
+LAUNCHED_ENV = "PSDK_LAUNCHED"
+# Runs of this process's multirun that failed: the sweep goes on, and its exit status says so at the end.
+FAILED_RUNS: list[Path] = []
 
 USAGE = """\
 usage: python -m psdk <command> [key=value ...] [hydra options]
@@ -41,6 +44,7 @@ commands:
   task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too;
             with TF_CONFIG set (Kubeflow, Kubernetes), the task it names: `python -m psdk task`
   evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
+  report    rebuild a run's curves.png, or a multirun's comparison: report PATH [target_accuracy=0.97]
   plugins   list the installed backends and the distributions that provide them
   fuzz      send mutated real messages to a live ps and check nothing changed: fuzz count=100000 seed=0
   keys      make CURVE keys for secure per-task runs: keys keys_dir=DIR workers=N
@@ -49,7 +53,8 @@ commands:
 examples:
   python -m psdk run backend=torch
   python -m psdk run sync=sync sync.replicas_to_aggregate=2 topology.num_workers=3
-  python -m psdk run -m sync=sync,async          # a Hydra multirun
+  python -m psdk run -m sync=sync,async          # a Hydra multirun, ending with comparison.md
+  python -m psdk report multirun/2026-01-31/12-00-00
   python -m psdk run --cfg job                   # print the composed config
 
 `python -m psdk run --help` shows every config group and key.
@@ -136,7 +141,8 @@ def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str])
 
 def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import instantiate
+
+    from psdk.config import build
 
     job = cfg.job_name
     set_task_label("launcher" if job is None else f"{job} {cfg.task_index}")
@@ -146,7 +152,7 @@ def _task(cfg: DictConfig) -> None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
         write_resolved_config(cfg, Path(HydraConfig.get().runtime.output_dir))
         if job is None:
-            instantiate(cfg.launcher).launch(cfg, list(HydraConfig.get().overrides.task))
+            build.launcher(cfg).launch(cfg, list(HydraConfig.get().overrides.task))
         elif job == "ps":
             from psdk.ps.main import run_ps
 
@@ -163,12 +169,32 @@ def _task(cfg: DictConfig) -> None:
             run_evaluate(cfg)
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
+    except (ConfigError, DataError) as exc:  # the same command would fail again: a launcher does not retry it
+        log.error("%s", exc)
+        _failed(job, USAGE_EXIT, str(exc))
     except PsdkError as exc:
         log.error("%s", exc)
-        raise SystemExit(1) from None
+        _failed(job, 1, str(exc))
     except KeyboardInterrupt:
         log.error("interrupted")
-        raise SystemExit(130) from None
+        _failed(job, 130, "interrupted", stop=True)
+
+
+def _failed(job: object, code: int, error: str, stop: bool = False) -> None:
+    """A task ends with ``code``; a run records why in its folder, and in a multirun lets the sweep go on."""
+    if job is None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        from psdk.report.runs import record_failure
+
+        hydra_cfg = HydraConfig.get()
+        out = Path(hydra_cfg.runtime.output_dir)
+        record_failure(out, error)
+        if hydra_cfg.mode == RunMode.MULTIRUN and not stop:
+            FAILED_RUNS.append(out)
+            return
+    raise SystemExit(code) from None
 
 
 def write_resolved_config(cfg: DictConfig, folder: Path) -> None:
@@ -212,8 +238,18 @@ def run_hydra(command: str, args: list[str]) -> None:
     if _given(args, "hydra.job.name") is None:
         # Prepended: Hydra's parser wants overrides before flags such as `--cfg job`.
         args = [f"hydra.job.name={command if command != 'task' else _given(args, 'job_name')}", *args]
+    if "-m" in args or "--multirun" in args:
+        # First as well: after the prepended override, argparse would take the sweep's overrides for extra arguments.
+        args = ["--multirun", *(a for a in args if a not in ("-m", "--multirun"))]
+    if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
+        from psdk.config.check import check_overrides
+
+        check_overrides(args, config_dir())
     sys.argv = [f"psdk {command}", *args]
     hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    if FAILED_RUNS:
+        print(f"psdk: {len(FAILED_RUNS)} run(s) of the multirun failed: {', '.join(map(str, FAILED_RUNS))}")
+        raise SystemExit(1)
 
 
 def _bench(cfg: DictConfig) -> None:
@@ -302,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("command", f"unknown command {command!r}", COMMANDS)
         if command == "plugins":
             return list_plugins()
+        if command == "report":
+            from psdk.report.command import report
+
+            return report(args[1:])
         if command == "fuzz":
             return run_fuzz(normalize_args(args[1:]))
         if command == "keys":

@@ -6,7 +6,35 @@ was wrong and how to fix it: a user should never need a traceback to act.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
+
+# The exit code of a task refused for its configuration or data: running it again cannot help.
+USAGE_EXIT = 2
+
+# Names people type for a backend, and the backend psdk calls it.
+BACKEND_ALIASES = {"pytorch": "torch", "tensorflow": "tf", "tensorflow2": "tf", "keras": "tf", "np": "numpy"}
+# How to install the plugins that live in psdk's own repository.
+PLUGIN_INSTALL = {
+    "torch": "pip install -e plugins/torch_backend (the psdk-torch plugin; install the torch build you want first)",
+    "tf": "pip install -e 'plugins/tf_backend[cpu]' (the psdk-tf plugin with tensorflow-cpu; [gpu] for CUDA)",
+}
+
+
+def closest(name: str, choices: Iterable[str]) -> str | None:
+    """The choice ``name`` was most likely meant to be (a typo), or None when none is close."""
+    options = [str(c) for c in choices]
+    lowered = {c.lower(): c for c in options}
+    if name.lower() in lowered:
+        return lowered[name.lower()]
+    found = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def did_you_mean(name: str, choices: Iterable[str], template: str = "{}") -> str:
+    """``"; did you mean X?"`` when a choice is close to ``name``, else nothing."""
+    match = closest(name, choices)
+    return f"; did you mean {template.format(match)}?" if match is not None and match != name else ""
 
 
 class PsdkError(Exception):
@@ -30,12 +58,20 @@ class UnknownBackendError(ConfigError):
     """``backend=`` names no installed plugin."""
 
     def __init__(self, name: str, installed: Iterable[str]) -> None:
-        super().__init__(
-            "backend",
-            f"no installed backend is called {name!r}; install its plugin "
-            "(e.g. pip install ./plugins/torch_backend) or pick an installed one",
-            installed,
-        )
+        names = sorted(installed)
+        guess = closest(name, [*names, *PLUGIN_INSTALL, *BACKEND_ALIASES])
+        meant = BACKEND_ALIASES.get(name.lower()) or BACKEND_ALIASES.get(guess or "", guess)
+        if meant is None:
+            advice = (
+                "install its plugin (e.g. pip install -e plugins/torch_backend) or pick an installed one; "
+                "`python -m psdk plugins` lists them"
+            )
+        elif meant in names:
+            advice = f"did you mean backend={meant}?"
+        else:
+            missing = f"plugin is not installed in this environment: {PLUGIN_INSTALL[meant]}"
+            advice = f"did you mean backend={meant}? Its {missing}" if meant != name else f"its {missing}"
+        super().__init__("backend", f"no installed backend is called {name!r}; {advice}", names)
         self.name = name
 
 

@@ -4,30 +4,45 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class RecordSink(Protocol):
+    """Somewhere else a logged point goes (TensorBoard event files, ...)."""
+
+    def write(self, point: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsLog:
     """Appends JSON lines; several tasks may share one file.
 
     Each line goes out in one ``write`` on an ``O_APPEND`` descriptor, so
-    lines from different processes never interleave.
+    lines from different processes never interleave. Each point also goes to
+    ``sinks``.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sinks: Sequence[RecordSink] = ()):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.sinks = list(sinks)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Mapping[str, Any]) -> None:
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

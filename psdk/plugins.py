@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -17,10 +19,17 @@ import pluggy
 
 from psdk import hookspecs
 from psdk.backend import Backend
-from psdk.errors import PluginError, UnknownBackendError
+from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.hookspecs import BackendRecord
 
 ENTRY_POINT_GROUP = "psdk"
+# How to install the frameworks of the plugins in psdk's repository.
+FRAMEWORK_INSTALL = {
+    "torch": "pip install torch (the CPU build: --index-url https://download.pytorch.org/whl/cpu), "
+    "or `make setup` in a psdk checkout",
+    "tensorflow": "pip install -e 'plugins/tf_backend[cpu]' installs tensorflow-cpu with the plugin "
+    "([gpu] for tensorflow[and-cuda]), or pip install tensorflow-cpu",
+}
 DEFAULT_PLUGINS = ("psdk.backends.numpy_plugin",)
 
 
@@ -73,6 +82,22 @@ def installed_backends() -> dict[str, InstalledBackend]:
                 )
             found[record.name] = entry
     return found
+
+
+def check_framework(name: str) -> None:
+    """Refuse a backend that is not installed, or whose framework is not, without importing it."""
+    backends = installed_backends()
+    if name not in backends:
+        raise UnknownBackendError(name, backends)
+    entry = backends[name]
+    framework = entry.record.framework
+    if importlib.util.find_spec(framework) is None:
+        how = FRAMEWORK_INSTALL.get(framework, f"pip install {framework}")
+        raise ConfigError(
+            "backend",
+            f"the {name} backend ({entry.distribution}) needs {framework}, which is not installed in this "
+            f"Python ({sys.executable}); {how}",
+        )
 
 
 def load_backend(name: str) -> Backend:

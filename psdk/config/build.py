@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -12,7 +13,7 @@ from psdk import security
 from psdk.client import ClientOptions
 from psdk.cluster import ClusterSpec, Topology
 from psdk.consistency import SyncSpec
-from psdk.errors import ConfigError
+from psdk.errors import ConfigError, PsdkError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
 from psdk.ps.server import ServerOptions
@@ -54,20 +55,59 @@ def server_keys(cfg: DictConfig, cluster: ClusterSpec) -> CurveKeys | None:
     return security.load_server(Path(cfg.transport.keys_dir))
 
 
+def instantiate_node(node: Any, **kwargs: Any) -> Any:
+    """``instantiate``, letting psdk's own errors out unwrapped (Hydra wraps them in its own)."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, PsdkError):
+            raise exc.__cause__ from None
+        raise
+
+
+def launcher(cfg: DictConfig) -> Any:
+    """The launcher ``launcher=`` selects (local processes, Ray)."""
+    return instantiate_node(cfg.launcher)
+
+
 def topology(cfg: DictConfig) -> Topology:
-    return cast(Topology, instantiate(cfg.topology))
+    return cast(Topology, instantiate_node(cfg.topology))
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
-    return cast(ModelSpec, instantiate(cfg.model, _convert_="all"))
+    return cast(ModelSpec, instantiate_node(cfg.model, _convert_="all"))
 
 
 def update_rule(cfg: DictConfig) -> UpdateRule:
-    return cast(UpdateRule, instantiate(cfg.optimizer))
+    return cast(UpdateRule, instantiate_node(cfg.optimizer))
 
 
 def sync_spec(cfg: DictConfig) -> SyncSpec:
-    return cast(SyncSpec, instantiate(cfg.sync))
+    return cast(SyncSpec, instantiate_node(cfg.sync))
+
+
+def check_training(cfg: DictConfig, num_workers: int) -> None:
+    """The training loop's settings, refused before any task starts when they cannot work."""
+    from psdk.data.mnist import TRAIN_SIZE
+
+    train = cfg.train
+    for key in ("steps", "batch_size"):
+        if int(train[key]) < 1:
+            raise ConfigError(f"train.{key}", f"must be at least 1, got {train[key]}")
+    for key in ("log_every", "validate_every"):
+        if int(train[key]) < 0:
+            raise ConfigError(f"train.{key}", f"must be 0 (never) or more local steps, got {train[key]}")
+    held_out = int(cfg.data.validation_size)
+    if not 0 <= held_out < TRAIN_SIZE:
+        raise ConfigError("data.validation_size", f"must be in [0, {TRAIN_SIZE}), got {held_out}")
+    shard = (TRAIN_SIZE - held_out) // num_workers
+    if int(train.batch_size) > shard:
+        raise ConfigError(
+            "train.batch_size",
+            f"{train.batch_size} is more than a worker's shard of the training set ({shard} images: "
+            f"{TRAIN_SIZE - held_out} split over {num_workers} workers); use train.batch_size={min(shard, 100)} "
+            "or fewer workers",
+        )
 
 
 def client_options(cfg: DictConfig) -> ClientOptions:

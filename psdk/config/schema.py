@@ -171,6 +171,7 @@ class PsConfig:
     io_threads: Any = None
     log_every_s: float = 10.0
     idle_timeout_s: Any = 60.0  # seconds, or null: never
+    progress_file: Any = None
 
 
 @dataclass
@@ -180,6 +181,19 @@ class PlacementConfig:
     isolate_gpus: bool = True
     pin_cpus: bool = False
     compute_nice: int = 0
+
+
+@dataclass
+class ProgressConfig:
+    mode: str = "auto"
+    every_s: float = 10.0
+
+
+@dataclass
+class ReportConfig:
+    plot: bool = True
+    tensorboard: bool = False
+    target_accuracy: float = 0.97
 
 
 @dataclass
@@ -207,6 +221,8 @@ class PsdkConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     ps: PsConfig = field(default_factory=PsConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {

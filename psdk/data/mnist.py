@@ -33,6 +33,7 @@ FILES = {
     "test_images": ("t10k-images-idx3-ubyte", "2646ac647ad5339dbf082846283269ea"),
     "test_labels": ("t10k-labels-idx1-ubyte", "27ae3e4e09519cfbb04c329615203637"),
 }
+TRAIN_SIZE = 60000  # images in the training set (validation is held out of it)
 MIRRORS = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
@@ -109,6 +110,19 @@ def _missing_message(folder: Path, missing: Sequence[str], why: str) -> str:
     )
 
 
+def _why_missing(folder: Path) -> str:
+    """Why a folder the user named lacks the files, with the likely fix when one is near."""
+    if folder.is_file():
+        return f"That is a file; data.dir (or PSDK_DATA_DIR) names the folder holding the four: {folder.parent}."
+    if not folder.is_dir():
+        return "The folder does not exist."
+    stem = FILES["train_images"][0]
+    near = sorted({p.parent for pattern in (f"*/{stem}*", f"*/*/{stem}*") for p in folder.glob(pattern)})
+    if near:
+        return f"They are in {near[0]}: use data.dir={near[0]} (or PSDK_DATA_DIR={near[0]})."
+    return "That folder was named by data.dir or PSDK_DATA_DIR."
+
+
 def download(
     folder: Path,
     mirrors: Sequence[str] = MIRRORS,
@@ -171,12 +185,7 @@ def resolve_dir(
         folder = Path(data_dir).expanduser()
         missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]
         if missing:
-            why = (
-                "The folder does not exist."
-                if not folder.is_dir()
-                else "That folder was named by data.dir or PSDK_DATA_DIR."
-            )
-            raise DataError(_missing_message(folder, missing, why))
+            raise DataError(_missing_message(folder, missing, _why_missing(folder)))
         return folder
     folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]

@@ -28,7 +28,7 @@ from psdk.client import StepResult
 from psdk.config import build
 from psdk.data import mnist
 from psdk.jobs.summary import build_summary, save_params
-from psdk.metrics import MetricsLog, summary_line, write_json_atomic
+from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.models import init_weights
 from psdk.placement import (
     RankPlacement,
@@ -37,7 +37,8 @@ from psdk.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins import load_backend
+from psdk.plugins import check_framework, load_backend
+from psdk.report.tensorboard import TensorBoardSink
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,10 @@ def run_worker(cfg: DictConfig) -> None:
     task = int(cfg.task_index)
     cluster = build.cluster_from(cfg)
     cluster.check_task("worker", task)
-    backend = load_backend(build.topology(cfg).backend_of(task, str(cfg.backend)))
+    build.check_training(cfg, cluster.num_workers)
+    backend_name = build.topology(cfg).backend_of(task, str(cfg.backend))
+    check_framework(backend_name)
+    backend = load_backend(backend_name)
     device = RankPlacement(str(cfg.placement.device)).devices(cluster, task, visible_gpus())[0]
     backend.setup(device, int(cfg.train.threads), check_memory_fraction(cfg.placement.gpu_memory_fraction))
     log.info("worker %d: backend %s on %s, %d ps task(s)", task, backend.name, backend.device, cluster.num_ps)
@@ -113,7 +117,7 @@ def run_worker(cfg: DictConfig) -> None:
     spec = build.model_spec(cfg)
     model = backend.build_model(spec, init_weights(spec, int(cfg.seed)))
     framework_optimizer = backend.make_optimizer(model, build.update_rule(cfg))
-    metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl")
+    metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
     try:
         with connect(
             cluster,
@@ -137,6 +141,15 @@ def run_worker(cfg: DictConfig) -> None:
                 job.finalize(workers, start)
     finally:
         metrics.close()
+
+
+def record_sinks(cfg: DictConfig, task: int) -> list[RecordSink]:
+    """Where a worker's logged points go besides ``metrics.jsonl``: TensorBoard, when asked."""
+    if not cfg.report.tensorboard:
+        return []
+    folder = Path(cfg.output_dir) / "tensorboard" / f"worker{task}"
+    log.info("worker %d: TensorBoard event files in %s", task, folder)
+    return [TensorBoardSink(folder)]
 
 
 def tune_compute_thread(cfg: DictConfig, local_rank: int) -> None:
@@ -234,6 +247,7 @@ class WorkerJob:
                 "accuracy": accuracy,
                 "time": round(time.time(), 3),
                 "wall_s": round(elapsed, 3),
+                "steps_per_s": round(rate, 1),
             }
         )
         log.info(

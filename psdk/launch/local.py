@@ -27,14 +27,15 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from psdk import security
+from psdk import checkpoint, security
 from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.data import mnist
-from psdk.errors import JobFailedError, UnknownBackendError
+from psdk.errors import USAGE_EXIT, JobFailedError
+from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
 from psdk.placement import RankPlacement, visible_gpus
-from psdk.plugins import installed_backends
+from psdk.plugins import check_framework
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ OWN_KEYS = (
     "worker_hosts",
     "output_dir",
     "ps.announce_file",
+    "ps.progress_file",
     "data.dir",
     "hydra.run.dir",
     "hydra.job.name",
@@ -120,6 +122,9 @@ class Task:
 
 
 class LocalLauncher:
+    # Whether the tasks' files (metrics.jsonl, ps progress) appear in the run's folder as they train.
+    shows_progress = True
+
     def __init__(self, ready_timeout_s: float = 60.0, shutdown_timeout_s: float = 30.0):
         self.ready_timeout_s = ready_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -127,6 +132,8 @@ class LocalLauncher:
         self.ps_addresses: list[str] = []
         self.max_restarts = 0  # recovery.max_restarts when recovery is on
         self.restarts: Counter[str] = Counter()
+        self.monitor: ProgressMonitor | None = None
+        self.plot = True  # report.plot: curves.png when the job ends
 
     def spans_hosts(self) -> bool:
         """Whether the tasks run on more than one host (then CURVE is on by default)."""
@@ -135,21 +142,23 @@ class LocalLauncher:
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
         """Fail before starting anything, naming the key and the valid choices."""
-        backends = installed_backends()
         topology = build.topology(cfg)
-        for name in {str(cfg.backend), *(topology.worker_backends or ())}:
-            if name not in backends:
-                raise UnknownBackendError(name, backends)
+        for name in sorted({topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)}):
+            check_framework(name)
         build.sync_spec(cfg).resolved(topology.num_workers)
         build.model_spec(cfg)
         build.update_rule(cfg)
+        build.check_training(cfg, topology.num_workers)
         RankPlacement(str(cfg.placement.device))
+        if cfg.resume:
+            checkpoint.load(cfg.resume)  # a path that is no checkpoint fails here, not in a restarted chief
 
     # --------------------------------------------------------------- launch
     def launch(self, cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         start = time.time()
         self.validate(cfg)
         self.max_restarts = int(cfg.recovery.max_restarts) if cfg.recovery.enabled else 0
+        self.plot = bool(cfg.get("report", {}).get("plot", True))
         topology = build.topology(cfg)
         out = Path(cfg.output_dir).resolve()
         (out / "tasks").mkdir(parents=True, exist_ok=True)
@@ -163,12 +172,22 @@ class LocalLauncher:
             common += ["transport.secure=true", f"transport.keys_dir={keys}"]
         else:
             common += ["transport.secure=false"]  # decided here, for every task alike
+        self.monitor = self._monitor(cfg, topology.num_workers, topology.num_ps, out)
+        if self.monitor is not None and self.monitor.live:
+            # The terminal belongs to the live display: the tasks' full logs stay in their folders.
+            log.info("launcher: live progress below; the tasks' logs are in %s", out / "tasks")
+            common += ["+hydra.job_logging.handlers.console.level=WARNING"]
         try:
+            if self.monitor is not None:
+                self.monitor.start()
             self._start_tasks(cfg, out, common)
             self._supervise()
         except BaseException:
             self._stop_all()
             raise
+        finally:
+            if self.monitor is not None:
+                self.monitor.stop()
         self._collect(out)
         chief_backend = topology.backend_of(0, str(cfg.backend))
         others = sorted(
@@ -176,6 +195,31 @@ class LocalLauncher:
         )
         accuracies = {name: self._evaluate(name, out, common) for name in others}
         return self._final_summary(out, start, accuracies)
+
+    def _monitor(self, cfg: DictConfig, num_workers: int, num_ps: int, out: Path) -> ProgressMonitor | None:
+        """The progress display ``progress.mode`` asks for (None: off, or tasks that run elsewhere)."""
+        if not self.shows_progress:
+            return None
+        progress = cfg.get("progress") or {}
+        mode, every_s = str(progress.get("mode", "auto")), float(progress.get("every_s", 10.0))
+        return make_monitor(mode, every_s, out, num_workers, num_ps, int(cfg.train.steps))
+
+    def _popen(self, command: list[str], env: dict[str, str] | None) -> subprocess.Popen[Any]:
+        """Start a task's process; under a live display its output goes through the display."""
+        if self.monitor is None or not self.monitor.live:
+            return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            command,
+            env=env,
+            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        assert process.stdout is not None
+        self.monitor.pump(process.stdout)
+        return process
 
     def _start_tasks(self, cfg: DictConfig, out: Path, common: list[str]) -> None:
         """Start every ps (each binds a free port and announces it), then every worker."""
@@ -192,6 +236,7 @@ class LocalLauncher:
                     f"ps_hosts='{placeholders}'",
                     f"worker_hosts='{workers}'",
                     f"ps.announce_file={out / 'tasks' / f'ps{index}.json'}",
+                    f"ps.progress_file={ps_progress_path(out, index)}",
                 ],
             )
         addresses = self._wait_for_ps(out, topology.num_ps)
@@ -240,7 +285,7 @@ class LocalLauncher:
         command = [sys.executable, "-m", "psdk", *task_args(job, index, out, args)]
         env = {**os.environ, **TASK_ENV, **(env_extra or {})}
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
-        process = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        process = self._popen(command, env)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
         self.tasks.append(Task(job, index, process, command, env=env))
 
@@ -301,11 +346,13 @@ class LocalLauncher:
     def _may_restart(self, task: Task) -> bool:
         """A lost task comes back (recovery on): a worker after any failure, a ps only when killed.
 
-        A ps that exits by itself decided to (the chief aborted the job or vanished).
+        A ps that exits by itself decided to (the chief aborted the job or vanished); a task
+        that refused its configuration (exit code 2) would refuse it again.
         """
         code = task.process.returncode
         killed = code is not None and code < 0
-        return self.restarts[task.name] < self.max_restarts and (task.job == "worker" or killed)
+        refused = code == USAGE_EXIT  # its configuration or data: it would be refused again
+        return self.restarts[task.name] < self.max_restarts and ((task.job == "worker" and not refused) or killed)
 
     def _restart(self, task: Task) -> None:
         """Start ``task`` again with its own command; a ps on the address it had before."""
@@ -320,7 +367,7 @@ class LocalLauncher:
         command = list(task.command)
         if task.job == "ps" and self.ps_addresses:
             command = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in command]
-        task.process = subprocess.Popen(command, env=task.env, preexec_fn=_die_with_parent)
+        task.process = self._popen(command, task.env)
         task.command = command
         run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
         run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{task.process.pid}\n")
@@ -348,6 +395,20 @@ class LocalLauncher:
                 task.process.kill()
                 task.process.wait(timeout=10)
 
+    def _write_curves(self, out: Path) -> None:
+        """``curves.png`` (report.plot): a figure is a convenience, so failing to draw it only warns."""
+        if not self.plot:
+            return
+        try:
+            from psdk.report.plot import plot_curves
+            from psdk.report.runs import load_run
+
+            log.info("launcher: training curves in %s", plot_curves(load_run(out), out / "curves.png"))
+        except Exception as exc:
+            log.warning(
+                "launcher: could not draw the training curves (%s); `python -m psdk report %s` retries", exc, out
+            )
+
     def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
         path = out / "summary.json"
         if not path.exists():
@@ -363,5 +424,6 @@ class LocalLauncher:
         summary["chief_wall_s"] = summary.get("wall_s")
         summary["wall_s"] = time.time() - start
         write_json_atomic(path, summary)
+        self._write_curves(out)
         print(summary_line(summary), flush=True)
         return summary

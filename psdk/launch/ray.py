@@ -217,6 +217,8 @@ class RemoteProcess:
 class RayLauncher(LocalLauncher):
     """Places the ps tasks (CPU only) and the workers (``gpus_per_worker`` each) on a Ray cluster."""
 
+    shows_progress = False  # the tasks' files may be on other nodes until the job ends
+
     def __init__(
         self,
         address: str | None = None,

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from psdk.cluster import ClusterSpec, parse_hosts, split_host
 from psdk.config import build
 from psdk.errors import BindError, ConfigError, TransportError
+from psdk.ps.progress import progress_file
 from psdk.ps.server import ParameterServer
 from psdk.zmq_transport import ZmqTransport
 
@@ -79,6 +80,8 @@ def run_ps(cfg: DictConfig) -> int:
             raise BindError(bind, f"ps {task}", reason, explicit=bind != advertised) from None
         if cfg.ps.announce_file:
             announce(Path(cfg.ps.announce_file), endpoint.address)
-        return ParameterServer(endpoint, task, build.server_options(cfg)).serve()
+        server = ParameterServer(endpoint, task, build.server_options(cfg))
+        with progress_file(server, Path(cfg.ps.progress_file) if cfg.ps.progress_file else None):
+            return server.serve()
     finally:
         transport.close()

@@ -1,0 +1,1 @@
+"""What a run leaves for people to read: plots, TensorBoard files, comparisons of runs."""

@@ -1,0 +1,98 @@
+"""Figures of runs as PNG files: a run's training curves, a sweep's comparison.
+
+matplotlib is imported only here and with the Agg backend: a run draws its
+figure at the end of the job, often on a machine without a display, and
+the tasks themselves never pay for the import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from psdk.report.runs import Run
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _figure(rows: int, cols: int, size: tuple[float, float]) -> Figure:
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first run's font-cache notes are no news
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, layout="constrained")
+    fig.subplots(rows, cols, squeeze=False)
+    return fig
+
+
+def plot_curves(run: Run, path: Path, title: str | None = None) -> Path:
+    """Loss and validation accuracy per worker, against the global step and against seconds of training."""
+    fig = _figure(2, 2, (11, 7.5))
+    axes = fig.axes
+    start = run.start_time or 0.0
+    for task, points in run.by_task().items():
+        steps = [p["global_step"] for p in points if p.get("loss") is not None]
+        times = [p["time"] - start for p in points if p.get("loss") is not None]
+        losses = [p["loss"] for p in points if p.get("loss") is not None]
+        validated = [p for p in points if p.get("accuracy") is not None]
+        axes[0].plot(steps, losses, label=task)
+        axes[1].plot(times, losses, label=task)
+        axes[2].plot([p["global_step"] for p in validated], [p["accuracy"] for p in validated], "o-", label=task)
+        axes[3].plot([p["time"] - start for p in validated], [p["accuracy"] for p in validated], "o-", label=task)
+    labels = [
+        ("global step", "training loss"),
+        ("seconds of training", "training loss"),
+        ("global step", "validation accuracy"),
+        ("seconds of training", "validation accuracy"),
+    ]
+    for ax, (xlabel, ylabel) in zip(axes, labels, strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best", fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no points logged", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes[:2]:
+        if ax.lines:
+            ax.set_yscale("log")
+    fig.suptitle(title or run.title())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_comparison(rows: Sequence[dict[str, Any]], path: Path, target: float) -> Path:
+    """Test accuracy, time to ``target`` validation accuracy and throughput of each run, side by side."""
+    fig = _figure(1, 3, (max(11.0, 1.2 * len(rows) + 6), 4.5))
+    names = [str(row.get("label", row["run"])) for row in rows]
+    panels = [
+        ("test_accuracy", "test accuracy", None),
+        ("time_to_target_s", f"seconds to {target:g} validation accuracy", "not reached"),
+        ("steps_per_s", "global steps/s", None),
+    ]
+    for ax, (key, label, missing) in zip(fig.axes, panels, strict=True):
+        values = [row.get(key) for row in rows]
+        heights = [v if isinstance(v, (int, float)) else 0.0 for v in values]
+        bars = ax.bar(range(len(rows)), heights, color=["C0" if row["finished"] else "C3" for row in rows])
+        for bar, value, row in zip(bars, values, rows, strict=True):
+            text = f"{value:.4g}" if isinstance(value, (int, float)) else (missing or "n/a")
+            if not row["finished"]:
+                text = str(row["status"])
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize="small")
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+        if key == "test_accuracy" and any(heights):
+            low = min(h for h in heights if h) - 0.02
+            ax.set_ylim(max(0.0, low), min(1.0, max(heights) + 0.01))
+    fig.suptitle(f"{len(rows)} runs (red: failed or unfinished)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
