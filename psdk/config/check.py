@@ -77,7 +77,7 @@ def split_flags(args: Sequence[str]) -> tuple[list[str], bool] | None:
 def leaf_keys(node: Any, prefix: str = "") -> Iterator[str]:
     """Every dotted key of a config, nodes and leaves."""
     if isinstance(node, DictConfig):
-        for key in node.keys():
+        for key in node:
             path = f"{prefix}{key}"
             yield path
             yield from leaf_keys(node._get_node(key), f"{path}.")

@@ -49,7 +49,7 @@ def _overrides(folder: Path) -> list[str]:
     from omegaconf import OmegaConf
 
     try:
-        return [str(o) for o in OmegaConf.load(path)]  # type: ignore[union-attr]
+        return [str(o) for o in OmegaConf.load(path)]
     except Exception:  # a hand-edited or truncated file: the run is still worth showing
         return []
 
