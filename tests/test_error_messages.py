@@ -47,6 +47,7 @@ def fails_with(tmp_path: Path, args: list[str], fragments: list[str], code: int 
         # A typo in a group's option.
         (["run", "sync=asynch"], ["has no option 'asynch'", "did you mean sync=async?", "ssp"]),
         (["run", "model=mlpp"], ["has no option 'mlpp'", "did you mean model=mlp?", "softmax"]),
+        (["run", "experiment=softmax_sdg"], ["did you mean experiment=softmax_sgd?"]),
         # A typo in a key, and a key named as in another framework.
         (["run", "train.step=100"], ["train.step: there is no such key", "did you mean train.steps?", "--cfg job"]),
         (["run", "optimizer.learning_rate=0.1"], ["optimizer.learning_rate", "did you mean optimizer.lr?"]),
