@@ -2,7 +2,8 @@
 
 ``run`` starts the whole job here; ``ps`` and ``worker`` run one task each,
 as TensorFlow 1.x users ran ``--job_name=ps --task_index=0`` in separate
-terminals (those flags are accepted too); ``plugins`` lists the backends.
+terminals (those flags are accepted too); ``plugins`` lists the backends;
+``data`` fetches and verifies MNIST without training (TensorFlow's old ``download_only``).
 A bare comma-separated host list (``ps_hosts=h1:2222,h2:2222``), which Hydra
 alone would read as a sweep, is taken as one list. When ``TF_CONFIG`` is set
 (a Kubeflow or Kubernetes job), ``task``, ``ps`` and ``worker`` take the role
