@@ -2,7 +2,8 @@
 
 ``run`` starts the whole job here; ``ps`` and ``worker`` run one task each,
 as TensorFlow 1.x users ran ``--job_name=ps --task_index=0`` in separate
-terminals (those flags are accepted too); ``plugins`` lists the backends.
+terminals (those flags are accepted too); ``plugins`` lists the backends;
+``data`` fetches and verifies MNIST without training (TensorFlow's old ``download_only``).
 A bare comma-separated host list (``ps_hosts=h1:2222,h2:2222``), which Hydra
 alone would read as a sweep, is taken as one list. When ``TF_CONFIG`` is set
 (a Kubeflow or Kubernetes job), ``task``, ``ps`` and ``worker`` take the role
@@ -21,13 +22,17 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from psdk import tf_config
-from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError
+from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
 from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
 
 TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
-COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz")
+COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz", "data")
+# Commands people type from other tools, and psdk's.
+COMMAND_ALIASES = {"train": "run", "start": "run", "launch": "run", "download": "data", "eval": "evaluate"}
+# Config groups chosen in config.yaml's defaults list: `+model=...` would be refused as a second value.
+DEFAULT_GROUPS = ("model", "optimizer", "sync", "topology", "launcher", "experiment")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
 LAUNCHED_ENV = "PSDK_LAUNCHED"
@@ -49,12 +54,14 @@ commands:
   fuzz      send mutated real messages to a live ps and check nothing changed: fuzz count=100000 seed=0
   keys      make CURVE keys for secure per-task runs: keys keys_dir=DIR workers=N
   bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
+  data      download MNIST (or check a folder: data.dir=...) and verify its checksums, nothing else
 
 examples:
   python -m psdk run backend=torch
   python -m psdk run sync=sync sync.replicas_to_aggregate=2 topology.num_workers=3
   python -m psdk run -m sync=sync,async          # a Hydra multirun, ending with comparison.md
   python -m psdk report multirun/2026-01-31/12-00-00
+  python -m psdk run experiment=softmax_sgd      # a preset (conf/experiment/, docs/experiments.md)
   python -m psdk run --cfg job                   # print the composed config
 
 `python -m psdk run --help` shows every config group and key.
@@ -77,6 +84,8 @@ def normalize_args(args: Sequence[str]) -> list[str]:
                 i += 1
             arg = f"{key}={value}"
         key, sep, value = arg.partition("=")
+        if sep and key.startswith("+") and key.lstrip("+") in DEFAULT_GROUPS:
+            key, arg = key.lstrip("+"), arg.lstrip("+")  # Hydra's docs say +experiment=...; here it is a choice
         if sep and key.lstrip("+") in HOST_KEYS and "," in value and value[:1] not in "[\"'":
             arg = f"{key}='{value}'"
         out.append(arg)
@@ -211,6 +220,7 @@ def run_hydra(command: str, args: list[str]) -> None:
     import hydra
 
     from psdk.config import config_dir, prepare_hydra
+    from psdk.config.check import check_overrides, hydra_order
 
     prepare_hydra()
     if command in ("ps", "worker", "task"):
@@ -242,10 +252,8 @@ def run_hydra(command: str, args: list[str]) -> None:
         # First as well: after the prepended override, argparse would take the sweep's overrides for extra arguments.
         args = ["--multirun", *(a for a in args if a not in ("-m", "--multirun"))]
     if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
-        from psdk.config.check import check_overrides
-
         check_overrides(args, config_dir())
-    sys.argv = [f"psdk {command}", *args]
+    sys.argv = [f"psdk {command}", *hydra_order(args)]
     hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
     if FAILED_RUNS:
         print(f"psdk: {len(FAILED_RUNS)} run(s) of the multirun failed: {', '.join(map(str, FAILED_RUNS))}")
@@ -314,6 +322,27 @@ def make_keys(args: Sequence[str]) -> int:
     return 0
 
 
+def check_data(args: Sequence[str]) -> int:
+    """``data [data.dir=...]``: MNIST found (or downloaded) and every file's checksum verified; no training."""
+    from hydra import compose, initialize_config_dir
+
+    from psdk.config import config_dir, prepare_hydra
+    from psdk.config.check import check_overrides
+    from psdk.data import mnist
+
+    prepare_hydra()
+    check_overrides(args, config_dir())
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        data = compose("config", overrides=list(args)).data
+    folder = mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))
+    checked = mnist.verify(folder)
+    print(f"MNIST is in {folder}; the MD5 checksums of all four files are verified:")
+    for path, md5 in checked:
+        print(f"  {path.name:<28} md5 {md5}  ok")
+    print(f"train on it with data.dir={folder} (or PSDK_DATA_DIR={folder}), e.g. python -m psdk run data.dir={folder}")
+    return 0
+
+
 def list_plugins() -> int:
     from psdk.plugins import installed_backends
 
@@ -323,6 +352,15 @@ def list_plugins() -> int:
         r = entry.record
         print(f"{name:<10} {r.framework:<12} {entry.distribution:<28} {r.description}")
     return 0
+
+
+def unknown_command(command: str) -> str:
+    """What was typed, and the command that was probably meant."""
+    if "=" in command or command.startswith("-"):
+        return f"{command!r} is not a command: the command comes first, e.g. python -m psdk run {command}"
+    meant = COMMAND_ALIASES.get(command.lower()) or closest(command, COMMANDS)
+    hint = f"; did you mean `python -m psdk {meant}`?" if meant else ""
+    return f"unknown command {command!r}{hint}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -335,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, args = "task", ["task", *args]  # `python -m psdk --job_name=ps --task_index=0 ...`
     try:
         if command not in COMMANDS:
-            raise ConfigError("command", f"unknown command {command!r}", COMMANDS)
+            raise ConfigError("command", unknown_command(command), COMMANDS)
         if command == "plugins":
             return list_plugins()
         if command == "report":
@@ -346,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_fuzz(normalize_args(args[1:]))
         if command == "keys":
             return make_keys(normalize_args(args[1:]))
+        if command == "data":
+            return check_data(normalize_args(args[1:]))
         if command == "bench":
             run_bench(normalize_args(args[1:]))
             return 0

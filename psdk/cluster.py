@@ -21,6 +21,15 @@ _HOST = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)$")
 JOBS = ("ps", "worker")
 
 
+def task_out_of_range(task_index: int, count: int, hosts_key: str) -> str:
+    """What is wrong with a task_index beyond the host list, and the two ways to fix it."""
+    valid = f"0..{count - 1}" if count > 1 else "0"
+    return (
+        f"is {task_index} but {hosts_key} lists {count} task(s) (valid: {valid}); use task_index={valid}, "
+        f"or add this task's host:port to {hosts_key}"
+    )
+
+
 def _split_host(entry: str, key: str, require_port: bool) -> tuple[str, int | None]:
     if "://" in entry:
         scheme = entry.split("://", 1)[0]
@@ -33,6 +42,8 @@ def _split_host(entry: str, key: str, require_port: bool) -> tuple[str, int | No
     if not sep or host.endswith(":"):
         host, port_text = entry, ""
     if not _HOST.match(host or "-invalid-"):
+        if len(entry.split()) > 1:
+            raise ConfigError(key, f"{entry!r} is not host:port; separate hosts with commas: {key}='a:2222,b:2222'")
         raise ConfigError(key, f"{entry!r} is not host:port (e.g. 127.0.0.1:2222)")
     if not port_text:
         if require_port:
@@ -137,10 +148,7 @@ class ClusterSpec:
             raise ConfigError("job_name", f"got {job_name!r}", JOBS)
         count = self.num_ps if job_name == "ps" else self.num_workers
         if not 0 <= task_index < count:
-            raise ConfigError(
-                "task_index",
-                f"is {task_index} but the cluster has {count} {job_name} task(s) (valid: 0..{count - 1})",
-            )
+            raise ConfigError("task_index", task_out_of_range(task_index, count, f"{job_name}_hosts"))
 
     def as_dict(self) -> dict[str, list[str]]:
         return {"ps": list(self.ps), "worker": list(self.worker)}

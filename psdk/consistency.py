@@ -60,8 +60,9 @@ class SyncSpec:
         if self.mode == "sync" and replicas > num_workers:
             raise ConfigError(
                 "sync.replicas_to_aggregate",
-                f"is {replicas} but the job has only {num_workers} workers; it must be at most "
-                f"{num_workers} (set topology.num_workers >= {replicas} or lower it)",
+                f"is {replicas} but the job has only {num_workers} workers, so a step would never gather "
+                f"{replicas} gradients; use sync.replicas_to_aggregate={num_workers} or fewer (fewer than the "
+                f"workers makes the rest backup workers), or topology.num_workers={replicas}",
             )
         return SyncSpec(self.mode, replicas, self.staleness)
 

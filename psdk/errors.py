@@ -63,8 +63,9 @@ class UnknownBackendError(ConfigError):
         meant = BACKEND_ALIASES.get(name.lower()) or BACKEND_ALIASES.get(guess or "", guess)
         if meant is None:
             advice = (
-                "install its plugin (e.g. pip install -e plugins/torch_backend) or pick an installed one; "
-                "`python -m psdk plugins` lists them"
+                f"psdk has no {name} backend in this environment. Pick an installed one (backend=<name> below; "
+                "`python -m psdk plugins` lists them), install a plugin that provides it, or write one "
+                "(docs/writing-a-backend.md)"
             )
         elif meant in names:
             advice = f"did you mean backend={meant}?"
@@ -86,9 +87,9 @@ class PortInUseError(PsdkError):
         self.address = address
         self.task = task
         super().__init__(
-            f"{task} cannot bind {address}: the port is in use. Pick another port in "
-            "ps_hosts (or port 0 for a free one) or stop the process holding it "
-            "(e.g. `ss -ltnp | grep <port>`)."
+            f"{task} cannot bind {address}: the port is in use (another ps still running, or another program). "
+            "Pick another port in ps_hosts, and give the workers the same ps_hosts, or stop the process "
+            f"holding it (`ss -ltnp | grep :{address.rpartition(':')[2]}` shows it)."
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import os
 import socket
 import threading
@@ -82,3 +84,18 @@ def running_ps(
 def ps_cluster() -> Iterator[PsCluster]:
     with running_ps(1) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def local_mirror(mnist_dir: Path) -> Iterator[str]:
+    """An HTTP mirror of MNIST on a free local port, for downloads without the internet."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(mnist_dir))
+    handler.log_message = lambda *a, **k: None  # type: ignore[assignment]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()

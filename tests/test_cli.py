@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from psdk.cli import main, normalize_args
-from psdk.errors import ConfigError
+from psdk.errors import USAGE_EXIT, ConfigError
 
 from .jobs import psdk
 
@@ -55,7 +55,7 @@ def test_plugins_lists_backends_and_their_distributions(capsys: pytest.CaptureFi
 def test_tf_style_job_name_without_a_command_runs_that_task(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:  # it got as far as the task's own dispatch
         main(["--job_name=chief", "--task_index=0"])
-    assert info.value.code == 1 and "job_name: got 'chief'" in capsys.readouterr().out
+    assert info.value.code == USAGE_EXIT and "job_name: got 'chief'" in capsys.readouterr().out
 
 
 def test_the_ps_and_launcher_import_no_ml_framework() -> None:

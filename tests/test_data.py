@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import gzip
-import http.server
 import shutil
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,20 +59,6 @@ def test_a_corrupt_file_is_refused(mnist_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(raw)))
     with pytest.raises(DataError, match="corrupt"):
         mnist.load(tmp_path)
-
-
-@pytest.fixture
-def local_mirror(mnist_dir: Path) -> Iterator[str]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(mnist_dir))
-    handler.log_message = lambda *a, **k: None  # type: ignore[assignment]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_missing_files_are_downloaded_into_the_cache_and_checked(local_mirror: str, tmp_path: Path) -> None:

@@ -40,6 +40,23 @@ HANDS_OFF = {
     "--version",
 }
 PRINT_KEYS = "`python -m psdk run --cfg job` prints every key with its value"
+# Names other frameworks (TensorFlow flags, PyTorch examples) use, and psdk's key: a leaf, or a dotted key.
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "learningrate": "lr",
+    "max_steps": "steps",
+    "train_steps": "steps",
+    "num_steps": "steps",
+    "training_steps": "steps",
+    "batchsize": "batch_size",
+    "batch": "batch_size",
+    "workers": "num_workers",
+    "num_worker": "num_workers",
+    "replicas": "replicas_to_aggregate",
+    "data_dir": "data.dir",
+    "datadir": "data.dir",
+    "mnist_dir": "data.dir",
+}
 
 
 def group_options(conf: Path) -> dict[str, list[str]]:
@@ -85,8 +102,35 @@ def leaf_keys(node: Any, prefix: str = "") -> Iterator[str]:
         return
 
 
+def hydra_order(args: Sequence[str]) -> list[str]:
+    """``args`` with the overrides before the flags: Hydra's parser takes no override after ``--cfg job``."""
+    split = split_flags(args)
+    if split is None:
+        return list(args)
+    overrides = split[0]
+    rest = list(args)
+    for override in overrides:
+        rest.remove(override)
+    return [*overrides, *rest]
+
+
+def _alias(key: str, known: Sequence[str]) -> str | None:
+    """psdk's key for a name from another framework (``optimizer.learning_rate``: ``optimizer.lr``)."""
+    head, _, last = key.rpartition(".")
+    alias = KEY_ALIASES.get(last.lower())
+    if alias is None:
+        return None
+    for candidate in (f"{head}.{alias}" if head else alias, alias):
+        if candidate in known:
+            return candidate
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == alias]
+    return same_leaf[0] if len(same_leaf) == 1 else None
+
+
 def suggest_key(key: str, known: Sequence[str]) -> str:
-    """``; did you mean train.steps?`` for ``trian.steps``, ``train.stpes`` or a bare ``steps``."""
+    """``; did you mean train.steps?`` for ``trian.steps``, ``train.stpes``, ``max_steps`` or a bare ``steps``."""
+    if (alias := _alias(key, known)) is not None:
+        return f"; did you mean {alias}?"
     last = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == last and k != key]
     if len(same_leaf) == 1:
@@ -163,7 +207,10 @@ class OverrideChecker:
                 hint = did_you_mean(choice, options, f"{group}={{}}")
                 raise ConfigError(group or "config", f"has no option {choice!r}{hint}", options) from None
             except ConfigCompositionException as exc:
-                base = compose(self.config_name, overrides=group_choices)
+                try:
+                    base = compose(self.config_name, overrides=group_choices)
+                except ConfigCompositionException:  # a group choice itself fails: explain against the defaults
+                    base = compose(self.config_name)
                 raise self._explain(exc, base) from None
 
     def _explain(self, exc: Exception, base: DictConfig) -> ConfigError:
@@ -173,6 +220,9 @@ class OverrideChecker:
         found = re.search(r"override '([^']+)'|merging override ([^=\s]+)", str(exc))
         key = (found.group(1) or found.group(2)) if found else getattr(cause, "full_key", None) or "config"
         key = key.lstrip("+~")
+        if (twice := re.search(r"Multiple values for (\S+?)\.", str(exc))) is not None:
+            group = twice.group(1)
+            return ConfigError(group, f"is chosen by default already; drop the + and write {group}=<option>")
         if isinstance(cause, ValidationError):
             wanted = re.search(r"converted to (\w+)|not a valid (bool)", str(cause))
             kind = {"Integer": "a whole number", "Float": "a number", "bool": "true or false"}.get(

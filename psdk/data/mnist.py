@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,8 +87,9 @@ def _checked(path: Path, md5: str, gzipped: bool | None = None) -> bytes:
     digest = hashlib.md5(raw).hexdigest()
     if digest != md5:
         raise DataError(
-            f"{path} is corrupt (MD5 of its raw bytes is {digest}, expected {md5}); delete it and "
-            "run again, or put an intact copy there"
+            f"{path} is corrupt (MD5 of its raw bytes is {digest}, expected {md5}); put an intact copy "
+            "there (in psdk's download cache, deleting it is enough: it is downloaded again); "
+            "`python -m psdk data data.dir=<folder>` checks all four files"
         )
     return raw
 
@@ -101,43 +103,77 @@ def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
     return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
 
 
-def _missing_message(folder: Path, missing: Sequence[str], why: str) -> str:
+FILES_HINT = (
+    "the four IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+    "t10k-labels-idx1-ubyte; gzipped or not)"
+)
+
+
+def _missing_message(folder: Path, missing: Sequence[str], why: str, fix: str | None = None) -> str:
     names = ", ".join(f"{FILES[k][0]}.gz" for k in missing)
-    return (
-        f"MNIST files missing in {folder}: {names}. {why} Put the four standard files "
-        f"(gzipped or not) in a folder and point PSDK_DATA_DIR (or data.dir=...) at it, "
-        f"or let psdk download them into {default_cache_dir()}."
+    fix = fix or (
+        f"point data.dir=... (or PSDK_DATA_DIR) at a folder holding {FILES_HINT}, or leave both unset to "
+        f"download them into {default_cache_dir()}; `python -m psdk data` checks a folder"
     )
+    return f"MNIST files missing in {folder}: {names}. {why} Fix: {fix}."
 
 
-def _why_missing(folder: Path) -> str:
-    """Why a folder the user named lacks the files, with the likely fix when one is near."""
+def _why_missing(folder: Path) -> tuple[str, str | None]:
+    """Why a folder the user named lacks the files, and the fix when the files are near."""
     if folder.is_file():
-        return f"That is a file; data.dir (or PSDK_DATA_DIR) names the folder holding the four: {folder.parent}."
+        return "That is a file, not a folder.", f"data.dir (or PSDK_DATA_DIR) names the folder: {folder.parent}"
     if not folder.is_dir():
-        return "The folder does not exist."
+        return "The folder does not exist.", None
     stem = FILES["train_images"][0]
     near = sorted({p.parent for pattern in (f"*/{stem}*", f"*/*/{stem}*") for p in folder.glob(pattern)})
     if near:
-        return f"They are in {near[0]}: use data.dir={near[0]} (or PSDK_DATA_DIR={near[0]})."
-    return "That folder was named by data.dir or PSDK_DATA_DIR."
+        return f"They are in {near[0]}.", f"use data.dir={near[0]} (or PSDK_DATA_DIR={near[0]})"
+    return "That folder was named by data.dir or PSDK_DATA_DIR.", None
+
+
+def _offline(errors: Sequence[BaseException]) -> bool:
+    """Whether every mirror failed before any answer came: no network, DNS, or a proxy in the way."""
+    return bool(errors) and all(
+        isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError) for e in errors
+    )
+
+
+def _download_failed(folder: Path, missing: Sequence[str], errors: Sequence[tuple[str, BaseException]]) -> str:
+    names = ", ".join(f"{FILES[k][0]}.gz" for k in missing)
+    if _offline([e for _, e in errors]):
+        why = "No mirror could be reached: this machine seems to have no internet access (or a proxy blocks it)."
+    else:
+        why = "Every mirror failed."
+    details = "".join(f"\n  {url}: {exc}" for url, exc in errors)
+    return (
+        f"MNIST could not be downloaded into {folder} (missing: {names}). {why} Fix: copy {FILES_HINT} "
+        "from a machine that has them (`python -m psdk data` downloads them there) and point data.dir=... "
+        f"(or PSDK_DATA_DIR) at their folder, or give reachable mirrors with data.mirrors=[URL,...].{details}"
+    )
 
 
 def download(
     folder: Path,
     mirrors: Sequence[str] = MIRRORS,
     keys: Sequence[str] | None = None,
-    timeout_s: float = 30.0,
+    timeout_s: float = 15.0,
     progress: bool = True,
 ) -> None:
     """Fetch the missing files into ``folder``, each checked before it is kept."""
     from tqdm import tqdm
 
-    folder.mkdir(parents=True, exist_ok=True)
-    for key in keys or FILES:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"MNIST cannot be downloaded into {folder}: {exc}. Fix: set data.cache_dir to a folder you can "
+            f"write, or point data.dir=... (or PSDK_DATA_DIR) at a folder holding {FILES_HINT}."
+        ) from None
+    wanted = list(keys or FILES)
+    for i, key in enumerate(wanted):
         stem, md5 = FILES[key]
         target = folder / f"{stem}.gz"
-        errors = []
+        errors: list[tuple[str, BaseException]] = []
         for mirror in mirrors:
             url = f"{mirror.rstrip('/')}/{stem}.gz"
             fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".part")
@@ -161,11 +197,11 @@ def download(
                 log.info("downloaded %s", url)
                 break
             except (OSError, DataError) as exc:
-                errors.append(f"{url}: {exc}")
+                errors.append((url, exc))
             finally:
                 tmp.unlink(missing_ok=True)
         else:
-            raise DataError(_missing_message(folder, [key], "Downloading failed:\n  " + "\n  ".join(errors)))
+            raise DataError(_download_failed(folder, wanted[i:], errors))
 
 
 def resolve_dir(
@@ -185,7 +221,7 @@ def resolve_dir(
         folder = Path(data_dir).expanduser()
         missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]
         if missing:
-            raise DataError(_missing_message(folder, missing, _why_missing(folder)))
+            raise DataError(_missing_message(folder, missing, *_why_missing(folder)))
         return folder
     folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]
@@ -194,6 +230,18 @@ def resolve_dir(
             raise DataError(_missing_message(folder, missing, "Downloading is off (data.download=false)."))
         download(folder, mirrors, missing, progress=progress)
     return folder
+
+
+def verify(folder: Path) -> list[tuple[Path, str]]:
+    """Each of the four files in ``folder`` with the MD5 it was checked against; a missing or corrupt one raises."""
+    checked = []
+    for key, (stem, md5) in FILES.items():
+        path = _find(folder, stem)
+        if path is None:
+            raise DataError(_missing_message(folder, [key], ""))
+        _parse_idx(_checked(path, md5), path)
+        checked.append((path, md5))
+    return checked
 
 
 def load(folder: Path) -> Mnist:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from psdk.cluster import ClusterSpec, parse_hosts, split_host
+from psdk.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.config import build
 from psdk.errors import BindError, ConfigError, TransportError
 from psdk.ps.progress import progress_file
@@ -59,7 +59,7 @@ def run_ps(cfg: DictConfig) -> int:
     if not ps_hosts:
         raise ConfigError("ps_hosts", "a ps task needs ps_hosts, e.g. ps_hosts=127.0.0.1:2222")
     if not 0 <= task < len(ps_hosts):
-        raise ConfigError("task_index", f"is {task} but ps_hosts lists {len(ps_hosts)} ps task(s)")
+        raise ConfigError("task_index", task_out_of_range(task, len(ps_hosts), "ps_hosts"))
     advertised = ps_hosts[task]
     bind = bind_address(cfg.ps.bind, advertised)
     if bind != advertised:
