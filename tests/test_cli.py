@@ -52,9 +52,9 @@ def test_plugins_lists_backends_and_their_distributions(capsys: pytest.CaptureFi
     assert "numpy" in out and "built in" in out
 
 
-def test_tf_style_job_name_without_a_command_runs_that_task(capsys: pytest.CaptureFixture[str]) -> None:
+def test_tf_style_job_name_without_a_command_runs_that_task(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:  # it got as far as the task's own dispatch
-        main(["--job_name=chief", "--task_index=0"])
+        main(["--job_name=chief", "--task_index=0", f"hydra.run.dir={tmp_path}"])
     assert info.value.code == USAGE_EXIT and "job_name: got 'chief'" in capsys.readouterr().out
 
 
