@@ -12,6 +12,7 @@ namespace of their own with only loopback (``unshare -n``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -187,11 +188,17 @@ class Row:
     staleness_p99: float | None
 
 
+# psdk backends by the name the peer scripts give their framework.
+FRAMEWORKS = {"tf": "tensorflow"}
+
+
 def summarise(runs: Sequence[Run], baselines: dict[str, float | None]) -> Row:
     ok = [r for r in runs if r.error is None]
     first = runs[0]
     rate = median([r.updates_per_s for r in ok])
-    base = baselines.get(first.framework)
+    base = baselines.get(FRAMEWORKS.get(first.framework, first.framework))
+    if base is None:  # no single run of its own framework: compare with single torch, as the table does
+        base = baselines.get("torch")
     return Row(
         system=first.system if not ok else ok[0].system,
         framework=first.framework if not ok else ok[0].framework,
@@ -288,7 +295,7 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
             plan[f"{peer}-{mode}"] = functools.partial(run_script, cfg, peer, mode, isolate=isolate)
     runs = interleave(plan, int(cfg.reps))
     singles = {key.removeprefix("single-"): summarise(r, {}) for key, r in runs.items() if key.startswith("single-")}
-    baselines = {fw: row.updates_per_s for fw, row in singles.items()}
+    baselines = {FRAMEWORKS.get(fw, fw): row.updates_per_s for fw, row in singles.items()}
     rows = [summarise(runs[key], baselines) for key in plan]
     report: dict[str, Any] = {
         "workload": {
@@ -301,7 +308,11 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
         "rows": [asdict(r) for r in rows],
         "runs": {key: [asdict(r) for r in rs] for key, rs in runs.items()},
     }
-    sections = ["## Training throughput (medians)", markdown_table(rows)]
+    note = (
+        "Every ratio divides by the single-process run of the same framework in this invocation; "
+        "TensorFlow peers by single torch when no single TensorFlow run was asked for (`backends: [torch, tf]`)."
+    )
+    sections = ["## Training throughput (medians)", note, markdown_table(rows)]
     if cfg.transport:
         results = [
             transport.compare(int(size), transport_count(int(size)), reps=int(cfg.transport_reps))
@@ -324,7 +335,11 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
             for p in cfg.scaling_ps
         }
         report["scaling"] = {k: [asdict(r) for r in v] for k, v in scaling.items()}
-        sections += ["## Scaling (psdk, medians)", markdown_table([summarise(v, baselines) for v in scaling.values()])]
+        labelled = [
+            dataclasses.replace(summarise(v, baselines), system=f"psdk-{cfg.backends[0]} {k.split(' ', 1)[1]}")
+            for k, v in scaling.items()
+        ]
+        sections += ["## Scaling (psdk, medians)", markdown_table(labelled)]
     text = "\n\n".join(sections) + "\n"
     (out / "bench.md").write_text(text)
     write_json_atomic(out / "bench.json", report)

@@ -1,0 +1,27 @@
+"""How `python -m psdk bench` turns runs into ratios (the figures the README quotes)."""
+
+from __future__ import annotations
+
+from psdk.bench.suite import Run, summarise
+
+
+def runs(system: str, framework: str, *rates: float) -> list[Run]:
+    return [Run(system, framework, "async", updates_per_s=r, test_accuracy=0.95) for r in rates]
+
+
+def test_each_system_is_divided_by_the_single_run_of_its_own_framework() -> None:
+    baselines = {"torch": 1000.0, "tensorflow": 500.0}
+    assert summarise(runs("psdk-torch", "torch", 400, 600, 500), baselines).ratio == 0.5
+    assert summarise(runs("psdk-tf", "tf", 250), baselines).ratio == 0.5
+    assert summarise(runs("tf1_ps_worker", "tensorflow", 100), baselines).ratio == 0.2
+
+
+def test_without_a_single_run_of_its_framework_a_peer_is_divided_by_single_torch() -> None:
+    row = summarise(runs("tf1_ps_worker", "tensorflow", 200, 180, 220), {"torch": 1000.0})
+    assert row.updates_per_s == 200 and row.ratio == 0.2
+
+
+def test_failed_runs_are_counted_and_left_out_of_the_median() -> None:
+    failed = Run("torch_rpc_ps", "torch", "sync", error="exit 2")
+    row = summarise([*runs("torch_rpc_ps", "torch", 100, 300), failed], {"torch": 1000.0})
+    assert row.failed == 1 and row.runs == 3 and row.updates_per_s == 200
