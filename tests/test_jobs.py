@@ -62,6 +62,15 @@ def test_async_job_trains_and_every_worker_contributes(tmp_path: Path) -> None:
     assert "validation accuracy" in result.stdout and "worker 1: epoch 1, global step" in result.stdout
 
 
+def test_a_run_folder_used_before_is_run_in_again(tmp_path: Path) -> None:
+    """The earlier run's files (the ps's announced address among them) must not mislead the next."""
+    for _ in range(2):
+        result = psdk(
+            "run", "backend=numpy", "train.steps=100", "train.validate_every=50", *FAST_FLAGS, out=tmp_path, timeout=120
+        )
+        check_run(tmp_path, result, 100)
+
+
 def test_sync_job_over_two_ps_shards(tmp_path: Path) -> None:
     result = psdk(
         "run",

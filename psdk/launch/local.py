@@ -227,6 +227,9 @@ class LocalLauncher:
         workers = ",".join([topology.host] * topology.num_workers)
         placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
         for index in range(topology.num_ps):
+            # A run folder used before holds the last run's addresses: read, they would send the workers
+            # to a port nobody listens on any more.
+            (out / "tasks" / f"ps{index}.json").unlink(missing_ok=True)
             self._start(
                 "ps",
                 index,

@@ -113,6 +113,9 @@ class TaskRunner:
         full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # the launcher gives the cluster
         full_env.update(TASK_ENV)
         full_env.update(env)
+        for arg in args:  # a run folder used before holds the last run's address: never read it
+            if arg.startswith("ps.announce_file="):
+                Path(arg.split("=", 1)[1]).unlink(missing_ok=True)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "psdk", *args],
             env=full_env,
