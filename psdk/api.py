@@ -29,7 +29,7 @@ from typing import Any
 from psdk import checkpoint
 from psdk.backend import Backend
 from psdk.checkpoint import Checkpoint
-from psdk.client import ClientOptions, ParameterClient, StepResult
+from psdk.client import Basis, ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
 from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError
@@ -245,15 +245,19 @@ class DistributedOptimizer:
         """Push this worker's gradients, pull the new parameters into the model."""
         return self.start_step().wait()
 
-    def start_step(self) -> PendingStep:
+    def start_step(self, overlap: bool = False, basis: Basis | None = None) -> PendingStep:
         """Push the gradients now; :meth:`PendingStep.wait` pulls the new parameters in.
 
         Prepare the next batch in between (never touch the model there): the
-        ps works on the push while this worker does something useful.
+        ps works on the push while this worker does something useful. With
+        ``overlap`` (async and ssp only) the gradients are copied as they
+        leave, so the next gradient may be computed before this step's
+        :meth:`~PendingStep.wait`; pass the ``basis`` taken
+        (:meth:`ParameterClient.basis`) when that gradient was computed.
         """
         client = self.session.client
         self.backend.read_gradients(self.model, client.grads)
-        return PendingStep(self, client.start_push_pull())
+        return PendingStep(self, client.start_push_pull(copy=overlap, basis=basis))
 
 
 class PendingStep:

@@ -54,6 +54,20 @@ class StepResult:
     """Async and ssp: iterations the slowest live worker had finished when this reply left."""
 
 
+@dataclass(frozen=True)
+class Basis:
+    """The parameters a gradient was computed from: the job's epoch and each shard's version.
+
+    A worker that computes its next gradient while the last push is still in
+    flight sends it with the basis it was computed from, not the newer
+    versions the reply brought in meanwhile, so the ps measures (and, with
+    ssp, bounds) its staleness truly.
+    """
+
+    epoch: int
+    versions: tuple[int, ...]
+
+
 class Heartbeat(threading.Thread):
     """Pings every shard from its own sockets, and remembers when each last answered."""
 
@@ -367,23 +381,35 @@ class ParameterClient:
         """
         return self.finish_push_pull(self.start_push_pull(grads))
 
-    def start_push_pull(self, grads: Mapping[str, np.ndarray] | None = None) -> Pending:
+    def basis(self) -> Basis:
+        """What the current parameters are: take it when a gradient is computed from them."""
+        return Basis(self.epoch, tuple(shard.version for shard in self.shards))
+
+    def start_push_pull(
+        self, grads: Mapping[str, np.ndarray] | None = None, copy: bool = False, basis: Basis | None = None
+    ) -> Pending:
         """Send this step's gradients to every shard; the replies are collected later.
 
         Between this and :meth:`finish_push_pull` the worker may prepare its
-        next batch, but must not touch :attr:`grads` or :attr:`params`.
+        next batch, but must not touch :attr:`params`, nor :attr:`grads`
+        unless ``copy``: then the gradients are copied as they leave and the
+        next one may be computed into :attr:`grads` at once. ``basis`` says
+        which parameters the gradients were computed from (default: the
+        current ones).
         """
         if grads is not None:
             for name, view in self._grads.items():
                 if grads[name] is not view:
                     np.copyto(view, grads[name], casting="same_kind")
+        basis = basis or self.basis()
         self._seq += 1
         messages = {
             i: Message(
                 "push_pull",
-                self._fields(version=self.shards[i].version, seq=self._seq, epoch=self.epoch),
+                self._fields(version=basis.versions[i], seq=self._seq, epoch=basis.epoch),
                 [self.shards[i].grads],
-                stable=True,
+                stable=not copy,
+                volatile=copy,
             )
             for i in self._live()
         }

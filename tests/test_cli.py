@@ -90,6 +90,7 @@ def test_job_name_must_agree_with_the_command(capsys: pytest.CaptureFixture[str]
             ["task_index", "0..1"],
         ),
         (["worker", "backend=numpy", "ps_hosts=127.0.0.1:1"], ["worker_hosts"]),
+        (["run", "backend=numpy", "sync=sync", "train.overlap=true"], ["train.overlap", "sync=async"]),
         (["run", "sync=synchronous"], ["sync", "async"]),
         (["run", "train.stpes=10"], ["stpes"]),
         (["run", "backend=numpy", "data.dir=/nonexistent/mnist"], ["/nonexistent/mnist", "PSDK_DATA_DIR"]),

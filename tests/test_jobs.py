@@ -71,6 +71,26 @@ def test_a_run_folder_used_before_is_run_in_again(tmp_path: Path) -> None:
         check_run(tmp_path, result, 100)
 
 
+def test_overlap_pushes_each_gradient_with_the_parameters_it_was_computed_from(tmp_path: Path) -> None:
+    """One worker, so every staleness is its own doing: 0 in lockstep, 1 when it computes during its push."""
+    staleness = {}
+    for overlap in ("false", "true"):
+        out = tmp_path / overlap
+        result = psdk(
+            "run", "backend=numpy", "topology.num_workers=1", "train.steps=300", "train.validate_every=100",
+            f"train.overlap={overlap}", *FAST_FLAGS, out=out,
+        )  # fmt: skip
+        summary = check_run(out, result, 300)
+        assert summary["test_accuracy"] > 0.85
+        assert summary["gradients_applied"] == 300 and summary["gradients_dropped"] == 0
+        staleness[overlap] = summary["workers"]["0"]["staleness_histogram"]
+        timing = summary["workers"]["0"]["time_per_step"]
+        assert timing["compute_ms"] > 0 and timing["compute_cpu_ms"] > 0 and timing["wait_ms"] > 0
+    assert staleness["false"] == {"0": 300}
+    # The first push goes before any reply came back; every later one was computed a step behind.
+    assert staleness["true"] == {"0": 1, "1": 299}
+
+
 def test_sync_job_over_two_ps_shards(tmp_path: Path) -> None:
     result = psdk(
         "run",
@@ -237,13 +257,19 @@ def test_a_secure_job_authenticates_and_encrypts(tmp_path: Path) -> None:
     assert summary["gradients_applied"] == 200
 
 
-def test_a_killed_ps_is_restarted_and_restored_from_the_last_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "overlap",
+    [[], ["train.overlap=true", "optimizer=sgd"]],  # overlap adds staleness, which wants no momentum
+    ids=["lockstep", "overlap"],
+)
+def test_a_killed_ps_is_restarted_and_restored_from_the_last_checkpoint(tmp_path: Path, overlap: list[str]) -> None:
     job = start(
         "run",
         "backend=numpy",
         "topology.num_ps=2",
         "train.steps=4000",
         "train.validate_every=0",
+        *overlap,
         "checkpoint.every_steps=500",
         *FAST_FLAGS,
         out=tmp_path,

@@ -81,10 +81,17 @@ def can_isolate() -> bool:
 
 
 def run_psdk(
-    cfg: DictConfig, backend: str, mode: str, num_workers: int = 2, num_ps: int = 1, secure: bool = False
+    cfg: DictConfig,
+    backend: str,
+    mode: str,
+    num_workers: int = 2,
+    num_ps: int = 1,
+    secure: bool = False,
+    overlap: bool = False,
 ) -> Run:
     """psdk's own job through its CLI; figures from the summary the chief writes."""
     system = f"psdk-{backend}" + ("+CURVE" if secure else "")
+    label = f"{mode}+overlap" if overlap else mode
     with tempfile.TemporaryDirectory(prefix="psdk-bench-") as tmp:
         command = [
             sys.executable, "-m", "psdk", "run", f"backend={backend}", f"sync={mode}", "optimizer=sgd",
@@ -92,7 +99,7 @@ def run_psdk(
             "train.validate_every=0", f"train.log_every={10 * int(cfg.steps)}", "train.threads=1",
             "checkpoint.final=false", f"topology.num_workers={num_workers}", f"topology.num_ps={num_ps}",
             f"seed={cfg.seed}", *cfg.psdk_overrides, f"transport.secure={str(secure).lower()}",
-            f"hydra.run.dir={tmp}",
+            f"train.overlap={str(overlap).lower()}", f"hydra.run.dir={tmp}",
         ]  # fmt: skip
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=float(cfg.timeout_s), env=_env(cfg.data_dir), check=False
@@ -100,13 +107,13 @@ def run_psdk(
         summary_path = Path(tmp) / "summary.json"
         if done.returncode != 0 or not summary_path.exists():
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-            return Run(system, backend, mode, error=f"exit {done.returncode}: {' | '.join(tail)}")
+            return Run(system, backend, label, error=f"exit {done.returncode}: {' | '.join(tail)}")
         summary = json.loads(summary_path.read_text())
     stale = [w for w in summary["workers"].values() if w.get("staleness_p50") is not None]
     return Run(
         system=system,
         framework=backend,
-        mode=mode,
+        mode=label,
         updates_per_s=summary["global_steps_per_s"],
         test_accuracy=summary["test_accuracy"],
         wall_s=summary["wall_s"],
@@ -286,6 +293,8 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
     for backend in cfg.backends:
         for mode in cfg.modes:
             plan[f"psdk-{backend}-{mode}"] = functools.partial(run_psdk, cfg, backend, mode)
+            if cfg.overlap and mode != "sync":
+                plan[f"psdk-{backend}-{mode}-overlap"] = functools.partial(run_psdk, cfg, backend, mode, overlap=True)
         if cfg.secure:
             plan[f"psdk-{backend}-async-secure"] = functools.partial(run_psdk, cfg, backend, "async", secure=True)
     for peer in cfg.peers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,6 +20,8 @@ from psdk.optim import UpdateRule
 from psdk.ps.server import ServerOptions
 from psdk.security import CurveKeys
 from psdk.zmq_transport import ZmqOptions
+
+log = logging.getLogger(__name__)
 
 
 def plain(value: Any) -> Any:
@@ -86,8 +89,11 @@ def sync_spec(cfg: DictConfig) -> SyncSpec:
     return cast(SyncSpec, instantiate_node(cfg.sync))
 
 
-def check_training(cfg: DictConfig, num_workers: int) -> None:
-    """The training loop's settings, refused before any task starts when they cannot work."""
+def check_training(cfg: DictConfig, num_workers: int, warn: bool = True) -> None:
+    """The training loop's settings, refused before any task starts when they cannot work.
+
+    ``warn``: also warn about settings that work but may train badly (once per job: the launcher).
+    """
     from psdk.data.mnist import TRAIN_SIZE
 
     train = cfg.train
@@ -97,6 +103,21 @@ def check_training(cfg: DictConfig, num_workers: int) -> None:
     for key in ("log_every", "validate_every"):
         if int(train[key]) < 0:
             raise ConfigError(f"train.{key}", f"must be 0 (never) or more local steps, got {train[key]}")
+    if bool(train.overlap) and str(cfg.sync.mode) == "sync":
+        raise ConfigError(
+            "train.overlap",
+            "works with sync=async or sync=ssp only: in sync mode the gradient computed while the last push "
+            "is in flight is a round stale and the ps would drop it; use train.overlap=false",
+        )
+    momentum = float(cfg.optimizer.get("momentum") or 0.0)
+    if warn and bool(train.overlap) and momentum >= 0.5:
+        # Asynchrony acts like extra momentum (Mitliagkas et al., 2016): measured here, the MLP with
+        # momentum 0.9 fell from 0.978 to 0.866 with overlap on, and plain SGD kept 0.971.
+        log.warning(
+            "train.overlap adds a step of staleness, which acts like extra momentum: with "
+            "optimizer.momentum=%g training may oscillate; lower it (e.g. optimizer=sgd)",
+            momentum,
+        )
     held_out = int(cfg.data.validation_size)
     if not 0 <= held_out < TRAIN_SIZE:
         raise ConfigError("data.validation_size", f"must be in [0, {TRAIN_SIZE}), got {held_out}")

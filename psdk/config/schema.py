@@ -118,6 +118,7 @@ class TrainConfig:
     validate_every: int = 500
     log_every: int = 100
     threads: int = 1
+    overlap: bool = False
     final_wait_s: float = 120.0
 
 
