@@ -16,12 +16,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_LAZY = {"BackendConformance": "psdk.testing.conformance", "running_ps": "psdk.testing.ps"}
+_LAZY = {
+    "BackendConformance": "psdk.testing.conformance",
+    "running_ps": "psdk.testing.ps",
+    "run_job": "psdk.testing.jobs",
+}
 
-__all__ = ["BackendConformance", "running_ps"]
+__all__ = ["BackendConformance", "run_job", "running_ps"]
 
 if TYPE_CHECKING:
     from psdk.testing.conformance import BackendConformance
+    from psdk.testing.jobs import run_job
     from psdk.testing.ps import running_ps
 
 

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from psdk.testing import run_job
 
 from .conftest import MNIST_DIR, REPO
 
-FAST = ["transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5"]
-
 
 def psdk_run(out: Path, *args: str) -> tuple[dict, str]:
-    env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR))
-    result = subprocess.run(
-        [sys.executable, "-m", "psdk", "run", "backend=tf", *args, *FAST, f"hydra.run.dir={out}"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text()), result.stdout
+    return run_job(out, "backend=tf", *args, data_dir=MNIST_DIR, cwd=REPO)
 
 
 def test_the_default_job_reaches_the_accuracy_bar(tmp_path: Path) -> None:

@@ -6,31 +6,17 @@ pytest process imports neither.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import MNIST_DIR, REPO
+from psdk.testing import run_job
 
-FAST = ["transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5", "train.validate_every=500"]
+from .conftest import MNIST_DIR, REPO
 
 
 def run(out: Path, *args: str) -> tuple[dict, str]:
-    env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR))
-    done = subprocess.run(
-        [sys.executable, "-m", "psdk", "run", *args, *FAST, f"hydra.run.dir={out}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text()), done.stdout
+    return run_job(out, *args, "train.validate_every=500", data_dir=MNIST_DIR, timeout_s=300, cwd=REPO)
 
 
 def test_a_torch_worker_and_a_tf_worker_train_one_model(tmp_path: Path) -> None:

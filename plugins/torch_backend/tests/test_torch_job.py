@@ -9,23 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import MNIST_DIR, REPO
+from psdk.testing import run_job
 
-FAST = ["transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5"]
+from .conftest import MNIST_DIR, REPO
 
 
 def psdk_run(out: Path, *args: str) -> tuple[dict, str]:
-    env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR))
-    result = subprocess.run(
-        [sys.executable, "-m", "psdk", "run", "backend=torch", *args, *FAST, f"hydra.run.dir={out}"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text()), result.stdout
+    return run_job(out, "backend=torch", *args, data_dir=MNIST_DIR, cwd=REPO)
 
 
 def test_the_default_job_reaches_the_accuracy_bar(tmp_path: Path) -> None:
