@@ -25,3 +25,8 @@ def test_failed_runs_are_counted_and_left_out_of_the_median() -> None:
     failed = Run("torch_rpc_ps", "torch", "sync", error="exit 2")
     row = summarise([*runs("torch_rpc_ps", "torch", 100, 300), failed], {"torch": 1000.0})
     assert row.failed == 1 and row.runs == 3 and row.updates_per_s == 200
+
+
+def test_each_single_process_baseline_row_names_its_framework() -> None:
+    assert summarise(runs("single", "tf", 700), {"tensorflow": 700.0}).system == "single-tf"
+    assert summarise(runs("single", "torch", 1000), {"torch": 1000.0}).system == "single-torch"

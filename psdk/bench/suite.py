@@ -206,9 +206,10 @@ def summarise(runs: Sequence[Run], baselines: dict[str, float | None]) -> Row:
     base = baselines.get(FRAMEWORKS.get(first.framework, first.framework))
     if base is None:  # no single run of its own framework: compare with single torch, as the table does
         base = baselines.get("torch")
+    system, framework = (first.system, first.framework) if not ok else (ok[0].system, ok[0].framework)
     return Row(
-        system=first.system if not ok else ok[0].system,
-        framework=first.framework if not ok else ok[0].framework,
+        system=f"single-{framework}" if system == "single" else system,  # one baseline row per framework
+        framework=framework,
         mode=first.mode,
         runs=len(runs),
         failed=len(runs) - len(ok),
