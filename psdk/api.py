@@ -256,6 +256,11 @@ class DistributedOptimizer:
         (:meth:`ParameterClient.basis`) when that gradient was computed.
         """
         client = self.session.client
+        if overlap and self.session.job.sync.mode == "sync":
+            raise PsdkError(
+                "overlap works in async and ssp mode only: in sync mode a gradient computed while the last "
+                "push is in flight is a round stale, and the ps would drop it"
+            )
         self.backend.read_gradients(self.model, client.grads)
         return PendingStep(self, client.start_push_pull(copy=overlap, basis=basis))
 
