@@ -95,9 +95,10 @@ class Heartbeat(threading.Thread):
             while not self._stop_event.is_set():
                 for index in range(len(self.addresses)):
                     ping = Message("ping", {"worker": self.worker}, rid=endpoint.new_rid())
-                    # A full queue means the ps is not reading: its silence tells the rest.
+                    # No connection or a full queue: the ps's silence tells the rest. Never wait here,
+                    # or stop() would find this thread stuck on a socket about to be closed.
                     with contextlib.suppress(TransportError):
-                        endpoint.send(index, ping)
+                        endpoint.send(index, ping, wait_s=0.0)
                 deadline = time.monotonic() + self.interval_s
                 while not self._stop_event.is_set() and (left := deadline - time.monotonic()) > 0:
                     for index, pong in endpoint.receive(min(left, 0.1)):

@@ -128,9 +128,9 @@ class RecordingEndpoint(ClientEndpoint):
     def new_rid(self) -> int:
         return self.inner.new_rid()
 
-    def send(self, index: int, message: Message) -> None:
+    def send(self, index: int, message: Message, wait_s: float | None = None) -> None:
         self.corpus.append([bytes(memoryview(f)) for f in encode(message)])
-        self.inner.send(index, message)
+        self.inner.send(index, message, wait_s)
 
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
         return self.inner.receive(timeout_s)

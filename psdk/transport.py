@@ -68,8 +68,13 @@ class ClientEndpoint(ABC):
         return rid
 
     @abstractmethod
-    def send(self, index: int, message: Message) -> None:
-        """Queue ``message`` (with its rid already set) for server ``index``."""
+    def send(self, index: int, message: Message, wait_s: float | None = None) -> None:
+        """Queue ``message`` (with its rid already set) for server ``index``.
+
+        With no connection to that server just now, wait for one at most
+        ``wait_s`` (default: the transport's own patience) before raising
+        :class:`~psdk.errors.PeerTimeoutError`.
+        """
 
     @abstractmethod
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:

@@ -206,7 +206,7 @@ class ZmqClient(ClientEndpoint):
             self._index[sock] = index
             self._reuse.append(FrameReuse())
 
-    def send(self, index: int, message: Message) -> None:
+    def send(self, index: int, message: Message, wait_s: float | None = None) -> None:
         parts = encode(message)
         if message.stable:
             parts = self._reuse[index].frames(parts)
@@ -219,8 +219,8 @@ class ZmqClient(ClientEndpoint):
         # No pipe to the peer just now: between reconnects (a ps restarting, or one refusing
         # the handshake, e.g. a secure ps and a client without its keys) ZeroMQ queues nothing.
         # Wait for one, as long as a heartbeat would, rather than fail on a transient gap.
-        waited = self.options.heartbeat_timeout_s
-        if sock.poll(int(waited * 1000), zmq.POLLOUT):
+        waited = self.options.heartbeat_timeout_s if wait_s is None else wait_s
+        if waited > 0 and sock.poll(int(waited * 1000), zmq.POLLOUT):
             try:
                 send_parts(sock, parts, copy=message.volatile)
                 return

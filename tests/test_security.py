@@ -94,6 +94,7 @@ def test_the_workers_keys_get_in_and_train(keys: Path) -> None:
                 t.close()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_unknown_key_is_refused_logged_and_never_reaches_the_store(
     keys: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -115,6 +116,8 @@ def test_an_unknown_key_is_refused_logged_and_never_reaches_the_store(
         finally:
             plain.close()
             transport.close()
+        # Refused connections must not leave a heartbeat thread stuck on a closed socket.
+        assert not any(c.heartbeat is not None and c.heartbeat.is_alive() for c in (intruder, plain))
         assert not server.store.initialized and server.stats.rejected == 0
     assert any("refused a connection with an unknown CURVE key" in r.message for r in caplog.records)
 
