@@ -72,6 +72,22 @@ def wait_for(condition: Callable[[], bool], process: subprocess.Popen[str], time
         time.sleep(0.02)
 
 
+def kill_task_when(
+    job: subprocess.Popen[str], out: Path, victim: str, ready: Callable[[], bool], timeout: float
+) -> str:
+    """SIGKILL task ``victim`` (``worker1``, ``ps0``...) of ``job`` once ``ready()`` holds; the job's output.
+
+    Kills are injected at measured progress, never after a sleep; the job is
+    killed whatever happens, so a failing test leaves no cluster behind.
+    """
+    try:
+        wait_for(ready, job)
+        os.kill(pid_of(out, victim), signal.SIGKILL)
+        return job.communicate(timeout=timeout)[0]
+    finally:
+        job.kill()
+
+
 def progress_of(out: Path, task: str) -> int:
     return max((r["local_step"] for r in records(out) if r["task"] == task), default=0)
 

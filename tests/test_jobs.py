@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 from pathlib import Path
@@ -14,7 +13,7 @@ from .conftest import free_port
 from .jobs import (
     FAST_FLAGS,
     all_tasks_gone,
-    pid_of,
+    kill_task_when,
     progress_of,
     psdk,
     records,
@@ -135,12 +134,7 @@ def test_a_dead_worker_in_async_mode_is_reported_and_the_job_goes_on(tmp_path: P
         *FAST_FLAGS,
         out=tmp_path,
     )
-    try:
-        wait_for(lambda: progress_of(tmp_path, "worker1") >= 100, job)
-        os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
-        output = job.communicate(timeout=90)[0]
-    finally:
-        job.kill()
+    output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 100, timeout=90)
     assert job.returncode == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 3000
@@ -160,12 +154,7 @@ def test_a_dead_worker_that_sync_cannot_spare_stops_the_job_naming_it(tmp_path: 
         *FAST_FLAGS,
         out=tmp_path,
     )
-    try:
-        wait_for(lambda: progress_of(tmp_path, "worker1") >= 40, job)
-        os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
-        output = job.communicate(timeout=90)[0]
-    finally:
-        job.kill()
+    output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 40, timeout=90)
     assert job.returncode != 0
     assert "replicas_to_aggregate=2" in output and "dead: worker 1" in output
     assert "the chief (worker 0) exited with code 1" in output
@@ -186,12 +175,7 @@ def test_a_dead_chief_or_ps_stops_the_job_with_an_error_naming_it(tmp_path: Path
         *FAST_FLAGS,
         out=tmp_path,
     )
-    try:
-        wait_for(lambda: progress_of(tmp_path, "worker0") >= 60, job)
-        os.kill(pid_of(tmp_path, victim), signal.SIGKILL)
-        output = job.communicate(timeout=60)[0]
-    finally:
-        job.kill()
+    output = kill_task_when(job, tmp_path, victim, lambda: progress_of(tmp_path, "worker0") >= 60, timeout=60)
     assert job.returncode != 0 and message in output
     assert all_tasks_gone(tmp_path)
 
@@ -274,19 +258,12 @@ def test_a_killed_ps_is_restarted_and_restored_from_the_last_checkpoint(tmp_path
         *FAST_FLAGS,
         out=tmp_path,
     )
-    try:
-        # Measured progress: the second checkpoint exists.
-        wait_for(
-            lambda: (
-                (tmp_path / "checkpoints" / "ckpt-1000.npz").exists()
-                or len(list((tmp_path / "checkpoints").glob("ckpt-*.npz"))) >= 2
-            ),
-            job,
-        )
-        os.kill(pid_of(tmp_path, "ps1"), signal.SIGKILL)
-        output = job.communicate(timeout=120)[0]
-    finally:
-        job.kill()
+    checkpoints = tmp_path / "checkpoints"
+
+    def second_checkpoint() -> bool:  # measured progress, not a sleep
+        return (checkpoints / "ckpt-1000.npz").exists() or len(list(checkpoints.glob("ckpt-*.npz"))) >= 2
+
+    output = kill_task_when(job, tmp_path, "ps1", second_checkpoint, timeout=120)
     assert job.returncode == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 4000 and summary["restarts"] == {"ps 1": 1}
@@ -299,12 +276,7 @@ def test_a_killed_ps_is_restarted_and_restored_from_the_last_checkpoint(tmp_path
 
 def test_a_killed_worker_is_restarted_and_rejoins(tmp_path: Path) -> None:
     job = start("run", "backend=numpy", "train.steps=3000", "train.validate_every=0", *FAST_FLAGS, out=tmp_path)
-    try:
-        wait_for(lambda: progress_of(tmp_path, "worker1") >= 100, job)
-        os.kill(pid_of(tmp_path, "worker1"), signal.SIGKILL)
-        output = job.communicate(timeout=120)[0]
-    finally:
-        job.kill()
+    output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 100, timeout=120)
     assert job.returncode == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["restarts"] == {"worker 1": 1} and summary["workers"]["1"]["status"] == "finished"
@@ -325,12 +297,7 @@ def test_a_killed_worker_in_sync_mode_with_a_backup_is_not_missed(tmp_path: Path
         *FAST_FLAGS,
         out=tmp_path,
     )
-    try:
-        wait_for(lambda: progress_of(tmp_path, "worker2") >= 40, job)
-        os.kill(pid_of(tmp_path, "worker2"), signal.SIGKILL)
-        output = job.communicate(timeout=120)[0]
-    finally:
-        job.kill()
+    output = kill_task_when(job, tmp_path, "worker2", lambda: progress_of(tmp_path, "worker2") >= 40, timeout=120)
     assert job.returncode == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 600 and summary["workers"]["2"]["status"] == "dead"
