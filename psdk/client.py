@@ -27,6 +27,7 @@ from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError, RemoteErro
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
+from psdk.shm import WorkerBuffers
 from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.wire import HEARTBEAT_SUFFIX, Message
 
@@ -125,6 +126,10 @@ class Shard:
     version: int
     params: np.ndarray
     grads: np.ndarray
+    buffers: WorkerBuffers | None = None
+    """The gradient (and a reply region) in memory a ps on this host can map; ``grads`` lives there."""
+    shared: bool = False
+    """The ps has mapped :attr:`buffers`: arrays go through them, messages carry only headers."""
 
     @property
     def size(self) -> int:
@@ -319,13 +324,16 @@ class ParameterClient:
                 time.sleep(0.5)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
+        self._release_buffers()
         self.shards, self._params, self._grads = [], {}, {}
         jobs = set()
         for index in range(self.cluster.num_ps):
             fields = replies[index].fields
             specs = layout([(n, tuple(s)) for n, s in zip(fields["names"], fields["shapes"], strict=True)])
             size = flat_size(specs)
-            shard = Shard(specs, int(fields["version"]), np.zeros(size, np.float32), np.zeros(size, np.float32))
+            buffers = self._new_buffers(size)
+            grads = buffers.grads if buffers is not None else np.zeros(size, np.float32)
+            shard = Shard(specs, int(fields["version"]), np.zeros(size, np.float32), grads, buffers)
             self.shards.append(shard)
             self._params.update(views(shard.params, specs))
             self._grads.update(views(shard.grads, specs))
@@ -342,6 +350,45 @@ class ParameterClient:
                 self.job.num_workers,
                 self.cluster.num_workers,
             )
+        self.share_memory()
+
+    def _new_buffers(self, size: int) -> WorkerBuffers | None:
+        if not (self.endpoint.shares_memory and size):
+            return None
+        try:
+            return WorkerBuffers(size)
+        except OSError as exc:  # e.g. a memfd limit: plain frames work as well, only slower
+            log.info("worker %d: no shared memory for a shard (%s); its arrays go over ZeroMQ", self.task_index, exc)
+            return None
+
+    def share_memory(self) -> None:
+        """Offer every ps the shard buffers it can map (it must be on this host); the rest use frames.
+
+        Called again after a recovery: a restarted ps has to map them anew.
+        """
+        offers = {
+            i: Message("attach", self._fields(**shard.buffers.offer()))
+            for i, shard in enumerate(self.shards)
+            if shard.buffers is not None and shard.size
+        }
+        if not offers:
+            return
+        replies = self.endpoint.start_many(offers).wait(self.options.request_timeout_s, "sharing memory with the ps")
+        for index, reply in replies.items():
+            shard = self.shards[index]
+            shard.shared = reply.op == "attached"
+            if not shard.shared:
+                log.info(
+                    "worker %d: %s does not share memory (%s); arrays go over ZeroMQ",
+                    self.task_index,
+                    self.names[index],
+                    reply.fields.get("error"),
+                )
+
+    def _release_buffers(self) -> None:
+        for shard in self.shards:
+            if shard.buffers is not None:
+                shard.buffers.close()
 
     @property
     def initialized(self) -> bool:
@@ -404,16 +451,17 @@ class ParameterClient:
                     np.copyto(view, grads[name], casting="same_kind")
         basis = basis or self.basis()
         self._seq += 1
-        messages = {
-            i: Message(
-                "push_pull",
-                self._fields(version=basis.versions[i], seq=self._seq, epoch=basis.epoch),
-                [self.shards[i].grads],
-                stable=not copy,
-                volatile=copy,
-            )
-            for i in self._live()
-        }
+        messages = {}
+        for i in self._live():
+            shard = self.shards[i]
+            fields = self._fields(version=basis.versions[i], seq=self._seq, epoch=basis.epoch)
+            if shard.shared and shard.buffers is not None:
+                if copy:
+                    np.copyto(shard.buffers.outbox, shard.grads)
+                fields["shm"] = "outbox" if copy else "grads"
+                messages[i] = Message("push_pull", fields)
+            else:
+                messages[i] = Message("push_pull", fields, [shard.grads], stable=not copy, volatile=copy)
         return self.endpoint.start_many(messages)
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
@@ -446,9 +494,14 @@ class ParameterClient:
 
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]
-        if len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:
+        if reply.fields.get("shm"):
+            if shard.buffers is None or not shard.shared:
+                raise PsdkError(f"{self.names[index]} answered through shared memory this worker did not offer it")
+            shard.buffers.read_params(shard.params, reply.rid)
+        elif len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:
             raise PsdkError(f"{self.names[index]} sent parameters of the wrong size")
-        np.copyto(shard.params, reply.arrays[0])
+        else:
+            np.copyto(shard.params, reply.arrays[0])
         shard.version = int(reply.fields["version"])
 
     def recover(self, why: str) -> StepResult:
@@ -569,3 +622,4 @@ class ParameterClient:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.endpoint.close()
+        self._release_buffers()

@@ -42,6 +42,7 @@ def recover(client: ParameterClient, why: str) -> StepResult:
     else:
         follow(client, deadline)
         lost = None
+    client.share_memory()  # a restarted ps maps this worker's buffers anew
     step = client.pull()
     log.warning(
         "worker %d: recovered at global step %d (epoch %d)%s",

@@ -39,6 +39,8 @@ class ServerEndpoint(ABC):
     """The bound side, owned by one ps task."""
 
     address: str
+    shares_memory: bool = False
+    """Whether workers on this host may offer their buffers as shared memory (see :mod:`psdk.shm`)."""
 
     @abstractmethod
     def receive(self, timeout_s: float) -> Incoming | None:
@@ -58,6 +60,8 @@ class ClientEndpoint(ABC):
 
     peers: Sequence[str]
     """Human-readable names of the servers, by index, for error messages."""
+    shares_memory: bool = False
+    """Whether to offer a ps on this host the worker's buffers as shared memory (see :mod:`psdk.shm`)."""
 
     def __init__(self) -> None:
         self._next_rid = 1

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from psdk import shm
 from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, TransportError
 from psdk.logs import RateLimitedLog
 from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
@@ -36,6 +37,8 @@ class ZmqOptions:
     heartbeat_timeout_s: float = 10.0
     curve: CurveKeys | None = None
     """CURVE keys: servers authenticate workers by key, all traffic is encrypted."""
+    shared_memory: bool = True
+    """A worker and a ps on one host exchange arrays through shared memory, headers over ZeroMQ."""
 
 
 def endpoint(address: str) -> str:
@@ -141,6 +144,7 @@ class ZmqServer(ServerEndpoint):
                 raise PortInUseError(bind, name) from None
             raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.shares_memory = options.shared_memory and shm.available()
         self._reuse = FrameReuse()
         self._receiver = TimedReceiver(self.sock)
         self._failures = RateLimitedLog(log)
@@ -185,6 +189,7 @@ class ZmqClient(ClientEndpoint):
         super().__init__()
         self.options = options
         self.peers = list(names)
+        self.shares_memory = options.shared_memory and shm.available()
         self.socks: list[zmq.Socket[Any]] = []
         self.poller = zmq.Poller()
         self._index: dict[zmq.Socket[Any], int] = {}

@@ -81,8 +81,13 @@ class Host:
     port: str  # its veth's other end, on the bridge
 
     def command(self, *argv: str) -> list[str]:
-        """``argv`` run on this host."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        """``argv`` run on this host, with its own process table as on a machine of its own.
+
+        Namespaces of one machine would otherwise see each other's processes,
+        and psdk would share memory between a worker and its ps as on one host.
+        ``--kill-child``: the task goes when whoever started it kills it.
+        """
+        return ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
 
 
 class Lan:

@@ -106,7 +106,9 @@ def test_one_ps_and_two_workers_on_three_hosts_train_mnist(hosts: netns.Lan, tmp
     assert "shut down by the chief at version 600" in outputs["ps"]
     if tf_config:
         assert "worker 1: role and cluster from TF_CONFIG task worker 0" in outputs["w1"]
-    # Every applied gradient crossed the wire into the ps's host.
+    # The hosts do not share memory: the workers' offers were refused and every applied gradient
+    # crossed the wire into the ps's host.
+    assert "worker 0 stays on ZeroMQ frames" in outputs["ps"] and "worker 1 stays on ZeroMQ frames" in outputs["ps"]
     assert hosts.rx_bytes(ps) >= summary["gradients_applied"] * GRADIENT_BYTES
 
 

@@ -88,9 +88,16 @@ def run_psdk(
     num_ps: int = 1,
     secure: bool = False,
     overlap: bool = False,
+    frames: bool = False,
 ) -> Run:
-    """psdk's own job through its CLI; figures from the summary the chief writes."""
-    system = f"psdk-{backend}" + ("+CURVE" if secure else "")
+    """psdk's own job through its CLI; figures from the summary the chief writes.
+
+    ``frames`` turns same-host shared memory off: every array goes through
+    ZeroMQ frames, as between hosts (CURVE runs are measured that way too:
+    encryption matters where tasks span hosts).
+    """
+    frames = frames or secure
+    system = f"psdk-{backend}" + ("+CURVE" if secure else "") + (" (frames)" if frames else "")
     label = f"{mode}+overlap" if overlap else mode
     with tempfile.TemporaryDirectory(prefix="psdk-bench-") as tmp:
         command = [
@@ -99,7 +106,8 @@ def run_psdk(
             "train.validate_every=0", f"train.log_every={10 * int(cfg.steps)}", "train.threads=1",
             "checkpoint.final=false", f"topology.num_workers={num_workers}", f"topology.num_ps={num_ps}",
             f"seed={cfg.seed}", *cfg.psdk_overrides, f"transport.secure={str(secure).lower()}",
-            f"train.overlap={str(overlap).lower()}", f"hydra.run.dir={tmp}",
+            f"train.overlap={str(overlap).lower()}", f"transport.shared_memory={str(not frames).lower()}",
+            f"hydra.run.dir={tmp}",
         ]  # fmt: skip
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=float(cfg.timeout_s), env=_env(cfg.data_dir), check=False
@@ -245,19 +253,25 @@ def markdown_table(rows: Sequence[Row]) -> str:
 
 
 def transport_table(results: Sequence[dict[str, Any]]) -> str:
+    """psdk as it runs on one host (shared memory) and over ZeroMQ frames only (as between hosts)."""
     lines = [
-        "| floats | MB | raw pyzmq round trips/s | psdk round trips/s | psdk ÷ raw | raw MB/s | psdk MB/s "
-        "| CPU µs/rt raw (client+server) | CPU µs/rt psdk | psdk ps RSS MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| floats | MB | raw pyzmq round trips/s | psdk (shared memory) | ÷ raw | psdk (frames) | ÷ raw "
+        "| raw MB/s | psdk MB/s (shm / frames) | CPU µs/rt raw (client+server) | CPU µs/rt psdk (shm / frames) "
+        "| psdk ps RSS MB (shm / frames) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def cpu(side: dict[str, Any]) -> float:
+        return float(side["client_cpu_us"] + side["server_cpu_us"])
+
     for r in results:
-        raw, ours = r["raw"], r["psdk"]
+        raw, ours, frames = r["raw"], r["psdk"], r["psdk-frames"]
         lines.append(
             f"| {r['size']:,} | {r['mbytes']:.1f} | {raw['round_trips_per_s']:.0f} | {ours['round_trips_per_s']:.0f} | "
-            f"{r['ratio']:.2f}× | {raw['megabytes_per_s']:.0f} | {ours['megabytes_per_s']:.0f} | "
-            f"{raw['client_cpu_us'] + raw['server_cpu_us']:.0f} | "
-            f"{ours['client_cpu_us'] + ours['server_cpu_us']:.0f} | "
-            f"{_fmt(ours.get('server_max_rss_mb'), '.0f')} |"
+            f"{r['ratio']:.2f}× | {frames['round_trips_per_s']:.0f} | {r['ratio_frames']:.2f}× | "
+            f"{raw['megabytes_per_s']:.0f} | {ours['megabytes_per_s']:.0f} / {frames['megabytes_per_s']:.0f} | "
+            f"{cpu(raw):.0f} | {cpu(ours):.0f} / {cpu(frames):.0f} | "
+            f"{_fmt(ours.get('server_max_rss_mb'), '.0f')} / {_fmt(frames.get('server_max_rss_mb'), '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -296,6 +310,8 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
             plan[f"psdk-{backend}-{mode}"] = functools.partial(run_psdk, cfg, backend, mode)
             if cfg.overlap and mode != "sync":
                 plan[f"psdk-{backend}-{mode}-overlap"] = functools.partial(run_psdk, cfg, backend, mode, overlap=True)
+        if cfg.frames:
+            plan[f"psdk-{backend}-async-frames"] = functools.partial(run_psdk, cfg, backend, "async", frames=True)
         if cfg.secure:
             plan[f"psdk-{backend}-async-secure"] = functools.partial(run_psdk, cfg, backend, "async", secure=True)
     for peer in cfg.peers:

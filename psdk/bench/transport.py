@@ -5,9 +5,12 @@ parameters, between two processes over TCP loopback. Raw pyzmq is the floor
 of what any Python parameter server can do here: a DEALER/ROUTER pair
 exchanging zero-copy frames (reused, as a careful hand-written server would),
 no headers to speak of, no checks, no update. psdk runs its real ps with the
-no-op update rule, so what differs is psdk's own machinery. Besides round
-trips per second, each side's CPU time per round trip is reported: it varies
-less than wall time on a busy machine.
+no-op update rule, so what differs is psdk's own machinery. psdk runs twice:
+as it runs by default on one host (arrays in shared memory, headers over
+ZeroMQ: :mod:`psdk.shm`) and with ``shared_memory=False``, every array in
+ZeroMQ frames as between hosts. Besides round trips per second, each side's
+CPU time per round trip is reported: it varies less than wall time on a busy
+machine.
 """
 
 from __future__ import annotations
@@ -59,12 +62,13 @@ def _raw_server(size: int, queue: Any) -> None:
     context.destroy(linger=0)
 
 
-def _psdk_server(size: int, queue: Any, keys: str | None = None) -> None:
+def _psdk_server(size: int, queue: Any, keys: str | None = None, shared_memory: bool = True) -> None:
     from psdk import security
     from psdk.ps.server import ParameterServer
     from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
-    transport = ZmqTransport(ZmqOptions(curve=security.load_server(Path(keys)) if keys else None))
+    curve = security.load_server(Path(keys)) if keys else None
+    transport = ZmqTransport(ZmqOptions(curve=curve, shared_memory=shared_memory))
     endpoint = transport.serve("127.0.0.1:0", "ps 0")
     queue.put(endpoint.address.split("://", 1)[1])
     ParameterServer(endpoint, 0).serve()
@@ -117,7 +121,7 @@ def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float
 
 
 def _psdk_client(
-    address: str, size: int, count: int, warmup: int, keys: str | None = None
+    address: str, size: int, count: int, warmup: int, keys: str | None = None, shared_memory: bool = True
 ) -> tuple[float, float, float, float]:
     from psdk import security
     from psdk.client import ParameterClient
@@ -127,11 +131,14 @@ def _psdk_client(
     from psdk.optim import NoOp
     from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
-    transport = ZmqTransport(ZmqOptions(curve=security.load_worker(Path(keys), 0) if keys else None))
+    curve = security.load_worker(Path(keys), 0) if keys else None
+    transport = ZmqTransport(ZmqOptions(curve=curve, shared_memory=shared_memory))
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["localhost"]}), 0)
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)
         client.initialize({"w": np.zeros(size, np.float32)}, job, NoOp())
+        if client.shards[0].shared != shared_memory:
+            raise RuntimeError(f"asked for shared_memory={shared_memory}, the ps and worker settled otherwise")
         client.pull()
         client.grads["w"][...] = 1.0
         for _ in range(warmup):
@@ -152,24 +159,32 @@ def _psdk_client(
     return elapsed, cpu, s1["cpu_s"] - s0["cpu_s"], s1["max_rss_mb"]
 
 
-def measure(kind: str, size: int, count: int, warmup: int = 50, keys: str | None = None) -> RoundTrips:
-    """Round trips of ``size`` floats with ``kind`` (``raw`` or ``psdk``), server in its own process.
+KINDS = ("raw", "psdk", "psdk-frames")
 
-    ``keys`` (a folder from :func:`psdk.security.generate`) turns CURVE on for psdk.
+
+def measure(kind: str, size: int, count: int, warmup: int = 50, keys: str | None = None) -> RoundTrips:
+    """Round trips of ``size`` floats with ``kind`` (one of :data:`KINDS`), server in its own process.
+
+    ``psdk`` is psdk as it runs on one host (shared memory), ``psdk-frames``
+    with every array in ZeroMQ frames. ``keys`` (a folder from
+    :func:`psdk.security.generate`) turns CURVE on for psdk.
     """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r} (one of {KINDS})")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    shared = kind == "psdk"
     if kind == "raw":
         server = ctx.Process(target=_raw_server, args=(size, queue), daemon=True)
     else:
-        server = ctx.Process(target=_psdk_server, args=(size, queue, keys), daemon=True)
+        server = ctx.Process(target=_psdk_server, args=(size, queue, keys, shared), daemon=True)
     server.start()
     try:
         address = queue.get(timeout=60)
         if kind == "raw":
             elapsed, client_cpu, server_cpu, server_rss = _raw_client(address, size, count, warmup)
         else:
-            elapsed, client_cpu, server_cpu, server_rss = _psdk_client(address, size, count, warmup, keys)
+            elapsed, client_cpu, server_cpu, server_rss = _psdk_client(address, size, count, warmup, keys, shared)
     finally:
         server.join(timeout=10)
         if server.is_alive():
@@ -178,10 +193,10 @@ def measure(kind: str, size: int, count: int, warmup: int = 50, keys: str | None
 
 
 def compare(size: int, count: int, reps: int) -> dict[str, Any]:
-    """Raw and psdk alternated ``reps`` times; medians and psdk's ratio to raw."""
-    runs: dict[str, list[RoundTrips]] = {"raw": [], "psdk": []}
+    """Raw, psdk and psdk over frames alternated ``reps`` times; medians and each psdk's ratio to raw."""
+    runs: dict[str, list[RoundTrips]] = {kind: [] for kind in KINDS}
     for _ in range(reps):
-        for kind in ("raw", "psdk"):
+        for kind in KINDS:
             runs[kind].append(measure(kind, size, count))
 
     def median(kind: str, field: str) -> float:
@@ -197,18 +212,19 @@ def compare(size: int, count: int, reps: int) -> dict[str, Any]:
             "server_max_rss_mb": median(kind, "server_max_rss_mb"),
         }
     out["ratio"] = out["psdk"]["round_trips_per_s"] / out["raw"]["round_trips_per_s"]
+    out["ratio_frames"] = out["psdk-frames"]["round_trips_per_s"] / out["raw"]["round_trips_per_s"]
     return out
 
 
 def encryption_cost(size: int, count: int, reps: int) -> dict[str, Any]:
-    """psdk's push-and-pull with CURVE on and off, alternated; medians and their ratio."""
+    """psdk's push-and-pull over frames with CURVE on and off, alternated; medians and their ratio."""
     from psdk import security
 
     with tempfile.TemporaryDirectory(prefix="psdk-keys-") as tmp:
         keys = str(security.generate(Path(tmp) / "keys", 1))
         plain, secure = [], []
-        for _ in range(reps):
-            plain.append(measure("psdk", size, count).round_trips_per_s)
-            secure.append(measure("psdk", size, count, keys=keys).round_trips_per_s)
+        for _ in range(reps):  # over frames: encryption matters where tasks span hosts
+            plain.append(measure("psdk-frames", size, count).round_trips_per_s)
+            secure.append(measure("psdk-frames", size, count, keys=keys).round_trips_per_s)
     p, s = float(np.median(plain)), float(np.median(secure))
     return {"size": size, "plain": p, "secure": s, "ratio": s / p}

@@ -165,4 +165,5 @@ def zmq_options(cfg: DictConfig) -> ZmqOptions:
         max_message_bytes=int(t.max_message_bytes),
         heartbeat_interval_s=float(t.heartbeat_interval_s),
         heartbeat_timeout_s=float(t.heartbeat_timeout_s),
+        shared_memory=bool(t.shared_memory),
     )

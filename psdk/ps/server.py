@@ -32,6 +32,7 @@ from psdk.logs import RateLimitedLog
 from psdk.optim import rule_from_json
 from psdk.ps.membership import FINISHED, Membership
 from psdk.security import worker_name
+from psdk.shm import AttachedBuffers
 from psdk.store import FlatStore, ParameterStore, RestoreState
 from psdk.transport import Incoming, ServerEndpoint
 from psdk.wire import HEARTBEAT_SUFFIX, Message
@@ -164,6 +165,7 @@ class ParameterServer:
         self._pause_waiters: list[tuple[bytes, int]] = []
         self._held: list[tuple[bytes, int, int, int, np.ndarray]] = []
         self._reply_buffers: dict[int, np.ndarray] = {}
+        self._shared: dict[int, AttachedBuffers] = {}  # workers on this host: their memory, mapped
         self._last_log = time.monotonic()
         self._next_housekeeping = 0.0
         self._handlers = {
@@ -172,6 +174,7 @@ class ParameterServer:
             "wait_init": self._on_wait_init,
             "pull": self._on_pull,
             "push_pull": self._on_push_pull,
+            "attach": self._on_attach,
             "finish": self._on_finish,
             "status": self._on_status,
             "stats": self._on_stats,
@@ -337,6 +340,7 @@ class ParameterServer:
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
             self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
+            self._shared.pop(worker, None)  # the old process's memory; the new one offers its own
         self.sessions[worker] = session
 
     def _send(self, peer: bytes, rid: int, op: str, fields: dict[str, Any], arrays: list[Any]) -> None:
@@ -356,6 +360,12 @@ class ParameterServer:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
         if worker is None:  # a stranger's pull: the transport copies the live buffer as it sends
             self.endpoint.reply(peer, Message("params", fields, [self.store.params()], rid, volatile=True))
+            return
+        shared = self._shared.get(worker)
+        if shared is not None:  # written into the worker's own memory; the reply is only a header
+            shared.write_params(self.store.params(), rid)
+            fields["shm"] = True
+            self.endpoint.reply(peer, Message("params", fields, [], rid))
             return
         # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is
         # safe to refill on the worker's next request: the worker only sends one once it has this reply.
@@ -456,6 +466,22 @@ class ParameterServer:
         self._require_init()
         self._reply_params(peer, message.rid, "pulled", worker)
 
+    def _on_attach(self, peer: bytes, message: Message, worker: int | None) -> None:
+        """Map a worker's shared memory (see :mod:`psdk.shm`); a refusal leaves it on ZeroMQ frames."""
+        if worker is None:
+            raise ProtocolError("attach needs a worker id")
+        self._require_init()
+        try:
+            if not self.endpoint.shares_memory:
+                raise ProtocolError(f"{self.name} does not take shared memory (transport.shared_memory=false)")
+            self._shared[worker] = AttachedBuffers(message.fields, self.store.size)
+        except ProtocolError as exc:  # not an attack on the store: the worker goes on with frames
+            self._shared.pop(worker, None)
+            log.info("%s: worker %d stays on ZeroMQ frames: %s", self.name, worker, exc)
+            self._send(peer, message.rid, "refused", {"error": str(exc)}, [])
+            return
+        self._send(peer, message.rid, "attached", {}, [])
+
     def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
         if not self.store.initialized and worker is not None and self.options.recovery:
             self._resync(peer, message.rid, f"{self.name} has restarted and waits for the chief to restore it")
@@ -469,12 +495,18 @@ class ParameterServer:
             raise ProtocolError(f"bad version {version!r}")
         if not isinstance(seq, int) or isinstance(seq, bool):
             raise ProtocolError(f"bad sequence number {seq!r}")
-        if len(message.arrays) != 1:
-            raise ProtocolError("push_pull carries exactly one flat gradient")
+        slot = message.fields.get("shm")
+        if len(message.arrays) != (0 if slot is not None else 1):
+            raise ProtocolError("push_pull carries exactly one flat gradient (in a frame or in shared memory)")
         if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
             self._resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
             return
-        grad = message.arrays[0]
+        if slot is None:
+            grad = message.arrays[0]
+        elif worker in self._shared:
+            grad = self._shared[worker].gradient(slot)
+        else:
+            raise ProtocolError(f"worker {worker} pushed through shared memory it has not offered to {self.name}")
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
             raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
         if version > self.store.version:
@@ -498,8 +530,8 @@ class ParameterServer:
         if self.done:
             self._reply_params(peer, rid, "done", worker)
             return
-        if self._paused():
-            self._held.append((peer, rid, worker, version, grad))
+        if self._paused():  # a copy: a gradient in a worker's shared memory is only lent until the reply
+            self._held.append((peer, rid, worker, version, grad.copy()))
             return
         self.stats.worker(worker).pushed += 1
         decision = self.policy.submit(Push(peer, rid, worker, version, grad))

@@ -1,0 +1,168 @@
+"""Same-host shared memory: a worker's buffers mapped by its ps, checked, and the fallback to frames."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from psdk import shm
+from psdk.client import ParameterClient
+from psdk.cluster import ClusterSpec
+from psdk.consistency import SyncSpec
+from psdk.errors import ProtocolError, PsdkError
+from psdk.jobspec import JobSpec
+from psdk.optim import SGD
+from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from tests.helpers import FAST
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not shm.available(), reason="needs Linux memfd and /proc"),
+]
+
+SIZE = 1000
+
+
+def test_the_ps_reads_the_gradient_and_writes_the_parameters_in_the_workers_memory() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    ps = shm.AttachedBuffers(worker.offer(), SIZE)
+    worker.grads[:] = 3.0
+    worker.outbox[:] = 4.0
+    assert ps.gradient("grads").sum() == 3.0 * SIZE
+    assert ps.gradient("outbox").sum() == 4.0 * SIZE
+    ps.write_params(np.arange(SIZE, dtype=np.float32), rid=7)
+    into = np.zeros(SIZE, np.float32)
+    worker.read_params(into, rid=7)
+    np.testing.assert_array_equal(into, np.arange(SIZE, dtype=np.float32))
+    worker.close()
+
+
+def test_parameters_written_for_another_request_are_never_used() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    ps = shm.AttachedBuffers(worker.offer(), SIZE)
+    ps.write_params(np.ones(SIZE, np.float32), rid=7)
+    into = np.zeros(SIZE, np.float32)
+    with pytest.raises(PsdkError, match="belong to request 7, not 8"):
+        worker.read_params(into, rid=8)
+    ps._seq[0] = 9  # a write for request 9 began while request 7's parameters were being read
+    with pytest.raises(PsdkError, match="overwrote"):
+        worker.read_params(into, rid=7)
+    worker.close()
+
+
+def _bad(offer: dict[str, Any], **change: Any) -> dict[str, Any]:
+    return {**offer, **change}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"token": "00" * shm.TOKEN_BYTES}, "token"),
+        ({"token": "not hex"}, "bad token"),
+        ({"bytes": 64}, "needs"),
+        ({"fd": 99999}, "cannot open"),
+        ({"pid": -1}, "bad pid"),
+        ({"fd": True}, "bad fd"),
+    ],
+)
+def test_a_bad_offer_is_refused_with_a_reason(change: dict[str, Any], message: str) -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    with pytest.raises(ProtocolError, match=message):
+        shm.AttachedBuffers(_bad(worker.offer(), **change), SIZE)
+    worker.close()
+
+
+def test_a_file_that_is_not_a_sealed_memory_file_is_refused() -> None:
+    """A peer cannot point the ps at some other file of this host to have parameters written into it."""
+    worker = shm.WorkerBuffers(SIZE)
+    with tempfile.TemporaryFile() as plain:
+        plain.write(worker.token + bytes(shm.total_bytes(SIZE) - shm.TOKEN_BYTES))
+        plain.flush()
+        offer = _bad(worker.offer(), fd=plain.fileno())
+        with pytest.raises(ProtocolError, match="not a sealed memory file"):
+            shm.AttachedBuffers(offer, SIZE)
+        before = os.pread(plain.fileno(), 32, 0)
+    assert before[: shm.TOKEN_BYTES] == worker.token
+    worker.close()
+
+
+def test_a_device_is_never_opened() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    with open(os.devnull, "rb") as device, pytest.raises(ProtocolError, match="not a memory file"):
+        shm.AttachedBuffers(_bad(worker.offer(), fd=device.fileno()), SIZE)
+    worker.close()
+
+
+def test_an_unknown_slot_is_refused() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    ps = shm.AttachedBuffers(worker.offer(), SIZE)
+    with pytest.raises(ProtocolError, match="unknown shared-memory slot"):
+        ps.gradient("params")
+    worker.close()
+
+
+@contextmanager
+def ps_over_tcp(shared_memory: bool) -> Iterator[tuple[ParameterServer, str]]:
+    context = zmq.Context()
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory), context=context)
+    endpoint = transport.serve("127.0.0.1:0", "ps 0")
+    server = ParameterServer(endpoint, 0, ServerOptions(poll_s=0.02))
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield server, endpoint.address.split("://", 1)[1]
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        context.destroy(linger=0)
+
+
+def _train(address: str, shared_memory: bool, copy: bool) -> tuple[np.ndarray, bool]:
+    """Ten SGD steps of made-up gradients from one worker; the final parameters, and whether memory was shared."""
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory))
+    client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
+    try:
+        job = JobSpec(SyncSpec("async").resolved(1), 10, 1)
+        client.initialize({"w": np.linspace(-1, 1, SIZE, dtype=np.float32)}, job, SGD(lr=0.5))
+        shared = client.shards[0].shared
+        rng = np.random.default_rng(0)
+        done = False
+        while not done:
+            client.grads["w"][...] = rng.standard_normal(SIZE).astype(np.float32)
+            done = client.finish_push_pull(client.start_push_pull(copy=copy)).done
+        client.pull()
+        return client.params["w"].copy(), shared
+    finally:
+        client.close()
+        transport.close()
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "outbox"])
+def test_training_through_shared_memory_matches_training_through_frames(copy: bool) -> None:
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        shared_params, shared = _train(address, shared_memory=True, copy=copy)
+        assert shared and 0 in server._shared
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        framed_params, framed_shared = _train(address, shared_memory=False, copy=copy)
+        assert not framed_shared and not server._shared
+    np.testing.assert_array_equal(shared_params, framed_params)
+    assert not np.array_equal(shared_params, np.linspace(-1, 1, SIZE, dtype=np.float32))
+
+
+def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
+    with ps_over_tcp(shared_memory=False) as (server, address):
+        params, shared = _train(address, shared_memory=True, copy=False)
+        assert not shared and not server._shared
+        assert server.stats.rejected == 0  # a refusal is not a rejected request
+        assert server.store.version == 10
+    assert np.isfinite(params).all()
