@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from psdk.bench.suite import Run, summarise
+import pytest
+
+from psdk.bench import transport
+from psdk.bench.suite import Run, summarise, transport_table
 
 
 def runs(system: str, framework: str, *rates: float) -> list[Run]:
@@ -30,3 +33,14 @@ def test_failed_runs_are_counted_and_left_out_of_the_median() -> None:
 def test_each_single_process_baseline_row_names_its_framework() -> None:
     assert summarise(runs("single", "tf", 700), {"tensorflow": 700.0}).system == "single-tf"
     assert summarise(runs("single", "torch", 1000), {"torch": 1000.0}).system == "single-torch"
+
+
+@pytest.mark.timeout(120)
+def test_the_transport_micro_benchmark_measures_raw_pyzmq_and_psdk_with_and_without_shared_memory() -> None:
+    result = transport.compare(size=1000, count=30, reps=1)
+    for kind in transport.KINDS:
+        assert result[kind]["round_trips_per_s"] > 0 and result[kind]["client_cpu_us"] >= 0
+    table = transport_table([result])
+    assert table.count("\n") == 2 and f"{result['ratio']:.2f}×" in table and f"{result['ratio_frames']:.2f}×" in table
+    with pytest.raises(ValueError, match="unknown kind"):
+        transport.measure("grpc", 1000, 1)
