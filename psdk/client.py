@@ -373,7 +373,13 @@ class ParameterClient:
         }
         if not offers:
             return
-        replies = self.endpoint.start_many(offers).wait(self.options.request_timeout_s, "sharing memory with the ps")
+        try:
+            replies = self._collect(self.endpoint.start_many(offers), "sharing memory with the ps")
+        except RemoteError as exc:  # e.g. a ps of an older psdk that does not know the request
+            log.info("worker %d: no shared memory (%s); arrays go over ZeroMQ", self.task_index, exc)
+            replies = {}
+        for index in offers:
+            self.shards[index].shared = False
         for index, reply in replies.items():
             shard = self.shards[index]
             shard.shared = reply.op == "attached"
@@ -495,7 +501,7 @@ class ParameterClient:
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]
         if reply.fields.get("shm"):
-            if shard.buffers is None or not shard.shared:
+            if shard.buffers is None:
                 raise PsdkError(f"{self.names[index]} answered through shared memory this worker did not offer it")
             shard.buffers.read_params(shard.params, reply.rid)
         elif len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:

@@ -132,15 +132,21 @@ class AttachedBuffers:
             raise ProtocolError("shared memory offer has a bad token") from None
         if nbytes != total_bytes(size):
             raise ProtocolError(f"shared memory of {nbytes} bytes offered for a shard that needs {total_bytes(size)}")
-        path = f"/proc/{pid}/fd/{fd}"
         try:
-            # Only a regular file of the claimed size is ever opened (never a device or a pipe), without blocking.
-            found = os.stat(path)
+            # O_PATH first: a handle that reads and writes nothing (a device or a pipe is never really opened),
+            # checked, then reopened through that same handle, so what was checked is what gets mapped.
+            probe = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            raise ProtocolError("cannot open the worker's shared memory (another host or container?)") from None
+        try:
+            found = os.fstat(probe)
             if not stat.S_ISREG(found.st_mode) or found.st_size != nbytes:
                 raise ProtocolError(f"the offered file is not a memory file of {nbytes} bytes")
-            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise ProtocolError(f"cannot open the worker's shared memory (another host or container?): {exc}") from None
+            handle = os.open(f"/proc/self/fd/{probe}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            raise ProtocolError("cannot open the worker's shared memory (another host or container?)") from None
+        finally:
+            os.close(probe)
         try:
             try:
                 seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
@@ -155,6 +161,8 @@ class AttachedBuffers:
             raise ProtocolError("the offered memory file does not hold the worker's token")
         self._seq, grads, outbox, self._params = _views(self._map, size)
         self._slots = dict(zip(SLOTS, (grads, outbox), strict=True))
+        self.session = b""
+        """The connection that offered it: parameters are only written for requests from there."""
 
     def gradient(self, slot: Any) -> np.ndarray:
         """The pushed gradient, read in place: the worker leaves it alone until it has the reply."""

@@ -21,6 +21,8 @@ from psdk.errors import ProtocolError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.transport import Incoming, ServerEndpoint
+from psdk.wire import Message
 from psdk.zmq_transport import ZmqOptions, ZmqTransport
 from tests.helpers import FAST
 
@@ -166,3 +168,46 @@ def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
         assert server.stats.rejected == 0  # a refusal is not a rejected request
         assert server.store.version == 10
     assert np.isfinite(params).all()
+
+
+class CapturingEndpoint(ServerEndpoint):
+    """Collects the ps's replies, so a test can drive its handlers one request at a time."""
+
+    address = "capture"
+    shares_memory = True
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Message]] = []
+
+    def receive(self, timeout_s: float) -> Incoming | None:
+        return None
+
+    def reply(self, peer: bytes, message: Message) -> bool:
+        self.sent.append((peer, message))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_the_new_ones_memory() -> None:
+    endpoint = CapturingEndpoint()
+    server = ParameterServer(endpoint, 0)
+    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD(lr=0.1).to_json(), "names": ["w"]}, [np.ones(SIZE, np.float32)]
+    )
+    server.handle(Incoming(b"wNEW", init))
+    worker = shm.WorkerBuffers(SIZE)
+    server.handle(Incoming(b"wNEW", Message("attach", {"worker": 0, **worker.offer()}, rid=2)))
+    assert endpoint.sent[-1][1].op == "attached"
+    server._reply_params(b"wOLD", 2, "applied", 0)  # e.g. a parked push of the worker's previous process
+    assert endpoint.sent[-1][1].arrays and not endpoint.sent[-1][1].fields.get("shm")
+    with pytest.raises(PsdkError, match="belong to request 0"):
+        worker.read_params(np.zeros(SIZE, np.float32), rid=2)
+    server._reply_params(b"wNEW", 3, "applied", 0)
+    assert endpoint.sent[-1][1].fields["shm"] and not endpoint.sent[-1][1].arrays
+    into = np.zeros(SIZE, np.float32)
+    worker.read_params(into, rid=3)
+    assert (into == 1.0).all()
+    worker.close()

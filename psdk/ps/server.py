@@ -362,7 +362,9 @@ class ParameterServer:
             self.endpoint.reply(peer, Message("params", fields, [self.store.params()], rid, volatile=True))
             return
         shared = self._shared.get(worker)
-        if shared is not None:  # written into the worker's own memory; the reply is only a header
+        # Written into the worker's own memory, the reply only a header; never for a request of an earlier
+        # process of this worker (a late answer to a dead one's parked push), whose memory is not this one.
+        if shared is not None and shared.session == peer.removesuffix(HEARTBEAT_SUFFIX):
             shared.write_params(self.store.params(), rid)
             fields["shm"] = True
             self.endpoint.reply(peer, Message("params", fields, [], rid))
@@ -471,15 +473,17 @@ class ParameterServer:
         if worker is None:
             raise ProtocolError("attach needs a worker id")
         self._require_init()
+        self._shared.pop(worker, None)
         try:
             if not self.endpoint.shares_memory:
                 raise ProtocolError(f"{self.name} does not take shared memory (transport.shared_memory=false)")
-            self._shared[worker] = AttachedBuffers(message.fields, self.store.size)
-        except ProtocolError as exc:  # not an attack on the store: the worker goes on with frames
-            self._shared.pop(worker, None)
+            shared = AttachedBuffers(message.fields, self.store.size)
+        except Exception as exc:  # not an attack on the store (nor a reason to fail): the worker goes on with frames
             log.info("%s: worker %d stays on ZeroMQ frames: %s", self.name, worker, exc)
             self._send(peer, message.rid, "refused", {"error": str(exc)}, [])
             return
+        shared.session = peer.removesuffix(HEARTBEAT_SUFFIX)
+        self._shared[worker] = shared
         self._send(peer, message.rid, "attached", {}, [])
 
     def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
@@ -614,6 +618,7 @@ class ParameterServer:
         if worker is None:
             raise ProtocolError("finish needs a worker id")
         self.membership.finish(worker)
+        self._shared.pop(worker, None)  # its last pulls are answered in frames; its memory is let go
         report = message.fields.get("report")
         if isinstance(report, dict):
             self.reports[worker] = report
