@@ -52,12 +52,17 @@ class PsCluster:
 
 @contextmanager
 def running_ps(
-    num_ps: int = 1, scheme: str = "inproc", heartbeat_timeout_s: float = 5.0, startup_timeout_s: float = 60.0
+    num_ps: int = 1,
+    scheme: str = "inproc",
+    heartbeat_timeout_s: float = 5.0,
+    startup_timeout_s: float = 60.0,
+    shared_memory: bool = True,
 ) -> Iterator[PsCluster]:
     """Start ``num_ps`` ps threads; they are stopped and joined afterwards, whatever happens."""
     context = zmq.Context()
     transport = ZmqTransport(
-        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s), context=context
+        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s, shared_memory=shared_memory),
+        context=context,
     )
     stop = threading.Event()
     servers, threads, addresses = [], [], []

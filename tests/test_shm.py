@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 
 from psdk import shm
 from psdk.client import ParameterClient
@@ -20,10 +18,11 @@ from psdk.consistency import SyncSpec
 from psdk.errors import ProtocolError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
-from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.ps.server import ParameterServer
 from psdk.transport import Incoming, ServerEndpoint
 from psdk.wire import Message
 from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from tests.conftest import running_ps
 from tests.helpers import FAST
 
 pytestmark = [
@@ -114,19 +113,8 @@ def test_an_unknown_slot_is_refused() -> None:
 
 @contextmanager
 def ps_over_tcp(shared_memory: bool) -> Iterator[tuple[ParameterServer, str]]:
-    context = zmq.Context()
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory), context=context)
-    endpoint = transport.serve("127.0.0.1:0", "ps 0")
-    server = ParameterServer(endpoint, 0, ServerOptions(poll_s=0.02))
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield server, endpoint.address.split("://", 1)[1]
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        context.destroy(linger=0)
+    with running_ps(scheme="tcp", shared_memory=shared_memory) as ps:
+        yield ps.servers[0], ps.addresses[0]
 
 
 def _train(address: str, shared_memory: bool, copy: bool) -> tuple[np.ndarray, bool]:
