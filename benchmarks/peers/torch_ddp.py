@@ -87,7 +87,15 @@ def run_rank(args: argparse.Namespace) -> None:
             pred = model(torch.from_numpy(data.test_x)).argmax(1)
             result["test_accuracy"] = float((pred == torch.from_numpy(data.test_y)).float().mean())
     c.write_result(args.run_dir, f"rank{rank}", result)
-    dist.destroy_process_group()
+    # Rank 0 hosts the TCPStore: if it tears down first, a rank still leaving
+    # gloo can find the store gone and abort ("terminate called without an
+    # active exception", seen once in CI). The other ranks leave first; rank 0
+    # leaves once all of them have (a marker-file barrier, no store involved).
+    if rank != 0:
+        dist.destroy_process_group()
+    c.barrier(args.run_dir, "left", rank, world, args.deadline)
+    if rank == 0:
+        dist.destroy_process_group()
 
 
 def launch(args: argparse.Namespace) -> int:
