@@ -366,8 +366,9 @@ class ParameterClient:
 
         Called again after a recovery: a restarted ps has to map them anew.
         """
+        bell = self.endpoint.doorbells
         offers = {
-            i: Message("attach", self._fields(**shard.buffers.offer()))
+            i: Message("attach", self._fields(**shard.buffers.offer(bell)))
             for i, shard in enumerate(self.shards)
             if shard.buffers is not None and shard.size
         }
@@ -380,9 +381,12 @@ class ParameterClient:
             replies = {}
         for index in offers:
             self.shards[index].shared = False
+            self.endpoint.ring_off(index)
         for index, reply in replies.items():
             shard = self.shards[index]
             shard.shared = reply.op == "attached"
+            if shard.shared and bell and reply.fields.get("bell") and shard.buffers is not None:
+                self.endpoint.ring_on(index, shard.buffers.bell, shard.buffers.take_reply)
             if not shard.shared:
                 log.info(
                     "worker %d: %s does not share memory (%s); arrays go over ZeroMQ",
@@ -392,8 +396,9 @@ class ParameterClient:
                 )
 
     def _release_buffers(self) -> None:
-        for shard in self.shards:
+        for index, shard in enumerate(self.shards):
             if shard.buffers is not None:
+                self.endpoint.ring_off(index)
                 shard.buffers.close()
 
     @property

@@ -62,9 +62,22 @@ class ClientEndpoint(ABC):
     """Human-readable names of the servers, by index, for error messages."""
     shares_memory: bool = False
     """Whether to offer a ps on this host the worker's buffers as shared memory (see :mod:`psdk.shm`)."""
+    doorbells: bool = False
+    """Whether :meth:`receive` can also wake on a doorbell (:meth:`ring_on`) as well as on messages."""
 
     def __init__(self) -> None:
         self._next_rid = 1
+
+    def ring_on(self, index: int, fd: int, take: Callable[[], Message | None]) -> None:
+        """Wake :meth:`receive` when ``fd`` is readable, with ``take()`` as server ``index``'s reply.
+
+        Only on endpoints with :attr:`doorbells`: a ps on this host rings
+        instead of replying (see :mod:`psdk.shm`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no doorbells")
+
+    def ring_off(self, index: int) -> None:  # noqa: B027 - nothing to stop without doorbells
+        """Stop waking on server ``index``'s doorbell (its file descriptor is about to close)."""
 
     def new_rid(self) -> int:
         rid = self._next_rid

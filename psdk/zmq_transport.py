@@ -10,7 +10,7 @@ peer into an error instead of silence; ZeroMQ heartbeats drop dead TCP links.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,8 @@ class ZmqOptions:
     """CURVE keys: servers authenticate workers by key, all traffic is encrypted."""
     shared_memory: bool = True
     """A worker and a ps on one host exchange arrays through shared memory, headers over ZeroMQ."""
+    doorbells: bool = True
+    """With shared memory, a ps answers a push by ringing a pipe, not with a ZeroMQ message (see psdk.shm)."""
 
 
 def endpoint(address: str) -> str:
@@ -190,9 +192,11 @@ class ZmqClient(ClientEndpoint):
         self.options = options
         self.peers = list(names)
         self.shares_memory = options.shared_memory and shm.available()
+        self.doorbells = options.doorbells
         self.socks: list[zmq.Socket[Any]] = []
         self.poller = zmq.Poller()
         self._index: dict[zmq.Socket[Any], int] = {}
+        self._bells: dict[int, tuple[int, Callable[[], Message | None]]] = {}  # fd -> (server index, take)
         self._reuse: list[FrameReuse] = []
         for index, address in enumerate(addresses):
             sock = context.socket(zmq.DEALER)
@@ -238,9 +242,26 @@ class ZmqClient(ClientEndpoint):
             waited,
         )
 
+    def ring_on(self, index: int, fd: int, take: Callable[[], Message | None]) -> None:
+        self.ring_off(index)
+        self._bells[fd] = (index, take)
+        self.poller.register(fd, zmq.POLLIN)
+
+    def ring_off(self, index: int) -> None:
+        for fd, (rung, _) in list(self._bells.items()):
+            if rung == index:
+                self.poller.unregister(fd)
+                del self._bells[fd]
+
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
         got: list[tuple[int, Message]] = []
         for sock, _ in self.poller.poll(max(0, int(timeout_s * 1000))):
+            if isinstance(sock, int):  # a doorbell: the reply is in shared memory
+                index, take = self._bells[sock]
+                reply = take()
+                if reply is not None:
+                    got.append((index, reply))
+                continue
             # One message per ready socket: the caller polls again if it expects more.
             frames = sock.recv_multipart(copy=False)
             index = self._index[sock]
@@ -251,6 +272,8 @@ class ZmqClient(ClientEndpoint):
         return got
 
     def close(self) -> None:
+        for index in range(len(self.socks)):
+            self.ring_off(index)
         for sock in self.socks:
             self.poller.unregister(sock)
             sock.close(linger=0)

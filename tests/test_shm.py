@@ -117,9 +117,9 @@ def ps_over_tcp(shared_memory: bool) -> Iterator[tuple[ParameterServer, str]]:
         yield ps.servers[0], ps.addresses[0]
 
 
-def _train(address: str, shared_memory: bool, copy: bool) -> tuple[np.ndarray, bool]:
+def _train(address: str, shared_memory: bool, copy: bool, doorbells: bool = True) -> tuple[np.ndarray, bool]:
     """Ten SGD steps of made-up gradients from one worker; the final parameters, and whether memory was shared."""
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory))
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory, doorbells=doorbells))
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10, 1)
@@ -141,12 +141,21 @@ def _train(address: str, shared_memory: bool, copy: bool) -> tuple[np.ndarray, b
 def test_training_through_shared_memory_matches_training_through_frames(copy: bool) -> None:
     with ps_over_tcp(shared_memory=True) as (server, address):
         shared_params, shared = _train(address, shared_memory=True, copy=copy)
-        assert shared and 0 in server._shared
+        assert shared and 0 in server._shared and server._shared[0].bell >= 0  # replies rang its doorbell
     with ps_over_tcp(shared_memory=True) as (server, address):
         framed_params, framed_shared = _train(address, shared_memory=False, copy=copy)
         assert not framed_shared and not server._shared
     np.testing.assert_array_equal(shared_params, framed_params)
     assert not np.array_equal(shared_params, np.linspace(-1, 1, SIZE, dtype=np.float32))
+
+
+def test_without_doorbells_the_parameters_still_come_through_shared_memory() -> None:
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        params, shared = _train(address, shared_memory=True, copy=False, doorbells=False)
+        assert shared and server._shared[0].bell == -1  # replies were header-only ZeroMQ messages
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        rung, _ = _train(address, shared_memory=True, copy=False)
+    np.testing.assert_array_equal(params, rung)
 
 
 def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
@@ -187,7 +196,7 @@ def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_t
     )
     server.handle(Incoming(b"wNEW", init))
     worker = shm.WorkerBuffers(SIZE)
-    server.handle(Incoming(b"wNEW", Message("attach", {"worker": 0, **worker.offer()}, rid=2)))
+    server.handle(Incoming(b"wNEW", Message("attach", {"worker": 0, **worker.offer(bell=False)}, rid=2)))
     assert endpoint.sent[-1][1].op == "attached"
     server._reply_params(b"wOLD", 2, "applied", 0)  # e.g. a parked push of the worker's previous process
     assert endpoint.sent[-1][1].arrays and not endpoint.sent[-1][1].fields.get("shm")
@@ -198,4 +207,70 @@ def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_t
     into = np.zeros(SIZE, np.float32)
     worker.read_params(into, rid=3)
     assert (into == 1.0).all()
+    worker.close()
+
+
+def _attached_ps(worker: shm.WorkerBuffers, offer: dict[str, Any]) -> tuple[ParameterServer, CapturingEndpoint]:
+    endpoint = CapturingEndpoint()
+    server = ParameterServer(endpoint, 0)
+    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD(lr=0.1).to_json(), "names": ["w"]}, [np.ones(SIZE, np.float32)]
+    )
+    server.handle(Incoming(b"w", init))
+    server.handle(Incoming(b"w", Message("attach", {"worker": 0, **offer}, rid=2)))
+    return server, endpoint
+
+
+def test_a_reply_through_shared_memory_rings_the_doorbell_instead_of_sending_a_message() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    server, endpoint = _attached_ps(worker, worker.offer())
+    assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is True
+    assert worker.take_reply() is None  # nothing written yet
+    sent = len(endpoint.sent)
+    server._reply_params(b"w", 3, "applied", 0)
+    assert len(endpoint.sent) == sent  # no message: the doorbell rang
+    reply = worker.take_reply()
+    assert reply is not None and reply.rid == 3 and reply.op == "params"
+    assert reply.fields == {"version": 0, "done": False, "outcome": "applied", "shm": True, "slowest": 0}
+    into = np.zeros(SIZE, np.float32)
+    worker.read_params(into, rid=3)
+    assert (into == 1.0).all()
+    with pytest.raises(BlockingIOError):  # take_reply drained the doorbell
+        os.read(worker.bell, 1)
+    server.handle(Incoming(b"w", Message("finish", {"worker": 0}, rid=4)))
+    assert not server._shared  # the finished worker's doorbell is closed with its mapping
+    worker.close()
+
+
+def test_an_outcome_the_header_cannot_hold_goes_as_a_message() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    ps = shm.AttachedBuffers(worker.offer(), SIZE)
+    assert ps.write_params(np.ones(SIZE, np.float32), 5, {"version": 1, "outcome": "applied"})
+    assert not ps.write_params(np.ones(SIZE, np.float32), 6, {"version": 1, "outcome": "surprise"})
+    assert not ps.write_params(np.ones(SIZE, np.float32), 7)
+    reply = worker.take_reply()
+    assert reply is not None and reply.rid == 7  # the latest write; its rid no longer matches request 5
+    ps.close()
+    worker.close()
+
+
+def test_a_torn_reply_header_is_not_taken() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    ps = shm.AttachedBuffers(worker.offer(), SIZE)
+    ps.write_params(np.ones(SIZE, np.float32), 5, {"version": 1, "outcome": "applied"})
+    ps._seq[0] = 6  # the ps began writing the reply to request 6
+    assert worker.take_reply() is None
+    ps.close()
+    worker.close()
+
+
+def test_a_doorbell_that_is_not_a_pipe_is_never_written() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    with tempfile.TemporaryFile() as plain:
+        server, endpoint = _attached_ps(worker, {**worker.offer(), "bell": plain.fileno()})
+        assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is False
+        server._reply_params(b"w", 3, "applied", 0)
+        assert endpoint.sent[-1][1].fields["shm"]  # replied with a message instead
+        assert os.fstat(plain.fileno()).st_size == 0
     worker.close()

@@ -166,4 +166,5 @@ def zmq_options(cfg: DictConfig) -> ZmqOptions:
         heartbeat_interval_s=float(t.heartbeat_interval_s),
         heartbeat_timeout_s=float(t.heartbeat_timeout_s),
         shared_memory=bool(t.shared_memory),
+        doorbells=bool(t.doorbells),
     )

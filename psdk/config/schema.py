@@ -157,6 +157,7 @@ class TransportConfig:
     secure: Any = None
     keys_dir: Any = None
     shared_memory: bool = True
+    doorbells: bool = True
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 300.0

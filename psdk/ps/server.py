@@ -205,6 +205,8 @@ class ParameterServer:
                     self._next_housekeeping = now + HOUSEKEEPING_S
                     self._housekeeping(now)
         finally:
+            for worker in list(self._shared):
+                self._let_go(worker)
             self.endpoint.close()
         return self.exit_code if self.exit_code is not None else 0
 
@@ -340,7 +342,7 @@ class ParameterServer:
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
             self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
-            self._shared.pop(worker, None)  # the old process's memory; the new one offers its own
+            self._let_go(worker)  # the old process's memory; the new one offers its own
         self.sessions[worker] = session
 
     def _send(self, peer: bytes, rid: int, op: str, fields: dict[str, Any], arrays: list[Any]) -> None:
@@ -365,7 +367,8 @@ class ParameterServer:
         # Written into the worker's own memory, the reply only a header; never for a request of an earlier
         # process of this worker (a late answer to a dead one's parked push), whose memory is not this one.
         if shared is not None and shared.session == peer.removesuffix(HEARTBEAT_SUFFIX):
-            shared.write_params(self.store.params(), rid)
+            if shared.write_params(self.store.params(), rid, fields):
+                return  # the worker's doorbell rang: no message at all
             fields["shm"] = True
             self.endpoint.reply(peer, Message("params", fields, [], rid))
             return
@@ -473,7 +476,7 @@ class ParameterServer:
         if worker is None:
             raise ProtocolError("attach needs a worker id")
         self._require_init()
-        self._shared.pop(worker, None)
+        self._let_go(worker)
         try:
             if not self.endpoint.shares_memory:
                 raise ProtocolError(f"{self.name} does not take shared memory (transport.shared_memory=false)")
@@ -484,7 +487,12 @@ class ParameterServer:
             return
         shared.session = peer.removesuffix(HEARTBEAT_SUFFIX)
         self._shared[worker] = shared
-        self._send(peer, message.rid, "attached", {}, [])
+        self._send(peer, message.rid, "attached", {"bell": shared.bell >= 0}, [])
+
+    def _let_go(self, worker: int) -> None:
+        shared = self._shared.pop(worker, None)
+        if shared is not None:
+            shared.close()
 
     def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
         if not self.store.initialized and worker is not None and self.options.recovery:
@@ -618,7 +626,7 @@ class ParameterServer:
         if worker is None:
             raise ProtocolError("finish needs a worker id")
         self.membership.finish(worker)
-        self._shared.pop(worker, None)  # its last pulls are answered in frames; its memory is let go
+        self._let_go(worker)  # its last pulls are answered in frames; its memory is let go
         report = message.fields.get("report")
         if isinstance(report, dict):
             self.reports[worker] = report
