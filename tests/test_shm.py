@@ -187,16 +187,22 @@ class CapturingEndpoint(ServerEndpoint):
         pass
 
 
-def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_the_new_ones_memory() -> None:
+def _attached_ps(offer: dict[str, Any], session: bytes = b"w") -> tuple[ParameterServer, CapturingEndpoint]:
+    """A ps driven by hand, initialised by worker 0 (ones), which then offers ``offer`` from ``session``."""
     endpoint = CapturingEndpoint()
     server = ParameterServer(endpoint, 0)
     job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
     init = Message(
         "init", {"worker": 0, "job": job, "rule": SGD(lr=0.1).to_json(), "names": ["w"]}, [np.ones(SIZE, np.float32)]
     )
-    server.handle(Incoming(b"wNEW", init))
+    server.handle(Incoming(session, init))
+    server.handle(Incoming(session, Message("attach", {"worker": 0, **offer}, rid=2)))
+    return server, endpoint
+
+
+def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_the_new_ones_memory() -> None:
     worker = shm.WorkerBuffers(SIZE)
-    server.handle(Incoming(b"wNEW", Message("attach", {"worker": 0, **worker.offer(bell=False)}, rid=2)))
+    server, endpoint = _attached_ps(worker.offer(bell=False), session=b"wNEW")
     assert endpoint.sent[-1][1].op == "attached"
     server._reply_params(b"wOLD", 2, "applied", 0)  # e.g. a parked push of the worker's previous process
     assert endpoint.sent[-1][1].arrays and not endpoint.sent[-1][1].fields.get("shm")
@@ -210,21 +216,9 @@ def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_t
     worker.close()
 
 
-def _attached_ps(worker: shm.WorkerBuffers, offer: dict[str, Any]) -> tuple[ParameterServer, CapturingEndpoint]:
-    endpoint = CapturingEndpoint()
-    server = ParameterServer(endpoint, 0)
-    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
-    init = Message(
-        "init", {"worker": 0, "job": job, "rule": SGD(lr=0.1).to_json(), "names": ["w"]}, [np.ones(SIZE, np.float32)]
-    )
-    server.handle(Incoming(b"w", init))
-    server.handle(Incoming(b"w", Message("attach", {"worker": 0, **offer}, rid=2)))
-    return server, endpoint
-
-
 def test_a_reply_through_shared_memory_rings_the_doorbell_instead_of_sending_a_message() -> None:
     worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker, worker.offer())
+    server, endpoint = _attached_ps(worker.offer())
     assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is True
     assert worker.take_reply() is None  # nothing written yet
     sent = len(endpoint.sent)
@@ -268,7 +262,7 @@ def test_a_torn_reply_header_is_not_taken() -> None:
 def test_a_doorbell_that_is_not_a_pipe_is_never_written() -> None:
     worker = shm.WorkerBuffers(SIZE)
     with tempfile.TemporaryFile() as plain:
-        server, endpoint = _attached_ps(worker, {**worker.offer(), "bell": plain.fileno()})
+        server, endpoint = _attached_ps({**worker.offer(), "bell": plain.fileno()})
         assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is False
         server._reply_params(b"w", 3, "applied", 0)
         assert endpoint.sent[-1][1].fields["shm"]  # replied with a message instead
