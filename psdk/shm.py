@@ -99,6 +99,8 @@ class WorkerBuffers:
             os.ftruncate(self.fd, total_bytes(size))
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(self.fd, total_bytes(size))
+            self.bell, self._bell_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            """The doorbell's read end: readable when the ps has written a reply (poll it with the sockets)."""
         except BaseException:
             os.close(self.fd)
             raise
@@ -106,8 +108,6 @@ class WorkerBuffers:
         self._map[:TOKEN_BYTES] = self.token
         views = self._views = _Views(self._map, size)
         self._seq, self.grads, self.outbox, self._params = views.seq, views.grads, views.outbox, views.params
-        self.bell, self._bell_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        """The doorbell's read end: readable when the ps has written a reply (poll it with the sockets)."""
 
     def offer(self, bell: bool = True) -> dict[str, Any]:
         """What the ps needs to map these buffers (sent over the authenticated connection).
@@ -240,6 +240,8 @@ class AttachedBuffers:
                 OUTCOMES.index(str(outcome)),
                 -1 if slowest is None else int(slowest),
             )
+        if not ring:
+            self._reply[2] = -1  # no reply fields for this rid: a stray ring must not pair it with older ones
         self._seq[1] = rid
         if not ring:
             return False

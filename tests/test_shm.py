@@ -243,8 +243,8 @@ def test_an_outcome_the_header_cannot_hold_goes_as_a_message() -> None:
     assert ps.write_params(np.ones(SIZE, np.float32), 5, {"version": 1, "outcome": "applied"})
     assert not ps.write_params(np.ones(SIZE, np.float32), 6, {"version": 1, "outcome": "surprise"})
     assert not ps.write_params(np.ones(SIZE, np.float32), 7)
-    reply = worker.take_reply()
-    assert reply is not None and reply.rid == 7  # the latest write; its rid no longer matches request 5
+    # Only request 5 rang; its ring must not come back as the reply to request 7, which carries no fields.
+    assert worker.take_reply() is None
     ps.close()
     worker.close()
 
@@ -267,4 +267,16 @@ def test_a_doorbell_that_is_not_a_pipe_is_never_written() -> None:
         server._reply_params(b"w", 3, "applied", 0)
         assert endpoint.sent[-1][1].fields["shm"]  # replied with a message instead
         assert os.fstat(plain.fileno()).st_size == 0
+    worker.close()
+
+
+def test_a_worker_that_pushes_in_frames_is_answered_in_frames_not_through_its_doorbell() -> None:
+    # E.g. a worker whose offer another shard refused with an error, and that gave up sharing with every shard.
+    worker = shm.WorkerBuffers(SIZE)
+    server, endpoint = _attached_ps(worker.offer())
+    push = Message("push_pull", {"worker": 0, "version": 0, "seq": 1, "epoch": 0}, [np.ones(SIZE, np.float32)], rid=3)
+    server.handle(Incoming(b"w", push))
+    reply = endpoint.sent[-1][1]
+    assert reply.op == "params" and reply.rid == 3 and len(reply.arrays) == 1 and not reply.fields.get("shm")
+    assert not server._shared and worker.take_reply() is None
     worker.close()

@@ -515,6 +515,9 @@ class ParameterServer:
             return
         if slot is None:
             grad = message.arrays[0]
+            # A worker pushing in frames is not reading its shared memory (e.g. another shard refused its
+            # offer and it gave up sharing altogether): answer it in frames too, never through its doorbell.
+            self._let_go(worker)
         elif worker in self._shared:
             grad = self._shared[worker].gradient(slot)
         else:
