@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,19 @@ from psdk.zmq_transport import ZmqOptions, ZmqTransport
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_restored() -> Iterator[None]:
+    """A CLI command run in-process (``main(["fuzz", ...])``) calls ``basicConfig``, binding a handler to
+    the stream pytest captured for that test; later tests' threads would log into it once it is closed."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
