@@ -130,6 +130,8 @@ class Shard:
     """The gradient (and a reply region) in memory a ps on this host can map; ``grads`` lives there."""
     shared: bool = False
     """The ps has mapped :attr:`buffers`: arrays go through them, messages carry only headers."""
+    knocks: bool = False
+    """The ps listens for knocks on :attr:`buffers`: a push is a knock, not a message."""
 
     @property
     def size(self) -> int:
@@ -380,13 +382,14 @@ class ParameterClient:
             log.info("worker %d: no shared memory (%s); arrays go over ZeroMQ", self.task_index, exc)
             replies = {}
         for index in offers:
-            self.shards[index].shared = False
+            self.shards[index].shared = self.shards[index].knocks = False
             self.endpoint.ring_off(index)
         for index, reply in replies.items():
             shard = self.shards[index]
             shard.shared = reply.op == "attached"
             if shard.shared and bell and reply.fields.get("bell") and shard.buffers is not None:
                 self.endpoint.ring_on(index, shard.buffers.bell, shard.buffers.take_reply)
+                shard.knocks = bool(reply.fields.get("knock"))
             if not shard.shared:
                 log.info(
                     "worker %d: %s does not share memory (%s); arrays go over ZeroMQ",
@@ -400,6 +403,7 @@ class ParameterClient:
             if shard.buffers is not None:
                 self.endpoint.ring_off(index)
                 shard.buffers.close()
+                shard.shared = shard.knocks = False
 
     @property
     def initialized(self) -> bool:
@@ -462,18 +466,26 @@ class ParameterClient:
                     np.copyto(view, grads[name], casting="same_kind")
         basis = basis or self.basis()
         self._seq += 1
-        messages = {}
+        messages, knocked = {}, {}
         for i in self._live():
             shard = self.shards[i]
             fields = self._fields(version=basis.versions[i], seq=self._seq, epoch=basis.epoch)
             if shard.shared and shard.buffers is not None:
+                slot = "outbox" if copy else "grads"
                 if copy:
                     np.copyto(shard.buffers.outbox, shard.grads)
-                fields["shm"] = "outbox" if copy else "grads"
+                if shard.knocks:
+                    rid = self.endpoint.new_rid()
+                    if shard.buffers.knock(rid, basis.versions[i], self._seq, basis.epoch, slot):
+                        knocked[i] = rid
+                        continue
+                fields["shm"] = slot
                 messages[i] = Message("push_pull", fields)
             else:
                 messages[i] = Message("push_pull", fields, [shard.grads], stable=not copy, volatile=copy)
-        return self.endpoint.start_many(messages)
+        pending = self.endpoint.start_many(messages)
+        pending.expected.update(knocked)
+        return pending
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
         """Wait for every shard's reply and take in the fresh parameters.

@@ -27,11 +27,20 @@ reply's few fields (version, done, outcome, slowest) go in the header.
 Errors, refusals and everything but the parameters still come as ZeroMQ
 messages, which the worker polls together with its doorbells.
 
-Layout: a 64-byte header (token; the request id before and after the ps's
-last write: a torn read is detected, never used; the reply's fields),
-then three float32 regions of the shard's size: the gradient the backend
-writes into, an outbox (a copy sent while the next gradient is computed
-into the first region), and the parameters the ps writes.
+The push knocks the same way: the worker writes its request's few fields
+(version, sequence number, epoch, which region holds the gradient) into
+the header and writes one byte into a second pipe, whose read end the ps
+opened at attach and polls with its socket. The ps handles it as the
+``push_pull`` message it stands for, from the session that attached, so
+every check a message gets, a knock gets. Everything else a worker asks
+still goes as a ZeroMQ message.
+
+Layout: a 128-byte header (token; the reply's request id before and after
+the ps's last write: a torn read is detected, never used; the reply's
+fields; the same for the request the worker knocked for), then three
+float32 regions of the shard's size: the gradient the backend writes
+into, an outbox (a copy sent while the next gradient is computed into the
+first region), and the parameters the ps writes.
 """
 
 from __future__ import annotations
@@ -51,10 +60,12 @@ import numpy as np
 from psdk.errors import ProtocolError, PsdkError
 from psdk.wire import Message
 
-HEADER_BYTES = 64
+HEADER_BYTES = 128
 TOKEN_BYTES = 16
 _SEQ_OFFSET = 16  # two uint64: request id before and after the ps writes the parameters
 _REPLY_OFFSET = 32  # four int64: version, done, outcome (index in OUTCOMES), slowest (-1: none)
+_KNOCK_SEQ_OFFSET = 64  # two uint64: request id before and after the worker writes a knocked request
+_KNOCK_OFFSET = 80  # four int64: version, seq, epoch, slot (index in SLOTS)
 OUTCOMES = ("applied", "dropped", "done", "parked")
 """The outcomes a reply through the doorbell can carry (any other goes as a ZeroMQ message)."""
 SLOTS = ("grads", "outbox")
@@ -78,12 +89,14 @@ def total_bytes(size: int) -> int:
 
 
 class _Views:
-    """Numpy views of one memory file: request ids, the reply's fields, and the three regions."""
+    """Numpy views of one memory file: request ids, the reply's and request's fields, the three regions."""
 
     def __init__(self, buffer: mmap.mmap, size: int):
         region = _region_bytes(size)
         self.seq = np.frombuffer(buffer, np.uint64, 2, offset=_SEQ_OFFSET)
         self.reply = np.frombuffer(buffer, np.int64, 4, offset=_REPLY_OFFSET)
+        self.knock_seq = np.frombuffer(buffer, np.uint64, 2, offset=_KNOCK_SEQ_OFFSET)
+        self.knock = np.frombuffer(buffer, np.int64, 4, offset=_KNOCK_OFFSET)
         self.grads, self.outbox, self.params = (
             np.frombuffer(buffer, np.float32, size, offset=HEADER_BYTES + i * region) for i in range(3)
         )
@@ -94,6 +107,7 @@ class WorkerBuffers:
 
     def __init__(self, size: int):
         self.size = size
+        self.bell = self._bell_write = self._knock_read = self._knock_write = -1
         self.fd = os.memfd_create("psdk-shard", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, total_bytes(size))
@@ -101,8 +115,9 @@ class WorkerBuffers:
             self._map = mmap.mmap(self.fd, total_bytes(size))
             self.bell, self._bell_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             """The doorbell's read end: readable when the ps has written a reply (poll it with the sockets)."""
+            self._knock_read, self._knock_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._map[:TOKEN_BYTES] = self.token
@@ -112,12 +127,33 @@ class WorkerBuffers:
     def offer(self, bell: bool = True) -> dict[str, Any]:
         """What the ps needs to map these buffers (sent over the authenticated connection).
 
-        ``bell``: the worker listens to its doorbell (else the ps replies in messages).
+        ``bell``: the worker listens to its doorbell and may knock for its
+        pushes (else both go as messages).
         """
         offer = {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "bytes": total_bytes(self.size)}
         if bell:
-            offer["bell"] = self._bell_write
+            offer["bell"], offer["knock"] = self._bell_write, self._knock_read
         return offer
+
+    def knock(self, rid: int, version: int, seq: int, epoch: int, slot: str) -> bool:
+        """Ask for a push-and-pull of the gradient in ``slot`` by knocking, not by message.
+
+        The fields go between the two writes of the request id, so a ps
+        reading while they change (a knock after an abandoned request) sees
+        a torn request and waits for the knock that follows. ``False`` when
+        the knock could not be made (the request has to go as a message).
+        """
+        fields = self._views.knock
+        self._views.knock_seq[0] = rid
+        fields[:] = (version, seq, epoch, SLOTS.index(slot))
+        self._views.knock_seq[1] = rid
+        try:
+            os.write(self._knock_write, b"\x01")
+        except BlockingIOError:
+            pass  # a full pipe: the ps has knocks it has not read yet, and reads this request with them
+        except OSError:
+            return False
+        return True
 
     def take_reply(self) -> Message | None:
         """The reply the doorbell announced, built from the header; ``None`` if there is none to read.
@@ -153,11 +189,11 @@ class WorkerBuffers:
 
     def close(self) -> None:
         """Give up the file descriptors; the mapping goes when the last array viewing it does."""
-        for fd in (self.fd, self.bell, self._bell_write):
+        for fd in (self.fd, self.bell, self._bell_write, self._knock_read, self._knock_write):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.fd = self.bell = self._bell_write = -1
+        self.fd = self.bell = self._bell_write = self._knock_read = self._knock_write = -1
 
 
 def _int_field(fields: dict[str, Any], key: str) -> int:
@@ -200,19 +236,51 @@ class AttachedBuffers:
         self._slots = dict(zip(SLOTS, (views.grads, views.outbox), strict=True))
         self.session = b""
         """The connection that offered it: parameters are only written for requests from there."""
-        self.bell = self._open_bell(pid, fields.get("bell"))
+        self._knock_seq, self._knock = views.knock_seq, views.knock
+        self.bell = self._open_pipe(pid, fields.get("bell"), os.O_WRONLY)
         """The doorbell's write end, or -1: the worker then gets its replies as ZeroMQ messages."""
+        self.knock = self._open_pipe(pid, fields.get("knock"), os.O_RDONLY) if self.bell >= 0 else -1
+        """The read end of the pipe the worker knocks on for a push, or -1: it pushes in messages."""
+        self.hung_up = False
+        """The knock pipe has no writer left: the worker's process is gone."""
+        self._last_knock = 0
 
     @staticmethod
-    def _open_bell(pid: int, fd: Any) -> int:
-        """Only a pipe is ever written to (a worker pointing at some other file gets no doorbell)."""
+    def _open_pipe(pid: int, fd: Any, flags: int) -> int:
+        """Only a pipe is ever written to or read (a worker pointing at some other file gets no doorbell)."""
         if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
             return -1
         try:
-            handle = _open_checked(pid, fd, os.O_WRONLY, lambda found: stat.S_ISFIFO(found.st_mode))
+            handle = _open_checked(pid, fd, flags, lambda found: stat.S_ISFIFO(found.st_mode))
         except ProtocolError:
             return -1
         return -1 if handle is None else handle
+
+    def take_knock(self) -> tuple[int, dict[str, Any]] | None:
+        """The request id and fields of the push the worker knocked for; ``None`` if there is none new.
+
+        Drains the pipe first (one wake-up per knock). A request read while
+        the worker rewrote it is skipped (its own knock follows), and so is
+        one already taken (two knocks read apart for one request). End of
+        file means the worker's process is gone: :attr:`hung_up`.
+        """
+        try:
+            while True:
+                if not os.read(self.knock, 4096):
+                    self.hung_up = True
+                    return None
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.hung_up = True
+            return None
+        rid = int(self._knock_seq[1])
+        version, seq, epoch, slot = (int(v) for v in self._knock)
+        if rid <= self._last_knock or int(self._knock_seq[0]) != rid:
+            return None
+        self._last_knock = rid
+        named = SLOTS[slot] if 0 <= slot < len(SLOTS) else slot  # an unknown slot is refused as in a message
+        return rid, {"version": version, "seq": seq, "epoch": epoch, "shm": named}
 
     def gradient(self, slot: Any) -> np.ndarray:
         """The pushed gradient, read in place: the worker leaves it alone until it has the reply."""
@@ -254,11 +322,12 @@ class AttachedBuffers:
         return True
 
     def close(self) -> None:
-        """Close the doorbell; the mapping goes when the last array viewing it does."""
-        if self.bell >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.bell)
-            self.bell = -1
+        """Close both pipes; the mapping goes when the last array viewing it does."""
+        for fd in (self.bell, self.knock):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.bell = self.knock = -1
 
 
 def _open_checked(pid: int, fd: int, flags: int, accept: Callable[[os.stat_result], bool]) -> int | None:

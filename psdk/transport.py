@@ -41,10 +41,23 @@ class ServerEndpoint(ABC):
     address: str
     shares_memory: bool = False
     """Whether workers on this host may offer their buffers as shared memory (see :mod:`psdk.shm`)."""
+    knocks: bool = False
+    """Whether :meth:`receive` can also wake on a worker's knock (:meth:`listen`) as well as on messages."""
 
     @abstractmethod
     def receive(self, timeout_s: float) -> Incoming | None:
         """The next request, or ``None`` when nothing came within ``timeout_s``."""
+
+    def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
+        """Wake :meth:`receive` when ``fd`` is readable, with ``take()`` as the request that came.
+
+        Only on endpoints with :attr:`knocks`: a worker on this host knocks
+        for a push instead of sending it (see :mod:`psdk.shm`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot listen for knocks")
+
+    def unlisten(self, fd: int) -> None:  # noqa: B027 - nothing to stop without knocks
+        """Stop waking on ``fd`` (it is about to close)."""
 
     @abstractmethod
     def reply(self, peer: bytes, message: Message) -> bool:

@@ -9,7 +9,9 @@ peer into an error instead of silence; ZeroMQ heartbeats drop dead TCP links.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,7 @@ class ZmqOptions:
     shared_memory: bool = True
     """A worker and a ps on one host exchange arrays through shared memory, headers over ZeroMQ."""
     doorbells: bool = True
-    """With shared memory, a ps answers a push by ringing a pipe, not with a ZeroMQ message (see psdk.shm)."""
+    """With shared memory, a push and its reply ring pipes instead of crossing ZeroMQ (see psdk.shm)."""
 
 
 def endpoint(address: str) -> str:
@@ -147,14 +149,46 @@ class ZmqServer(ServerEndpoint):
             raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.shares_memory = options.shared_memory and shm.available()
+        self.knocks = self.shares_memory and options.doorbells
         self._reuse = FrameReuse()
         self._receiver = TimedReceiver(self.sock)
         self._failures = RateLimitedLog(log)
+        self._knockers: dict[int, Callable[[], Incoming | None]] = {}
+        self._poller: zmq.Poller | None = None  # only while someone may knock: else a plain timed receive
+        self._ready: deque[Incoming] = deque()
+
+    def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+        self.unlisten(fd)
+        self._knockers[fd] = take
+        self._poller.register(fd, zmq.POLLIN)
+
+    def unlisten(self, fd: int) -> None:
+        if self._knockers.pop(fd, None) is not None and self._poller is not None:
+            self._poller.unregister(fd)
+            if not self._knockers:
+                self._poller = None
 
     def receive(self, timeout_s: float) -> Incoming | None:
-        frames = self._receiver.receive(timeout_s)
-        if frames is None:
-            return None
+        if self._ready:
+            return self._ready.popleft()
+        if self._poller is None:
+            frames = self._receiver.receive(timeout_s)
+            return None if frames is None else self._incoming(frames)
+        for item, _ in self._poller.poll(max(0, int(timeout_s * 1000))):
+            if isinstance(item, int):  # a knock (or its writer hung up: take() lets it go)
+                take = self._knockers.get(item)
+                knocked = take() if take is not None else None
+                if knocked is not None:
+                    self._ready.append(knocked)
+                continue
+            with contextlib.suppress(zmq.Again):  # one message: the next receive polls again
+                self._ready.append(self._incoming(self.sock.recv_multipart(zmq.NOBLOCK, copy=False)))
+        return self._ready.popleft() if self._ready else None
+
+    def _incoming(self, frames: list[Any]) -> Incoming:
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
         user = body[0].get("User-Id") if self.secure and body else None
@@ -176,6 +210,8 @@ class ZmqServer(ServerEndpoint):
         return True
 
     def close(self) -> None:
+        self._knockers.clear()
+        self._poller = None
         self.sock.close(linger=0)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -117,8 +118,17 @@ def ps_over_tcp(shared_memory: bool) -> Iterator[tuple[ParameterServer, str]]:
         yield ps.servers[0], ps.addresses[0]
 
 
-def _train(address: str, shared_memory: bool, copy: bool, doorbells: bool = True) -> tuple[np.ndarray, bool]:
-    """Ten SGD steps of made-up gradients from one worker; the final parameters, and whether memory was shared."""
+def _train(
+    address: str,
+    shared_memory: bool,
+    copy: bool,
+    doorbells: bool = True,
+    before_close: Callable[[], None] | None = None,
+) -> tuple[np.ndarray, bool]:
+    """Ten SGD steps of made-up gradients from one worker; the final parameters, and whether memory was shared.
+
+    ``before_close`` looks at the ps while the worker is still there (its buffers go when it closes).
+    """
     transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory, doorbells=doorbells))
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
     try:
@@ -131,6 +141,8 @@ def _train(address: str, shared_memory: bool, copy: bool, doorbells: bool = True
             client.grads["w"][...] = rng.standard_normal(SIZE).astype(np.float32)
             done = client.finish_push_pull(client.start_push_pull(copy=copy)).done
         client.pull()
+        if before_close is not None:
+            before_close()
         return client.params["w"].copy(), shared
     finally:
         client.close()
@@ -139,9 +151,17 @@ def _train(address: str, shared_memory: bool, copy: bool, doorbells: bool = True
 
 @pytest.mark.parametrize("copy", [False, True], ids=["in-place", "outbox"])
 def test_training_through_shared_memory_matches_training_through_frames(copy: bool) -> None:
+    def knocked_and_rung() -> None:
+        attached = server._shared[0]
+        assert attached.bell >= 0 and attached.knock >= 0 and attached._last_knock > 0
+
     with ps_over_tcp(shared_memory=True) as (server, address):
-        shared_params, shared = _train(address, shared_memory=True, copy=copy)
-        assert shared and 0 in server._shared and server._shared[0].bell >= 0  # replies rang its doorbell
+        shared_params, shared = _train(address, shared_memory=True, copy=copy, before_close=knocked_and_rung)
+        assert shared
+        deadline = time.monotonic() + 10  # the closed worker's knock pipe hung up: the ps lets its memory go
+        while server._shared and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server._shared
     with ps_over_tcp(shared_memory=True) as (server, address):
         framed_params, framed_shared = _train(address, shared_memory=False, copy=copy)
         assert not framed_shared and not server._shared
@@ -150,9 +170,12 @@ def test_training_through_shared_memory_matches_training_through_frames(copy: bo
 
 
 def test_without_doorbells_the_parameters_still_come_through_shared_memory() -> None:
+    def no_pipes() -> None:  # pushes and replies were header-only ZeroMQ messages
+        assert server._shared[0].bell == -1 and server._shared[0].knock == -1
+
     with ps_over_tcp(shared_memory=True) as (server, address):
-        params, shared = _train(address, shared_memory=True, copy=False, doorbells=False)
-        assert shared and server._shared[0].bell == -1  # replies were header-only ZeroMQ messages
+        params, shared = _train(address, shared_memory=True, copy=False, doorbells=False, before_close=no_pipes)
+        assert shared
     with ps_over_tcp(shared_memory=True) as (server, address):
         rung, _ = _train(address, shared_memory=True, copy=False)
     np.testing.assert_array_equal(params, rung)
@@ -172,9 +195,17 @@ class CapturingEndpoint(ServerEndpoint):
 
     address = "capture"
     shares_memory = True
+    knocks = True
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, Message]] = []
+        self.listening: dict[int, Callable[[], Incoming | None]] = {}
+
+    def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
+        self.listening[fd] = take
+
+    def unlisten(self, fd: int) -> None:
+        self.listening.pop(fd, None)
 
     def receive(self, timeout_s: float) -> Incoming | None:
         return None
@@ -279,4 +310,55 @@ def test_a_worker_that_pushes_in_frames_is_answered_in_frames_not_through_its_do
     reply = endpoint.sent[-1][1]
     assert reply.op == "params" and reply.rid == 3 and len(reply.arrays) == 1 and not reply.fields.get("shm")
     assert not server._shared and worker.take_reply() is None
+    worker.close()
+
+
+def test_a_knock_is_handled_as_the_push_it_stands_for() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    server, endpoint = _attached_ps(worker.offer())
+    assert endpoint.sent[-1][1].fields == {"bell": True, "knock": True}
+    ((knock_fd, take),) = endpoint.listening.items()
+    assert take() is None  # nobody knocked yet
+    worker.grads[...] = 1.0
+    assert worker.knock(3, version=0, seq=1, epoch=0, slot="grads")
+    incoming = take()
+    assert incoming is not None and incoming.peer == b"w"  # the session that attached
+    assert incoming.message is not None and incoming.message.rid == 3 and incoming.message.op == "push_pull"
+    assert incoming.message.fields == {"worker": 0, "version": 0, "seq": 1, "epoch": 0, "shm": "grads"}
+    sent = len(endpoint.sent)
+    server.handle(incoming)
+    assert len(endpoint.sent) == sent and server.store.version == 1  # applied, answered by the doorbell
+    reply = worker.take_reply()
+    assert reply is not None and reply.rid == 3 and reply.fields["outcome"] == "applied"
+    into = np.zeros(SIZE, np.float32)
+    worker.read_params(into, rid=3)
+    np.testing.assert_allclose(into, 0.9)
+    os.write(worker._knock_write, b"\x01")  # a second knock for request 3 is not a second push
+    assert take() is None
+    worker.close()  # the worker's knock pipe hangs up: the ps lets its memory go
+    assert take() is None and not server._shared and knock_fd not in endpoint.listening
+
+
+def test_a_torn_or_bad_knock_is_not_applied() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    server, endpoint = _attached_ps(worker.offer())
+    (take,) = endpoint.listening.values()
+    worker.knock(3, version=0, seq=1, epoch=0, slot="grads")
+    worker._views.knock_seq[0] = 4  # the worker began writing request 4
+    assert take() is None
+    worker.knock(4, version=0, seq=2, epoch=0, slot="grads")
+    worker._views.knock[3] = 7  # no such slot
+    incoming = take()
+    assert incoming is not None
+    server.handle(incoming)
+    error = endpoint.sent[-1][1]
+    assert error.op == "error" and error.rid == 4 and "unknown shared-memory slot 7" in error.fields["error"]
+    assert server.store.version == 0
+    worker.close()
+
+
+def test_without_doorbells_a_ps_does_not_listen_for_knocks() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    _, endpoint = _attached_ps(worker.offer(bell=False))
+    assert endpoint.sent[-1][1].fields == {"bell": False, "knock": False} and not endpoint.listening
     worker.close()

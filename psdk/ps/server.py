@@ -487,11 +487,28 @@ class ParameterServer:
             return
         shared.session = peer.removesuffix(HEARTBEAT_SUFFIX)
         self._shared[worker] = shared
-        self._send(peer, message.rid, "attached", {"bell": shared.bell >= 0}, [])
+        knock = shared.knock >= 0 and self.endpoint.knocks
+        if knock:
+            self.endpoint.listen(shared.knock, lambda: self._knocked(worker, shared))
+        self._send(peer, message.rid, "attached", {"bell": shared.bell >= 0, "knock": knock}, [])
+
+    def _knocked(self, worker: int, shared: AttachedBuffers) -> Incoming | None:
+        """A knock, as the ``push_pull`` message it stands for, from the session that attached."""
+        taken = shared.take_knock()
+        if shared.hung_up:  # the worker closed its buffers or is gone (membership notices that on its own)
+            if self._shared.get(worker) is shared:
+                self._let_go(worker)
+            return None
+        if taken is None:
+            return None
+        rid, fields = taken
+        return Incoming(shared.session, Message("push_pull", {"worker": worker, **fields}, [], rid))
 
     def _let_go(self, worker: int) -> None:
         shared = self._shared.pop(worker, None)
         if shared is not None:
+            if shared.knock >= 0:
+                self.endpoint.unlisten(shared.knock)
             shared.close()
 
     def _on_push_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
