@@ -390,6 +390,8 @@ class ParameterClient:
             if shard.shared and bell and reply.fields.get("bell") and shard.buffers is not None:
                 self.endpoint.ring_on(index, shard.buffers.bell, shard.buffers.take_reply)
                 shard.knocks = bool(reply.fields.get("knock"))
+                if shard.knocks:
+                    shard.buffers.knocks_heard()
             if not shard.shared:
                 log.info(
                     "worker %d: %s does not share memory (%s); arrays go over ZeroMQ",

@@ -33,11 +33,15 @@ the header and writes one byte into a second pipe, whose read end the ps
 opened at attach and polls with its socket. The ps handles it as the
 ``push_pull`` message it stands for, from the session that attached, so
 every check a message gets, a knock gets. Everything else a worker asks
-still goes as a ZeroMQ message.
+still goes as a ZeroMQ message. Once the ps has opened it, the worker
+closes its own read end: a ps that lets go (or dies) breaks the pipe,
+and the worker's next push goes as a message rather than into the void.
 
 Layout: a 128-byte header (token; the reply's request id before and after
 the ps's last write: a torn read is detected, never used; the reply's
-fields; the same for the request the worker knocked for), then three
+fields; the same for the request the worker knocked for; the torn-read
+check relies on stores becoming visible in order, as on x86: elsewhere
+only the pipes' system calls order them), then three
 float32 regions of the shard's size: the gradient the backend writes
 into, an outbox (a copy sent while the next gradient is computed into the
 first region), and the parameters the ps writes.
@@ -115,7 +119,6 @@ class WorkerBuffers:
             self._map = mmap.mmap(self.fd, total_bytes(size))
             self.bell, self._bell_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             """The doorbell's read end: readable when the ps has written a reply (poll it with the sockets)."""
-            self._knock_read, self._knock_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except BaseException:
             self.close()
             raise
@@ -128,12 +131,29 @@ class WorkerBuffers:
         """What the ps needs to map these buffers (sent over the authenticated connection).
 
         ``bell``: the worker listens to its doorbell and may knock for its
-        pushes (else both go as messages).
+        pushes (else both go as messages). Each offer has a knock pipe of
+        its own, whose read end only the ps that took the offer keeps (see
+        :meth:`knocks_heard`).
         """
         offer = {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "bytes": total_bytes(self.size)}
         if bell:
+            self._close_knock_pipe()
+            self._knock_read, self._knock_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             offer["bell"], offer["knock"] = self._bell_write, self._knock_read
         return offer
+
+    def knocks_heard(self) -> None:
+        """The ps opened the knock pipe: close this side's read end.
+
+        From then on the ps holds the only reader, so a ps that lets this
+        worker's memory go, or dies, breaks the pipe: the next knock fails
+        and the push goes as a message (answered, or refused, at once)
+        instead of waiting in a pipe nobody reads.
+        """
+        if self._knock_read >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._knock_read)
+            self._knock_read = -1
 
     def knock(self, rid: int, version: int, seq: int, epoch: int, slot: str) -> bool:
         """Ask for a push-and-pull of the gradient in ``slot`` by knocking, not by message.
@@ -147,11 +167,13 @@ class WorkerBuffers:
         self._views.knock_seq[0] = rid
         fields[:] = (version, seq, epoch, SLOTS.index(slot))
         self._views.knock_seq[1] = rid
+        if self._knock_write < 0:
+            return False
         try:
             os.write(self._knock_write, b"\x01")
         except BlockingIOError:
             pass  # a full pipe: the ps has knocks it has not read yet, and reads this request with them
-        except OSError:
+        except OSError:  # EPIPE: no ps reads it any more
             return False
         return True
 
@@ -187,13 +209,21 @@ class WorkerBuffers:
         if int(self._seq[0]) != rid:
             raise PsdkError("the ps overwrote the parameters in shared memory while they were read")
 
-    def close(self) -> None:
-        """Give up the file descriptors; the mapping goes when the last array viewing it does."""
-        for fd in (self.fd, self.bell, self._bell_write, self._knock_read, self._knock_write):
+    def _close_knock_pipe(self) -> None:
+        for fd in (self._knock_read, self._knock_write):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.fd = self.bell = self._bell_write = self._knock_read = self._knock_write = -1
+        self._knock_read = self._knock_write = -1
+
+    def close(self) -> None:
+        """Give up the file descriptors; the mapping goes when the last array viewing it does."""
+        self._close_knock_pipe()
+        for fd in (self.fd, self.bell, self._bell_write):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fd = self.bell = self._bell_write = -1
 
 
 def _int_field(fields: dict[str, Any], key: str) -> int:
@@ -206,7 +236,7 @@ def _int_field(fields: dict[str, Any], key: str) -> int:
 class AttachedBuffers:
     """The ps's side: a worker's memfd, mapped, checked, and written into only as a reply."""
 
-    def __init__(self, fields: dict[str, Any], size: int):
+    def __init__(self, fields: dict[str, Any], size: int, pipes: bool = True):
         pid, fd, nbytes = _int_field(fields, "pid"), _int_field(fields, "fd"), _int_field(fields, "bytes")
         try:
             token = bytes.fromhex(str(fields.get("token")))
@@ -237,24 +267,27 @@ class AttachedBuffers:
         self.session = b""
         """The connection that offered it: parameters are only written for requests from there."""
         self._knock_seq, self._knock = views.knock_seq, views.knock
-        self.bell = self._open_pipe(pid, fields.get("bell"), os.O_WRONLY)
+        self.bell = -1
         """The doorbell's write end, or -1: the worker then gets its replies as ZeroMQ messages."""
-        self.knock = self._open_pipe(pid, fields.get("knock"), os.O_RDONLY) if self.bell >= 0 else -1
+        self.knock = -1
         """The read end of the pipe the worker knocks on for a push, or -1: it pushes in messages."""
+        if pipes:
+            self._open_pipes(pid, fields.get("bell"), fields.get("knock"))
         self.hung_up = False
-        """The knock pipe has no writer left: the worker's process is gone."""
-        self._last_knock = 0
+        """The knock pipe has no writer left: the worker closed these buffers, or is gone."""
+        self._last_knock = int(self._knock_seq[1])  # a request an earlier attachment took (or never will)
 
-    @staticmethod
-    def _open_pipe(pid: int, fd: Any, flags: int) -> int:
-        """Only a pipe is ever written to or read (a worker pointing at some other file gets no doorbell)."""
-        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
-            return -1
-        try:
-            handle = _open_checked(pid, fd, flags, lambda found: stat.S_ISFIFO(found.st_mode))
-        except ProtocolError:
-            return -1
-        return -1 if handle is None else handle
+    def _open_pipes(self, pid: int, bell: Any, knock: Any) -> None:
+        """Only the worker's anonymous pipes are written to or read: two different ones, else none."""
+        seen: list[int] = []
+
+        def anonymous_pipe(found: os.stat_result) -> bool:
+            seen.append(found.st_ino)
+            return stat.S_ISFIFO(found.st_mode) and found.st_dev == _pipe_device() and seen.count(found.st_ino) == 1
+
+        self.bell = _open_pipe(pid, bell, os.O_WRONLY, anonymous_pipe)
+        if self.bell >= 0:
+            self.knock = _open_pipe(pid, knock, os.O_RDONLY, anonymous_pipe)
 
     def take_knock(self) -> tuple[int, dict[str, Any]] | None:
         """The request id and fields of the push the worker knocked for; ``None`` if there is none new.
@@ -264,11 +297,10 @@ class AttachedBuffers:
         one already taken (two knocks read apart for one request). End of
         file means the worker's process is gone: :attr:`hung_up`.
         """
-        try:
-            while True:
-                if not os.read(self.knock, 4096):
-                    self.hung_up = True
-                    return None
+        try:  # one read per wake-up: a worker that floods its pipe cannot hold the ps here
+            if not os.read(self.knock, 65536):
+                self.hung_up = True
+                return None
         except BlockingIOError:
             pass
         except OSError:
@@ -328,6 +360,33 @@ class AttachedBuffers:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self.bell = self.knock = -1
+
+
+def _pipe_device() -> int:
+    """The device of anonymous pipes (pipefs): a named FIFO on some file system has another."""
+    global _PIPE_DEVICE
+    if _PIPE_DEVICE is None:
+        read, write = os.pipe()
+        try:
+            _PIPE_DEVICE = os.fstat(read).st_dev
+        finally:
+            os.close(read)
+            os.close(write)
+    return _PIPE_DEVICE
+
+
+_PIPE_DEVICE: int | None = None
+
+
+def _open_pipe(pid: int, fd: Any, flags: int, accept: Callable[[os.stat_result], bool]) -> int:
+    """A worker's pipe opened with ``flags`` if ``accept`` likes it, else -1 (no doorbell, not an error)."""
+    if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+        return -1
+    try:
+        handle = _open_checked(pid, fd, flags, accept)
+    except ProtocolError:
+        return -1
+    return -1 if handle is None else handle
 
 
 def _open_checked(pid: int, fd: int, flags: int, accept: Callable[[os.stat_result], bool]) -> int | None:

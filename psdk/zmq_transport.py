@@ -158,10 +158,10 @@ class ZmqServer(ServerEndpoint):
         self._ready: deque[Incoming] = deque()
 
     def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
+        self.unlisten(fd)
         if self._poller is None:
             self._poller = zmq.Poller()
             self._poller.register(self.sock, zmq.POLLIN)
-        self.unlisten(fd)
         self._knockers[fd] = take
         self._poller.register(fd, zmq.POLLIN)
 

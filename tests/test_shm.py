@@ -16,7 +16,7 @@ from psdk import shm
 from psdk.client import ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import ProtocolError, PsdkError
+from psdk.errors import ProtocolError, PsdkError, RemoteError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer
@@ -45,6 +45,7 @@ def test_the_ps_reads_the_gradient_and_writes_the_parameters_in_the_workers_memo
     into = np.zeros(SIZE, np.float32)
     worker.read_params(into, rid=7)
     np.testing.assert_array_equal(into, np.arange(SIZE, dtype=np.float32))
+    ps.close()
     worker.close()
 
 
@@ -58,6 +59,7 @@ def test_parameters_written_for_another_request_are_never_used() -> None:
     ps._seq[0] = 9  # a write for request 9 began while request 7's parameters were being read
     with pytest.raises(PsdkError, match="overwrote"):
         worker.read_params(into, rid=7)
+    ps.close()
     worker.close()
 
 
@@ -109,6 +111,7 @@ def test_an_unknown_slot_is_refused() -> None:
     ps = shm.AttachedBuffers(worker.offer(), SIZE)
     with pytest.raises(ProtocolError, match="unknown shared-memory slot"):
         ps.gradient("params")
+    ps.close()
     worker.close()
 
 
@@ -301,6 +304,22 @@ def test_a_doorbell_that_is_not_a_pipe_is_never_written() -> None:
     worker.close()
 
 
+def test_only_two_different_anonymous_pipes_are_taken_as_doorbell_and_knock(tmp_path: Any) -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    offer = worker.offer()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    named = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a FIFO some other process might be reading
+    try:
+        for bell, knock in ((named, offer["knock"]), (offer["bell"], named), (offer["bell"], offer["bell"])):
+            ps = shm.AttachedBuffers({**offer, "bell": bell, "knock": knock}, SIZE)
+            assert ps.knock == -1 and (ps.bell == -1 or bell == offer["bell"])
+            ps.close()
+    finally:
+        os.close(named)
+    worker.close()
+
+
 def test_a_worker_that_pushes_in_frames_is_answered_in_frames_not_through_its_doorbell() -> None:
     # E.g. a worker whose offer another shard refused with an error, and that gave up sharing with every shard.
     worker = shm.WorkerBuffers(SIZE)
@@ -362,3 +381,61 @@ def test_without_doorbells_a_ps_does_not_listen_for_knocks() -> None:
     _, endpoint = _attached_ps(worker.offer(bell=False))
     assert endpoint.sent[-1][1].fields == {"bell": False, "knock": False} and not endpoint.listening
     worker.close()
+
+
+def test_after_the_ps_lets_go_a_knock_fails_and_the_push_is_refused_at_once() -> None:
+    """The ps holds the only reader of a knock pipe it heard: closing it breaks the pipe, no push waits in it."""
+    with ps_over_tcp(shared_memory=True) as (_, address):
+        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2))
+        client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
+        try:
+            client.initialize({"w": np.zeros(SIZE, np.float32)}, JobSpec(SyncSpec("async").resolved(1), 10, 1), SGD())
+            assert client.shards[0].knocks
+            client.push_pull()
+            client.finish({})  # the ps lets the worker's memory go
+            started = time.monotonic()
+            with pytest.raises(RemoteError, match="has not offered"):
+                client.push_pull()
+            assert time.monotonic() - started < FAST.request_timeout_s / 2
+        finally:
+            client.close()
+            transport.close()
+
+
+def test_a_knock_an_earlier_attachment_never_read_is_not_replayed() -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    server, endpoint = _attached_ps(worker.offer())
+    worker.knock(5, version=0, seq=1, epoch=0, slot="grads")  # then the ps let go before reading it
+    server.handle(Incoming(b"w", Message("attach", {"worker": 0, **worker.offer()}, rid=6)))
+    (take,) = endpoint.listening.values()
+    assert take() is None and server.store.version == 0
+    worker.knock(7, version=0, seq=2, epoch=0, slot="grads")
+    taken = take()
+    assert taken is not None and taken.message is not None and taken.message.rid == 7
+    worker.close()
+
+
+def test_a_server_listens_to_several_knock_pipes_and_stops_cleanly() -> None:
+    transport = ZmqTransport()
+    server = transport.serve("127.0.0.1:0", "ps 0")
+    pipes = [os.pipe2(os.O_NONBLOCK) for _ in range(2)]
+    try:
+        assert server.knocks
+        for n, (read, _) in enumerate(pipes):
+            server.listen(read, lambda n=n, read=read: os.read(read, 16) and Incoming(b"w%d" % n, None))
+            server.listen(read, lambda n=n, read=read: os.read(read, 16) and Incoming(b"w%d" % n, None))  # again
+        for _, write in pipes:
+            os.write(write, b"\x01")
+        got = [server.receive(1.0), server.receive(1.0)]
+        assert sorted(i.peer for i in got if i is not None) == [b"w0", b"w1"]
+        assert server.receive(0.05) is None
+        for read, _ in pipes:
+            server.unlisten(read)
+        os.write(pipes[0][1], b"\x01")
+        assert server.receive(0.05) is None  # no longer listened to: back to the socket alone
+    finally:
+        server.close()
+        transport.close()
+        for fds in pipes:
+            for fd in fds:
+                os.close(fd)

@@ -480,7 +480,7 @@ class ParameterServer:
         try:
             if not self.endpoint.shares_memory:
                 raise ProtocolError(f"{self.name} does not take shared memory (transport.shared_memory=false)")
-            shared = AttachedBuffers(message.fields, self.store.size)
+            shared = AttachedBuffers(message.fields, self.store.size, pipes=self.endpoint.knocks)
         except Exception as exc:  # not an attack on the store (nor a reason to fail): the worker goes on with frames
             log.info("%s: worker %d stays on ZeroMQ frames: %s", self.name, worker, exc)
             self._send(peer, message.rid, "refused", {"error": str(exc)}, [])
@@ -494,10 +494,18 @@ class ParameterServer:
 
     def _knocked(self, worker: int, shared: AttachedBuffers) -> Incoming | None:
         """A knock, as the ``push_pull`` message it stands for, from the session that attached."""
-        taken = shared.take_knock()
+        try:
+            taken = shared.take_knock()
+        except Exception:  # a bug here must not end the serving loop, which called this outside handle()
+            log.exception("%s: internal error reading worker %d's knock", self.name, worker)
+            shared.hung_up = True
+            taken = None
         if shared.hung_up:  # the worker closed its buffers or is gone (membership notices that on its own)
             if self._shared.get(worker) is shared:
                 self._let_go(worker)
+            else:
+                self.endpoint.unlisten(shared.knock)
+                shared.close()
             return None
         if taken is None:
             return None
