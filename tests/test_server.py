@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +16,7 @@ from psdk.consistency import SyncSpec
 from psdk.errors import PeerTimeoutError, RemoteError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
+from psdk.ps.server import process_usage
 from psdk.wire import Message
 
 from .conftest import PsCluster, running_ps
@@ -325,3 +327,25 @@ def test_membership_is_reported_per_worker(ps_cluster: PsCluster) -> None:
         assert {k: v["status"] for k, v in cs[0].status()["workers"].items()} == {"0": "alive", "1": "alive"}
     finally:
         close_all(cs)
+
+
+def _report_peak_memory(queue: Any) -> None:
+    queue.put(process_usage()["max_rss_mb"])
+
+
+def test_a_spawned_ps_reports_its_own_peak_memory_not_its_parents() -> None:
+    """``ru_maxrss`` survives exec: a ps spawned by a benchmark holding 200 MB reported 200 MB too much."""
+    ballast = np.ones(50_000_000, np.float32)  # 200 MB, touched
+    assert process_usage()["max_rss_mb"] > 200
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_report_peak_memory, args=(queue,), daemon=True)
+    child.start()
+    try:
+        child_peak = queue.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert 10 < child_peak < 150, child_peak
+    del ballast

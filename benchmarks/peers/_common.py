@@ -205,8 +205,10 @@ def rate(count: int, first: float | None, last: float | None) -> float | None:
 
 
 def max_rss_mb() -> float:
-    """Peak RSS of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak RSS of this process: VmHWM, as psdk reports its ps (``ru_maxrss`` survives exec: a spawned
+    process would report its parent's peak)."""
+    found = vmhwm_mb(os.getpid())
+    return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def vmhwm_mb(pid: int) -> float | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,7 +35,9 @@ def _cpu_s() -> float:
 
 
 def _usage() -> dict[str, float]:
-    return {"cpu_s": _cpu_s(), "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    from psdk.ps.server import process_usage
+
+    return process_usage()
 
 
 def _raw_server(size: int, queue: Any) -> None:

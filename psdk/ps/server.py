@@ -11,6 +11,7 @@ the final parameters.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -64,8 +65,21 @@ def _epoch(value: Any) -> int:
 def process_usage() -> dict[str, float]:
     """CPU seconds and peak memory of this process (all its threads), for benchmarks."""
     times = os.times()
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
-    return {"cpu_s": times.user + times.system, "max_rss_mb": peak_kb / 1024.0}
+    return {"cpu_s": times.user + times.system, "max_rss_mb": peak_rss_kb() / 1024.0}
+
+
+def peak_rss_kb() -> int:
+    """This process's peak resident memory since it started its program.
+
+    VmHWM, not ``ru_maxrss``: Linux carries ``ru_maxrss`` across ``exec``,
+    so a process spawned (forked, then exec'd) from a large parent reports
+    the parent's peak, e.g. a benchmark's client still holding its buffers.
+    """
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
 
 
 def _restore_state(data: Any, names: list[str], arrays: list[np.ndarray]) -> RestoreState | None:
@@ -200,6 +214,9 @@ class ParameterServer:
                 incoming = self.endpoint.receive(self.options.poll_s)
                 if incoming is not None:
                     self.handle(incoming)
+                    # Dropped before the next receive: a pushed gradient's frame is freed now, not once the
+                    # next push (allocated by ZeroMQ's I/O thread meanwhile) has arrived: one model less.
+                    incoming = None
                 now = time.monotonic()
                 if now >= self._next_housekeeping:  # not per message: a busy ps has better things to do
                     self._next_housekeeping = now + HOUSEKEEPING_S
