@@ -150,10 +150,8 @@ class WorkerBuffers:
         and the push goes as a message (answered, or refused, at once)
         instead of waiting in a pipe nobody reads.
         """
-        if self._knock_read >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._knock_read)
-            self._knock_read = -1
+        _close(self._knock_read)
+        self._knock_read = -1
 
     def knock(self, rid: int, version: int, seq: int, epoch: int, slot: str) -> bool:
         """Ask for a push-and-pull of the gradient in ``slot`` by knocking, not by message.
@@ -210,19 +208,13 @@ class WorkerBuffers:
             raise PsdkError("the ps overwrote the parameters in shared memory while they were read")
 
     def _close_knock_pipe(self) -> None:
-        for fd in (self._knock_read, self._knock_write):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        _close(self._knock_read, self._knock_write)
         self._knock_read = self._knock_write = -1
 
     def close(self) -> None:
         """Give up the file descriptors; the mapping goes when the last array viewing it does."""
         self._close_knock_pipe()
-        for fd in (self.fd, self.bell, self._bell_write):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        _close(self.fd, self.bell, self._bell_write)
         self.fd = self.bell = self._bell_write = -1
 
 
@@ -355,11 +347,16 @@ class AttachedBuffers:
 
     def close(self) -> None:
         """Close both pipes; the mapping goes when the last array viewing it does."""
-        for fd in (self.bell, self.knock):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        _close(self.bell, self.knock)
         self.bell = self.knock = -1
+
+
+def _close(*fds: int) -> None:
+    """Close whichever of ``fds`` are open (-1: not), whatever state their other ends are in."""
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _pipe_device() -> int:
