@@ -41,6 +41,12 @@ def psdk(*args: str, out: Path | None = None, timeout: float = 120) -> subproces
     )
 
 
+def _interruptible() -> None:
+    """Ctrl-C reaches a job as it does from a terminal, even when the tests run in a background job of a
+    non-interactive shell, which starts with SIGINT ignored (and Python keeps an inherited SIG_IGN)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str, out: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "psdk", *args, f"hydra.run.dir={out}"],
@@ -49,6 +55,7 @@ def start(*args: str, out: Path) -> subprocess.Popen[str]:
         text=True,
         env=env(),
         cwd=REPO,
+        preexec_fn=_interruptible,
     )
 
 
