@@ -161,12 +161,11 @@ class WorkerBuffers:
         a torn request and waits for the knock that follows. ``False`` when
         the knock could not be made (the request has to go as a message).
         """
-        fields = self._views.knock
-        self._views.knock_seq[0] = rid
-        fields[:] = (version, seq, epoch, SLOTS.index(slot))
-        self._views.knock_seq[1] = rid
         if self._knock_write < 0:
             return False
+        self._views.knock_seq[0] = rid
+        self._views.knock[:] = (version, seq, epoch, SLOTS.index(slot))
+        self._views.knock_seq[1] = rid
         try:
             os.write(self._knock_write, b"\x01")
         except BlockingIOError:
@@ -178,16 +177,18 @@ class WorkerBuffers:
     def take_reply(self) -> Message | None:
         """The reply the doorbell announced, built from the header; ``None`` if there is none to read.
 
-        Drains the doorbell first, so one poll wakes once per reply. A reply
-        whose fields were being rewritten (a late answer to an abandoned
-        request) is skipped: its own ring follows.
+        Drains the doorbell first (one read holds every ring a worker can
+        have pending), so one poll wakes once per reply. A reply whose
+        fields were being rewritten (a late answer to an abandoned request)
+        is skipped: its own ring follows.
         """
         with contextlib.suppress(BlockingIOError):
-            while os.read(self.bell, 4096):
-                pass
-        rid = int(self._seq[1])
-        version, done, outcome, slowest = (int(v) for v in self._views.reply)
-        if rid == 0 or int(self._seq[0]) != rid or not 0 <= outcome < len(OUTCOMES):
+            os.read(self.bell, 65536)
+        locked = _read_locked(self._seq, self._views.reply)
+        if locked is None:
+            return None
+        rid, (version, done, outcome, slowest) = locked
+        if not 0 <= outcome < len(OUTCOMES):
             return None
         fields: dict[str, Any] = {"version": version, "done": bool(done), "outcome": OUTCOMES[outcome], "shm": True}
         if slowest >= 0:
@@ -298,10 +299,10 @@ class AttachedBuffers:
         except OSError:
             self.hung_up = True
             return None
-        rid = int(self._knock_seq[1])
-        version, seq, epoch, slot = (int(v) for v in self._knock)
-        if rid <= self._last_knock or int(self._knock_seq[0]) != rid:
+        locked = _read_locked(self._knock_seq, self._knock)
+        if locked is None or locked[0] <= self._last_knock:
             return None
+        rid, (version, seq, epoch, slot) = locked
         self._last_knock = rid
         named = SLOTS[slot] if 0 <= slot < len(SLOTS) else slot  # an unknown slot is refused as in a message
         return rid, {"version": version, "seq": seq, "epoch": epoch, "shm": named}
@@ -349,6 +350,17 @@ class AttachedBuffers:
         """Close both pipes; the mapping goes when the last array viewing it does."""
         _close(self.bell, self.knock)
         self.bell = self.knock = -1
+
+
+def _read_locked(seq: np.ndarray, fields: np.ndarray) -> tuple[int, list[int]] | None:
+    """A request id and the fields written under it, or ``None`` if none is there or it was torn.
+
+    The writer sets ``seq[0]``, then the fields, then ``seq[1]``; reading in
+    the opposite order, a write in progress shows as ``seq[0] != seq[1]``.
+    """
+    rid = int(seq[1])
+    values = [int(v) for v in fields]
+    return (rid, values) if rid and int(seq[0]) == rid else None
 
 
 def _close(*fds: int) -> None:
