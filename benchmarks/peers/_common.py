@@ -77,7 +77,7 @@ def task_argv(args: argparse.Namespace, role: str, index: int, run_dir: Path, po
     argv = [sys.executable, "-u", str(Path(sys.argv[0]).resolve())]
     for name in ("mode", "steps", "batch", "lr", "workers", "data", "seed", "timeout"):
         argv += [f"--{name}", str(getattr(args, name))]
-    for name in ("framework", "tp_transports"):  # script-specific flags
+    for name in ("framework", "tp_transports", "tp_channels"):  # script-specific flags
         if hasattr(args, name):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--role", role, "--task-index", str(index), "--run-dir", str(run_dir)]
