@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from psdk import security
+from psdk.testing import assert_every_worker_contributed
 
 from . import netns
 from .conftest import REPO, free_port
@@ -99,9 +100,8 @@ def test_one_ps_and_two_workers_on_three_hosts_train_mnist(hosts: netns.Lan, tmp
     assert summary["global_step"] == 600 and summary["num_workers"] == 2
     assert summary["test_accuracy"] >= 0.9
     assert summary["test_accuracy"] == pytest.approx(test_accuracy(tmp_path / "w0" / "params.npz"), abs=1e-4)
-    for worker in ("0", "1"):
-        assert summary["workers"][worker]["status"] == "finished"
-        assert summary["workers"][worker]["gradients_applied"] >= 100
+    assert all(summary["workers"][worker]["status"] == "finished" for worker in ("0", "1"))
+    assert_every_worker_contributed(summary, tmp_path / "w0" / "metrics.jsonl", tmp_path / "w1" / "metrics.jsonl")
     assert f"serving at tcp://{ps.address}:{port}" in outputs["ps"] and "CURVE on" in outputs["ps"]
     assert "shut down by the chief at version 600" in outputs["ps"]
     if tf_config:

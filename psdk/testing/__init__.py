@@ -20,13 +20,14 @@ _LAZY = {
     "BackendConformance": "psdk.testing.conformance",
     "running_ps": "psdk.testing.ps",
     "run_job": "psdk.testing.jobs",
+    "assert_every_worker_contributed": "psdk.testing.jobs",
 }
 
-__all__ = ["BackendConformance", "run_job", "running_ps"]
+__all__ = ["BackendConformance", "assert_every_worker_contributed", "run_job", "running_ps"]
 
 if TYPE_CHECKING:
     from psdk.testing.conformance import BackendConformance
-    from psdk.testing.jobs import run_job
+    from psdk.testing.jobs import assert_every_worker_contributed, run_job
     from psdk.testing.ps import running_ps
 
 

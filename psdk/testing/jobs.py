@@ -39,3 +39,33 @@ def run_job(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "summary.json").read_text()), done.stdout
+
+
+def assert_every_worker_contributed(summary: dict[str, Any], *metrics_files: Path) -> None:
+    """Each worker applied at least a quarter of the global steps trained once every worker was training.
+
+    Workers start when their own process is ready, not together: a worker
+    that imports its framework half a second after the chief finds hundreds
+    of steps already done, so its share of the whole run measures start-up,
+    not whether the ps serves workers fairly. The window starts at the
+    highest global step among the workers' first logged points (each
+    worker's ``metrics.jsonl`` records, every ``train.log_every`` local
+    steps), so a worker the ps starves, or one that never trains, still fails.
+    """
+    firsts: dict[str, int] = {}
+    for path in metrics_files:
+        for line in path.read_text().splitlines():
+            point = json.loads(line) if line.strip() else {}
+            task = str(point.get("task", ""))
+            if task.startswith("worker"):
+                index = task.removeprefix("worker")
+                firsts[index] = min(firsts.get(index, point["global_step"]), point["global_step"])
+    workers = summary["workers"]
+    assert set(firsts) == set(workers), f"workers with no logged step: {sorted(set(workers) - set(firsts))}"
+    together = summary["global_step"] - max(firsts.values())
+    for index, state in sorted(workers.items()):
+        applied = state["gradients_applied"]
+        assert applied >= together / 4, (
+            f"worker {index} applied {applied} gradients; {together} global steps were trained after every "
+            f"worker's first logged step (firsts: {firsts})"
+        )
