@@ -118,7 +118,7 @@ def test_plain_progress_lines_during_a_real_run(tmp_path: Path) -> None:
         "train.steps=2000",
         "train.validate_every=200",
         "progress.mode=plain",
-        "progress.every_s=0.5",
+        "progress.every_s=0.1",  # the ps's counters follow (every 0.1 s): the ~1 s job gets lines mid-run
         "report.plot=false",
         *FAST_FLAGS,
         out=tmp_path,
