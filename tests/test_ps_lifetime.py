@@ -95,17 +95,18 @@ def test_a_done_job_whose_chief_went_silent_without_a_shutdown_ends_cleanly() ->
 
 
 def test_a_quiet_chief_that_still_heartbeats_keeps_the_ps() -> None:
-    with serving(idle_timeout_s=0.3) as ps:
+    # 20 heartbeats per idle timeout: a stalled thread on a busy machine does not make the chief look gone.
+    with serving(idle_timeout_s=1.0) as ps:
         chief = ps.chief()
         start_job(chief, steps=100)
         chief.finish({})
         began = time.monotonic()
         # No request for several idle timeouts, but heartbeats keep coming: the ps stays.
-        while time.monotonic() - began < 4 * 0.3:
+        while time.monotonic() - began < 3 * 1.0:
             assert ps.thread.is_alive() and ps.server.exit_code is None
             time.sleep(0.02)
         silent = ps.server.membership.silent_for(0, time.monotonic())
-        assert silent is not None and silent < 0.3
+        assert silent is not None and silent < 1.0
         chief.shutdown()
         chief.close()
         assert ps.wait_exit() == 0

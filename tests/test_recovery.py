@@ -84,8 +84,10 @@ def test_a_lost_ps_is_restored_from_the_last_checkpoint_and_training_goes_on(tmp
                     outcomes.append(result.outcome)
                     step += 1
                     if task == 0 and session.global_step >= next_checkpoint:
-                        session.save_checkpoint(tmp_path)
+                        saved = session.save_checkpoint(tmp_path)
                         next_checkpoint += EVERY
+                        if saved is not None and int(saved.stem.split("-")[1]) >= KILL_AT:
+                            killed.wait(timeout=30)  # the one the test sees is the latest: none half-written
                 session.finish(wait_s=30)
                 results[task] = {
                     "outcomes": outcomes,

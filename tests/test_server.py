@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 from collections.abc import Callable
@@ -229,8 +230,11 @@ def test_workers_wait_for_the_chief_with_a_bounded_wait(ps_cluster: PsCluster) -
         with pytest.raises(PeerTimeoutError) as info:
             c1.wait_initialized()
         assert "chief (worker 0)" in str(info.value) and "ps 0" in str(info.value)
+        # Now a patient wait, parked at the ps (measured, not slept for) when the chief initialises.
+        c1.options = dataclasses.replace(impatient, init_timeout_s=20.0)
+        parked = len(ps_cluster.servers[0]._init_waiters)
         waiting = in_thread(lambda: c1.wait_initialized() or StepResult(0, False, ""))
-        time.sleep(0.1)
+        wait_until(lambda: len(ps_cluster.servers[0]._init_waiters) > parked)
         c0 = ParameterClient(ps_cluster.transport, ps_cluster.cluster(2), 0, FAST)
         try:
             c0.initialize(INIT, JobSpec(SyncSpec().resolved(2), 10, 2), SGD(lr=1.0))
@@ -309,7 +313,7 @@ def test_two_ps_shards_each_hold_their_variables() -> None:
 
 
 def test_unseen_workers_count_as_dead_after_the_startup_timeout() -> None:
-    with running_ps(1, heartbeat_timeout_s=1.0, startup_timeout_s=0.5) as ps:
+    with running_ps(1, heartbeat_timeout_s=1.0, startup_timeout_s=2.0) as ps:
         cs = clients(ps, 1)
         try:
             job = JobSpec(SyncSpec("sync").resolved(2), 10, 2)
