@@ -138,7 +138,8 @@ def test_a_dead_worker_in_async_mode_is_reported_and_the_job_goes_on(tmp_path: P
         *FAST_FLAGS,
         out=tmp_path,
     )
-    output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 100, timeout=90)
+    # At its first logged point (local step 20): a worker 1 that starts a second late still gets there.
+    output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 20, timeout=90)
     assert job.returncode == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 3000
