@@ -14,12 +14,12 @@ import logging
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from psdk.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.config import build
 from psdk.errors import BindError, ConfigError, TransportError
-from psdk.ps.progress import INTERVAL_S, progress_file
+from psdk.ps.progress import progress_file
 from psdk.ps.server import ParameterServer
 from psdk.zmq_transport import ZmqTransport
 
@@ -81,9 +81,8 @@ def run_ps(cfg: DictConfig) -> int:
         if cfg.ps.announce_file:
             announce(Path(cfg.ps.announce_file), endpoint.address)
         server = ParameterServer(endpoint, task, build.server_options(cfg))
-        # Plain progress lines asked for more often than INTERVAL_S would repeat stale counters.
-        every_s = min(INTERVAL_S, max(0.05, float(OmegaConf.select(cfg, "progress.every_s", default=INTERVAL_S))))
-        with progress_file(server, Path(cfg.ps.progress_file) if cfg.ps.progress_file else None, every_s):
+        progress = Path(cfg.ps.progress_file) if cfg.ps.progress_file else None
+        with progress_file(server, progress, float(cfg.progress.every_s)):
             return server.serve()
     finally:
         transport.close()

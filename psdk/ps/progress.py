@@ -22,6 +22,7 @@ from typing import Any
 from psdk.ps.server import ParameterServer
 
 INTERVAL_S = 0.5
+MIN_INTERVAL_S = 0.05
 
 
 def snapshot(server: ParameterServer) -> dict[str, Any]:
@@ -45,11 +46,16 @@ def write(path: Path, data: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def progress_file(server: ParameterServer, path: Path | None, interval_s: float = INTERVAL_S) -> Iterator[None]:
-    """While the block runs, keep ``path`` up to date with the server's counters (nothing if None)."""
+def progress_file(server: ParameterServer, path: Path | None, display_every_s: float = INTERVAL_S) -> Iterator[None]:
+    """While the block runs, keep ``path`` up to date with the server's counters (nothing if None).
+
+    Rewritten every :data:`INTERVAL_S`, or every ``display_every_s`` (``progress.every_s``) when the
+    launcher prints lines more often than that: each line would otherwise repeat stale counters.
+    """
     if path is None:
         yield
         return
+    interval_s = min(INTERVAL_S, max(MIN_INTERVAL_S, display_every_s))
     stop = threading.Event()
 
     def loop() -> None:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from psdk.metrics import read_jsonl
+
 FAST_HEARTBEATS = ("transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5")
 """Heartbeats that notice a lost task in seconds, not the default tens of seconds."""
 
@@ -53,13 +55,10 @@ def assert_every_worker_contributed(summary: dict[str, Any], *metrics_files: Pat
     steps), so a worker the ps starves, or one that never trains, still fails.
     """
     firsts: dict[str, int] = {}
-    for path in metrics_files:
-        for line in path.read_text().splitlines():
-            point = json.loads(line) if line.strip() else {}
-            task = str(point.get("task", ""))
-            if task.startswith("worker"):
-                index = task.removeprefix("worker")
-                firsts[index] = min(firsts.get(index, point["global_step"]), point["global_step"])
+    for point in (p for path in metrics_files for p in read_jsonl(path)):
+        if point["task"].startswith("worker"):
+            index = point["task"].removeprefix("worker")
+            firsts[index] = min(firsts.get(index, point["global_step"]), point["global_step"])
     workers = summary["workers"]
     assert set(firsts) == set(workers), f"workers with no logged step: {sorted(set(workers) - set(firsts))}"
     together = summary["global_step"] - max(firsts.values())
