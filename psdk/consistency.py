@@ -15,7 +15,13 @@
   replicas than workers the rest are backup workers.
 
 A policy decides; the ps server owns the sockets and answers the pushes a
-policy hands back.
+policy hands back. A push's gradient is used once, when it is submitted
+(applied, or added to the round's sum), and let go then: a push parked for
+its answer holds no gradient, so parking costs no model-sized memory. A
+gradient that would make the store (or the round's sum) non-finite raises
+:class:`~psdk.errors.NonFiniteError` from ``submit`` with nothing changed;
+a sync round whose mean cannot be applied is answered "dropped" to every
+push in it, and those pushes are named in :attr:`Decision.refused`.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import ConfigError
+from psdk.errors import ConfigError, NonFiniteError
+from psdk.numerics import all_finite
 from psdk.store import ParameterStore
 
 MODES = ("async", "sync", "ssp")
+USED = np.zeros(0, np.float32)
+"""What a push's gradient becomes once it has been applied or summed: the frame behind it can go."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +89,10 @@ class Outcome(enum.Enum):
     DROPPED = "dropped"
 
 
-@dataclass
+@dataclass(eq=False)
 class Push:
-    """One worker's gradient for one shard, waiting for its answer."""
+    """One worker's gradient for one shard, waiting for its answer (compared by identity: two pushes are
+    never the same push, even with equal fields)."""
 
     peer: bytes
     rid: int
@@ -100,6 +110,8 @@ class Decision:
     answer: list[Push] = field(default_factory=list)
     applied_workers: list[int] = field(default_factory=list)
     updates: int = 0
+    refused: list[Push] = field(default_factory=list)
+    """Pushes of a round whose update would have made the store non-finite (answered "dropped")."""
 
 
 class ConsistencyPolicy(ABC):
@@ -140,8 +152,9 @@ class ConsistencyPolicy(ABC):
 
 class AsyncPolicy(ConsistencyPolicy):
     def submit(self, push: Push) -> Decision:
-        push.staleness = self.store.version - push.version
-        self.store.apply(push.grad)
+        staleness = self.store.version - push.version
+        self.store.apply(push.grad)  # NonFiniteError: refused, nothing changed
+        push.grad, push.staleness = USED, staleness
         push.outcome = Outcome.APPLIED
         self.tick(push.worker)
         return Decision(answer=[push], applied_workers=[push.worker], updates=1)
@@ -185,28 +198,42 @@ class SyncPolicy(ConsistencyPolicy):
         assert spec.replicas_to_aggregate is not None, "resolve the spec first"
         self.replicas = spec.replicas_to_aggregate
         self.accumulator = np.zeros(store.size, np.float32)
+        self._spare = np.zeros(store.size, np.float32)
+        """The sum with the next gradient goes here first, and is swapped in only if it stays finite."""
         self._waiting: list[Push] = []
 
     def submit(self, push: Push) -> Decision:
         version = self.store.version
         if push.version < version:
-            push.outcome = Outcome.DROPPED
+            push.outcome, push.grad = Outcome.DROPPED, USED
             push.staleness = version - push.version
             self.tick(push.worker)
             return Decision(answer=[push])
         if any(p.worker == push.worker for p in self._waiting):
             # A second gradient from one worker for one version is never aggregated.
-            push.outcome = Outcome.DROPPED
+            push.outcome, push.grad = Outcome.DROPPED, USED
             self.tick(push.worker)
             return Decision(answer=[push])
-        self.accumulator += push.grad
+        with np.errstate(over="ignore"):  # an overflow is refused below
+            np.add(self.accumulator, push.grad, out=self._spare)
+        if not all_finite(self._spare):
+            raise NonFiniteError(f"the gradient would make the sum of the round at version {version} overflow")
+        self.accumulator, self._spare = self._spare, self.accumulator
+        push.grad = USED
         self._waiting.append(push)
         if len(self._waiting) < self.replicas:
             return Decision()
         self.accumulator *= np.float32(1.0 / self.replicas)
-        self.store.apply(self.accumulator)
-        self.accumulator.fill(0.0)
         answered, self._waiting = self._waiting, []
+        try:
+            self.store.apply(self.accumulator)
+        except NonFiniteError:  # the mean of finite gradients overflows the parameters: nobody's step counts
+            for p in answered:
+                p.outcome = Outcome.DROPPED
+                self.tick(p.worker)
+            return Decision(answer=answered, refused=answered)
+        finally:
+            self.accumulator.fill(0.0)
         for p in answered:
             p.outcome = Outcome.APPLIED
             self.tick(p.worker)

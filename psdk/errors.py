@@ -122,6 +122,10 @@ class ProtocolError(PsdkError):
     """A message off the wire is malformed; it is rejected, never half-applied."""
 
 
+class NonFiniteError(ProtocolError):
+    """An update would leave the store holding NaN or Inf: refused, and the store is as it was."""
+
+
 class TransportError(PsdkError):
     """A request could not be completed; names the peer it was waiting for."""
 

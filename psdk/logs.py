@@ -39,6 +39,13 @@ class RateLimitedLog:
         self._suppressed = 0
 
     def warning(self, message: str, *args: object) -> None:
+        self._emit(logging.WARNING, message, args, with_traceback=False)
+
+    def exception(self, message: str, *args: object) -> None:
+        """An error with the traceback being handled, as ``Logger.exception`` but within the same limit."""
+        self._emit(logging.ERROR, message, args, with_traceback=True)
+
+    def _emit(self, level: int, message: str, args: tuple[object, ...], with_traceback: bool) -> None:
         now = time.monotonic()
         if now - self._window_start >= self.period_s:
             if self._suppressed:
@@ -46,6 +53,6 @@ class RateLimitedLog:
             self._window_start, self._logged, self._suppressed = now, 0, 0
         if self._logged < self.burst:
             self._logged += 1
-            self.logger.warning(message, *args)
+            self.logger.log(level, message, *args, exc_info=with_traceback)
         else:
             self._suppressed += 1

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from psdk.errors import ConfigError
+from psdk.numerics import all_finite
 
 
 @dataclass
@@ -47,6 +48,10 @@ class UpdateRule(ABC):
     """A server-side optimizer; its fields are its hyper-parameters."""
 
     name: ClassVar[str]
+    changes_state: ClassVar[bool] = True
+    """False only for a rule that changes nothing (the store then skips its finiteness check)."""
+    nonnegative_slots: ClassVar[tuple[str, ...]] = ()
+    """Slots the rule takes a square root of: a negative value there would make NaN."""
     lr: float
     decay_rate: float = 1.0
     decay_steps: int = 1000
@@ -75,6 +80,15 @@ class UpdateRule(ABC):
 
     def scratch_count(self) -> int:
         return 2
+
+    def check_slots(self, slots: dict[str, np.ndarray]) -> str | None:
+        """What makes restored slots unusable (non-finite, or negative where a root is taken); ``None`` if fine."""
+        for name, values in slots.items():
+            if not all_finite(values):
+                return f"slot {name!r} holds NaN or Inf"
+            if name in self.nonnegative_slots and values.size and float(values.min()) < 0.0:
+                return f"slot {name!r} holds negative values ({self.name} takes its square root)"
+        return None
 
     def new_state(self, size: int) -> RuleState:
         slots = {name: np.zeros(size, np.float32) for name in self.slot_names()}
@@ -145,6 +159,7 @@ class Adam(UpdateRule):
     """Adam with L2 decay; see the module docstring for ``epsilon_mode``."""
 
     name: ClassVar[str] = "adam"
+    nonnegative_slots: ClassVar[tuple[str, ...]] = ("v",)
     lr: float = 0.001
     beta1: float = 0.9
     beta2: float = 0.999
@@ -197,6 +212,7 @@ class Adagrad(UpdateRule):
     """Adagrad as torch applies it: ``p -= lr * g / (sqrt(sum g^2) + eps)``."""
 
     name: ClassVar[str] = "adagrad"
+    nonnegative_slots: ClassVar[tuple[str, ...]] = ("sum",)
     lr: float = 0.01
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
@@ -228,6 +244,7 @@ class RMSProp(UpdateRule):
     """RMSprop as torch applies it (``alpha`` is TensorFlow's ``rho``)."""
 
     name: ClassVar[str] = "rmsprop"
+    nonnegative_slots: ClassVar[tuple[str, ...]] = ("square_avg",)
     lr: float = 0.01
     alpha: float = 0.99
     eps: float = 1e-8
@@ -283,6 +300,7 @@ class NoOp(UpdateRule):
     """Counts updates and changes nothing: measures the transport and the ps alone."""
 
     name: ClassVar[str] = "noop"
+    changes_state: ClassVar[bool] = False
     lr: float = 1.0
 
     def slot_names(self) -> tuple[str, ...]:

@@ -5,6 +5,17 @@ as (in, out)) back to back in one flat buffer, so a step's gradient and
 parameters each travel as a single contiguous frame and an update rule runs
 once over the whole shard. The version counts the updates the shard has
 applied; shard 0's version is the job's global step.
+
+The store is finite after every apply, whatever the gradients: finite
+gradients can still overflow (two pushes of 3e38 make -inf), and one
+non-finite value poisons every later step of every worker. So an apply
+runs on the live buffers after a backup of them, and an apply that leaves
+NaN or Inf anywhere (parameters or slots) is undone from the backup and
+refused. The check reads what the apply wrote, so it also holds when the
+gradient is read from a worker's shared memory that the worker rewrites
+during the apply. The backup costs a copy of the state per update;
+variables and slots that arrive with ``initialize`` or ``reset`` are
+checked before they are taken.
 """
 
 from __future__ import annotations
@@ -16,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from psdk.errors import ProtocolError
+from psdk.errors import NonFiniteError, ProtocolError
+from psdk.numerics import all_finite, as_float32
 from psdk.optim import RuleState, UpdateRule
 from psdk.sharding import VarSpec, flat_size, layout, views
 
@@ -67,7 +79,11 @@ class ParameterStore(ABC):
 
     @abstractmethod
     def apply(self, grad: np.ndarray) -> None:
-        """Apply one (already averaged) flat gradient and advance the version."""
+        """Apply one (already averaged) flat gradient and advance the version.
+
+        Raises :class:`~psdk.errors.NonFiniteError`, with the store as it
+        was, when the result would hold NaN or Inf.
+        """
 
     @abstractmethod
     def params(self) -> np.ndarray:
@@ -95,6 +111,28 @@ class RestoreState:
     slots: Mapping[str, Mapping[str, np.ndarray]]
 
 
+def _restore_into(state: RuleState, rule: UpdateRule, specs: list[VarSpec], restore: RestoreState) -> None:
+    """Fill a fresh rule state from a checkpoint's slots, refusing anything the rule could not run from."""
+    expected = set(state.slots)
+    if set(restore.slots) != expected:
+        raise ProtocolError(
+            f"the checkpoint has slots {sorted(restore.slots)} but the update rule keeps "
+            f"{sorted(expected)}; resume with the optimizer that wrote it"
+        )
+    if restore.version < 0 or restore.rule_step < 0:
+        raise ProtocolError("a restored version and rule step must be >= 0")
+    for slot, by_name in restore.slots.items():
+        for name, view in views(state.slots[slot], specs).items():
+            value = by_name.get(name)
+            if value is None or value.shape != view.shape:
+                raise ProtocolError(f"slot {slot!r} of {name!r} is missing or has the wrong shape")
+            view[...] = as_float32(value)
+    problem = rule.check_slots(state.slots)
+    if problem is not None:
+        raise ProtocolError(f"the checkpoint's optimizer state cannot be used: {problem}")
+    state.step = restore.rule_step
+
+
 class FlatStore(ParameterStore):
     """In-memory store over one contiguous float32 buffer."""
 
@@ -106,6 +144,8 @@ class FlatStore(ParameterStore):
         self._initialized = False
         self.rule: UpdateRule | None = None
         self.rule_state = RuleState()
+        self._backup: list[np.ndarray] = []
+        """The parameters and each slot as they were before the apply in progress (see the module docstring)."""
 
     @property
     def initialized(self) -> bool:
@@ -134,46 +174,34 @@ class FlatStore(ParameterStore):
         for name, value in variables.items():
             if not np.issubdtype(value.dtype, np.floating):
                 raise ProtocolError(f"variable {name!r} has dtype {value.dtype}, not floating point")
-            if not np.all(np.isfinite(value)):
-                raise ProtocolError(f"variable {name!r} holds NaN or Inf")
-        self._specs = layout([(name, tuple(v.shape)) for name, v in variables.items()])
-        self._flat = np.empty(flat_size(self._specs), np.float32)
-        for name, view in views(self._flat, self._specs).items():
-            view[...] = variables[name]
-        self.rule = rule
-        self.rule_state = rule.new_state(self._flat.size)
+            if not all_finite(as_float32(value)):
+                raise ProtocolError(f"variable {name!r} holds NaN or Inf (or a value beyond float32)")
+        specs = layout([(name, tuple(v.shape)) for name, v in variables.items()])
+        flat = np.empty(flat_size(specs), np.float32)
+        for name, view in views(flat, specs).items():
+            view[...] = as_float32(variables[name])
+        state = rule.new_state(flat.size)
         if restore is not None:
-            self._restore(restore)
+            _restore_into(state, rule, specs, restore)
+        self._specs, self._flat, self.rule, self.rule_state = specs, flat, rule, state
+        self._version = restore.version if restore is not None else 0
+        self._backup = [np.empty_like(flat) for _ in range(1 + len(state.slots))] if rule.changes_state else []
         self._initialized = True
-
-    def _restore(self, restore: RestoreState) -> None:
-        expected = set(self.rule_state.slots)
-        if set(restore.slots) != expected:
-            raise ProtocolError(
-                f"the checkpoint has slots {sorted(restore.slots)} but the update rule keeps "
-                f"{sorted(expected)}; resume with the optimizer that wrote it"
-            )
-        for slot, by_name in restore.slots.items():
-            for name, view in views(self.rule_state.slots[slot], self._specs).items():
-                value = by_name.get(name)
-                if value is None or value.shape != view.shape:
-                    raise ProtocolError(f"slot {slot!r} of {name!r} is missing or has the wrong shape")
-                view[...] = value
-        if restore.version < 0 or restore.rule_step < 0:
-            raise ProtocolError("a restored version and rule step must be >= 0")
-        self._version = restore.version
-        self.rule_state.step = restore.rule_step
 
     def reset(self, variables: Mapping[str, np.ndarray], restore: RestoreState) -> None:
         if not self._initialized:
             raise ProtocolError("only an initialised store can be rolled back")
+        assert self.rule is not None
         for name, view in views(self._flat, self._specs).items():
             value = variables.get(name)
-            if value is None or value.shape != view.shape or not np.all(np.isfinite(value)):
+            if value is None or value.shape != view.shape or not all_finite(as_float32(value)):
                 raise ProtocolError(f"variable {name!r} is missing, has the wrong shape or is not finite")
+        state = self.rule.new_state(self._flat.size)
+        _restore_into(state, self.rule, self._specs, restore)  # checked whole before anything changes
         for name, view in views(self._flat, self._specs).items():
-            view[...] = variables[name]
-        self._restore(restore)
+            view[...] = as_float32(variables[name])
+        self.rule_state = state
+        self._version = restore.version
 
     def slots(self) -> dict[str, np.ndarray]:
         return dict(self.rule_state.slots)
@@ -184,8 +212,25 @@ class FlatStore(ParameterStore):
 
     def apply(self, grad: np.ndarray) -> None:
         assert self.rule is not None, "apply before initialize"
-        self.rule.apply(self._flat, grad, self.rule_state)
-        self._version += 1
+        if not self._backup:  # a rule that changes nothing (noop) cannot make anything non-finite
+            self.rule.apply(self._flat, grad, self.rule_state)
+            self._version += 1
+            return
+        live = [self._flat, *self.rule_state.slots.values()]
+        for saved, buffer in zip(self._backup, live, strict=True):
+            np.copyto(saved, buffer)
+        step = self.rule_state.step
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, not warned about
+            self.rule.apply(self._flat, grad, self.rule_state)
+        if all(all_finite(buffer) for buffer in live):
+            self._version += 1
+            return
+        for saved, buffer in zip(self._backup, live, strict=True):
+            np.copyto(buffer, saved)
+        self.rule_state.step = step
+        raise NonFiniteError(
+            f"the update would leave NaN or Inf in the store at version {self._version}: refused, store unchanged"
+        )
 
     def params(self) -> np.ndarray:
         if self._readonly is None or self._readonly.base is not self._flat:

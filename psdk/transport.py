@@ -63,6 +63,14 @@ class ServerEndpoint(ABC):
     def reply(self, peer: bytes, message: Message) -> bool:
         """Send ``message`` to ``peer``; ``False`` when the peer is gone."""
 
+    def limit_incoming(self, largest_message: int, total: int) -> None:  # noqa: B027 - unbounded peers only
+        """Refuse messages over ``largest_message`` bytes, and hold at most ``total`` bytes for all peers together.
+
+        A ps calls it once it knows its job's sizes; an endpoint whose peers
+        cannot send it anything unbounded (threads of the same process) may
+        ignore it.
+        """
+
     @abstractmethod
     def close(self) -> None:
         """Release the socket at once (linger 0)."""

@@ -5,6 +5,12 @@ request id that matches a reply to its request, plain JSON fields, and the
 dtype and shape of every array frame that follows; :func:`decode` checks all
 of it against the frames before any array is built, and the arrays it builds
 are zero-copy, read-only views of the received buffers.
+
+Decoding is total: whatever bytes arrive, :func:`decode` returns a message
+or raises :class:`MalformedMessage`, never anything else, so a peer cannot
+end a ps by what it sends (nesting deeper than the parser recurses, a shape
+whose product overflows, numbers out of range, bad UTF-8, frames that do not
+match the header).
 """
 
 from __future__ import annotations
@@ -24,9 +30,16 @@ ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i4", "<i8", "|u1", "|i1"})
 MAX_HEADER_BYTES = 1 << 16
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
+MAX_DIM = (1 << 31) - 1
+"""Largest size of one dimension: a zero-element array may not declare dimensions numpy cannot hold."""
+MAX_DEPTH = 16
+"""Deepest nesting of a header's JSON (the deepest a real message has is 4: a finish report's histogram)."""
+MAX_STRING_CHARS = 8192
+MAX_OP_CHARS = 64
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
+"""Every integer in a header fits in 64 bits, as the ps stores versions, steps and ids."""
 # Built once: json.dumps/json.loads rebuild their coder objects and sniff the encoding per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-_DECODER = json.JSONDecoder()
 # A worker's heartbeat socket has its main socket's routing id plus this suffix.
 HEARTBEAT_SUFFIX = b"/hb"
 
@@ -73,14 +86,58 @@ def _buffer(frame: Any) -> memoryview:
     return raw if isinstance(raw, memoryview) else memoryview(raw)
 
 
-def peek_rid(frames: Sequence[Any]) -> int | None:
-    """The request id of a message that failed to decode, if one can be read."""
-    try:
-        header = json.loads(bytes(_buffer(frames[0])))
-        rid = header.get("rid") if isinstance(header, dict) else None
-        return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
-    except (ValueError, IndexError, UnicodeDecodeError, TypeError):
-        return None
+class MalformedMessage(ProtocolError):
+    """A message :func:`decode` refused, with its request id when the header got that far."""
+
+    def __init__(self, problem: str, rid: int | None = None):
+        super().__init__(problem)
+        self.rid = rid
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} overflows a float")
+    return value
+
+
+# NaN, Infinity and numbers that overflow a float are refused while parsing; the rest of the
+# checks (depth, integer range, string length) walk the parsed header once.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+_LENIENT = json.JSONDecoder()  # only to find the rid of a refused message: NaN or 1e999 elsewhere do not hide it
+
+
+def _check_json(value: Any) -> None:
+    """Refuse what no handler expects and some could choke on: deep nesting, huge integers, long strings.
+
+    Iterative, so its own depth costs nothing; a header that nests deeper
+    than the interpreter's recursion limit never gets here (the parser's
+    ``RecursionError`` is a refusal too).
+    """
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        elif isinstance(item, bool) or item is None or isinstance(item, float):
+            continue
+        elif isinstance(item, int):
+            if not INT_MIN <= item <= INT_MAX:
+                raise ProtocolError(f"integer {str(item)[:24]}… is outside the 64-bit range")
+            continue
+        else:  # str (the parser makes nothing else)
+            if len(item) > MAX_STRING_CHARS:
+                raise ProtocolError(f"a string of {len(item)} characters exceeds {MAX_STRING_CHARS}")
+            continue
+        if depth >= MAX_DEPTH:
+            raise ProtocolError(f"the header nests deeper than {MAX_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _parse_array_spec(spec: Any, index: int) -> tuple[np.dtype[Any], tuple[int, ...]]:
@@ -88,16 +145,37 @@ def _parse_array_spec(spec: Any, index: int) -> tuple[np.dtype[Any], tuple[int, 
         raise ProtocolError(f"array spec {index} must be [dtype, shape]")
     code, shape = spec
     if code not in ALLOWED_DTYPES:
-        raise ProtocolError(f"array {index} has dtype {code!r}, not one of {sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(f"array {index} has dtype {str(code)[:16]!r}, not one of {sorted(ALLOWED_DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-        raise ProtocolError(f"array {index} has a bad shape {shape!r}")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ProtocolError(f"array {index} has a bad shape {shape!r}")
+        raise ProtocolError(f"array {index} has a bad shape (a list of at most {MAX_NDIM} sizes is expected)")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape):
+        raise ProtocolError(f"array {index} has a bad shape (each size must be an integer in [0, {MAX_DIM}])")
     return np.dtype(code), tuple(shape)
 
 
 def decode(frames: Sequence[Any]) -> Message:
-    """Parse and check ``frames``; raise :class:`ProtocolError` on anything off."""
+    """Parse and check ``frames``: a :class:`Message`, or :class:`MalformedMessage` whatever they hold."""
+    try:
+        return _decode(frames)
+    except MalformedMessage:
+        raise
+    except ProtocolError as exc:
+        raise MalformedMessage(str(exc), _rid_of(frames)) from None
+    except Exception as exc:
+        raise MalformedMessage(f"undecodable message ({type(exc).__name__})", _rid_of(frames)) from None
+
+
+def _rid_of(frames: Sequence[Any]) -> int | None:
+    """The request id of a refused message, if its header parses to one (so the refusal can be answered)."""
+    try:
+        header = _LENIENT.decode(bytes(_buffer(frames[0])).decode())
+        rid = header.get("rid") if isinstance(header, dict) else None
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) and INT_MIN <= rid <= INT_MAX else None
+    except Exception:
+        return None
+
+
+def _decode(frames: Sequence[Any]) -> Message:
     if not frames:
         raise ProtocolError("empty message")
     head = _buffer(frames[0])
@@ -105,13 +183,18 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = _DECODER.decode(bytes(head).decode())
+    except RecursionError:
+        raise ProtocolError(f"the header nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"header is not JSON: {exc}") from None
+        raise ProtocolError(f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
+    _check_json(header)
     op, rid, fields, specs = header.get("op"), header.get("rid"), header.get("f"), header.get("a")
     if not isinstance(op, str) or not op:
         raise ProtocolError("header has no op")
+    if len(op) > MAX_OP_CHARS:
+        raise ProtocolError(f"op name of {len(op)} characters exceeds {MAX_OP_CHARS}")
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolError("header has no integer rid")
     if not isinstance(fields, dict):
@@ -129,5 +212,8 @@ def decode(frames: Sequence[Any]) -> Message:
             raise ProtocolError(
                 f"array {index} declares {shape} {dtype} ({expected} bytes) but its frame has {buf.nbytes} bytes"
             )
-        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
+        try:
+            arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
+        except ValueError as exc:  # e.g. zero elements in a shape numpy cannot represent
+            raise ProtocolError(f"array {index} cannot have shape {shape}: {exc}") from None
     return Message(op=op, fields=fields, arrays=arrays, rid=rid)

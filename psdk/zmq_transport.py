@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from psdk import shm
+from psdk import shm, zmq_guard
 from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, TransportError
 from psdk.logs import RateLimitedLog
 from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.wire import Message, decode, encode, peek_rid
+from psdk.wire import MalformedMessage, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,11 @@ class ZmqOptions:
 
     io_threads: int = 1
     max_message_bytes: int = 1 << 30
+    """A ps refuses bigger messages; it lowers this to its job's largest once the chief initialised it."""
+    max_connections: int = 1024
+    """A ps shuts down TCP connections beyond this many (each worker makes two per ps)."""
+    queue_messages: int = 64
+    """Messages ZeroMQ queues per peer and direction (its high-water marks); a worker has one or two in flight."""
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     curve: CurveKeys | None = None
@@ -128,6 +133,12 @@ def _apply_common(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(options.heartbeat_timeout_s * 1000))
 
 
+PRE_INIT_SLACK_BYTES = 16 << 20
+"""Before the chief's init, what all connections but the chief's may hold together (requests are small)."""
+FRAMING_SLACK_BYTES = 1 << 20
+"""What a connection may hold beyond the largest message: ZMTP framing, CURVE boxes, a heartbeat or two."""
+
+
 class ZmqServer(ServerEndpoint):
     def __init__(self, context: zmq.Context[Any], bind: str, name: str, options: ZmqOptions):
         self.name = name
@@ -135,6 +146,9 @@ class ZmqServer(ServerEndpoint):
         _apply_common(self.sock, options)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, options.queue_messages)
+        self.sock.setsockopt(zmq.SNDHWM, options.queue_messages)
+        self.max_message_bytes = options.max_message_bytes
         self.secure = options.curve is not None
         if options.curve is not None:
             self.sock.curve_server = True
@@ -148,6 +162,12 @@ class ZmqServer(ServerEndpoint):
                 raise PortInUseError(bind, name) from None
             raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.guard: zmq_guard.ConnectionGuard | None = None
+        if self.address.startswith("tcp://") and zmq_guard.supported():
+            held = self.max_message_bytes + FRAMING_SLACK_BYTES
+            limits = zmq_guard.Limits(held, held + PRE_INIT_SLACK_BYTES, options.max_connections)
+            port = int(self.address.rsplit(":", 1)[1])
+            self.guard = zmq_guard.ConnectionGuard(self.sock, port, name, limits)
         self.shares_memory = options.shared_memory and shm.available()
         self.knocks = self.shares_memory and options.doorbells
         self._reuse = FrameReuse()
@@ -188,14 +208,31 @@ class ZmqServer(ServerEndpoint):
                 self._ready.append(self._incoming(self.sock.recv_multipart(zmq.NOBLOCK, copy=False)))
         return self._ready.popleft() if self._ready else None
 
+    def limit_incoming(self, largest_message: int, total: int) -> None:
+        """From now on, refuse messages over ``largest_message`` bytes and bound what connections hold to ``total``.
+
+        The socket's own limit reaches only connections made after this;
+        the guard applies both to every connection at once.
+        """
+        self.max_message_bytes = largest_message
+        self.sock.setsockopt(zmq.MAXMSGSIZE, largest_message)
+        if self.guard is not None:
+            held, most = largest_message + FRAMING_SLACK_BYTES, self.guard.limits.max_connections
+            self.guard.set_limits(zmq_guard.Limits(held, total + FRAMING_SLACK_BYTES, most))
+
     def _incoming(self, frames: list[Any]) -> Incoming:
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
+        if self.guard is not None and body:
+            self.guard.took(body[0].get(zmq.SRCFD))
         user = body[0].get("User-Id") if self.secure and body else None
+        if nbytes > self.max_message_bytes:
+            too_big = MalformedMessage(f"a message of {nbytes:,} bytes exceeds this job's largest")
+            return Incoming(peer, None, too_big, rid=None, nbytes=nbytes, user=user)
         try:
             return Incoming(peer, decode(body), nbytes=nbytes, user=user)
-        except ProtocolError as exc:
-            return Incoming(peer, None, exc, rid=peek_rid(body), nbytes=nbytes, user=user)
+        except MalformedMessage as exc:
+            return Incoming(peer, None, exc, rid=exc.rid, nbytes=nbytes, user=user)
 
     def reply(self, peer: bytes, message: Message) -> bool:
         try:
@@ -204,14 +241,19 @@ class ZmqServer(ServerEndpoint):
                 send_parts(self.sock, self._reuse.frames(parts), copy=False)
             else:  # volatile: copied inside the send; else a fresh zero-copy frame each
                 send_parts(self.sock, parts, copy=message.volatile)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading (its queue is full)
             self._failures.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
+            return False
+        except ProtocolError as exc:  # a reply that cannot be encoded is a bug here, never the peer's doing
+            self._failures.warning("%s: reply %s could not be encoded: %s", self.name, message.op, exc)
             return False
         return True
 
     def close(self) -> None:
         self._knockers.clear()
         self._poller = None
+        if self.guard is not None:
+            self.guard.stop()
         self.sock.close(linger=0)
 
 

@@ -30,6 +30,7 @@ SUMMARY_KEYS = {
     "global_step",
     "gradients_applied",
     "gradients_dropped",
+    "gradients_refused",
     "global_steps_per_s",
     "wall_s",
     "workers",

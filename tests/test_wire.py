@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from psdk.errors import ProtocolError
-from psdk.wire import Message, decode, encode, peek_rid
+from psdk.wire import MalformedMessage, Message, decode, encode
 
 
 def frames_of(message: Message) -> list[bytes]:
@@ -67,7 +70,7 @@ def header(**overrides: object) -> bytes:
         ([header(a=[["|O", [1]]]), b"12345678"], "dtype"),
         ([header(a=[[">f4", [2]]]), b"12345678"], "dtype"),
         ([header(a=[["<f4", [-2]]]), b"12345678"], "shape"),
-        ([header(a=[["<f4", [1 << 40, 1 << 40]]]), b"1234"], "bytes"),
+        ([header(a=[["<f4", [1 << 30, 1 << 30]]]), b"1234"], "bytes"),
         ([header(a=[["<f4"]]), b"1234"], "[dtype, shape]"),
         ([b"{" + b" " * 70000 + b"}"], "exceeds"),
     ],
@@ -78,6 +81,72 @@ def test_malformed_messages_are_refused(frames: list[bytes], fragment: str) -> N
     assert fragment in str(info.value)
 
 
-def test_peek_rid_reads_the_rid_of_a_broken_message() -> None:
-    assert peek_rid([header(rid=41, a=[["<f4", [9]]])]) == 41
-    assert peek_rid([b"garbage"]) is None
+def test_a_refusal_carries_the_rid_when_the_header_parsed_so_it_can_be_answered() -> None:
+    with pytest.raises(MalformedMessage) as info:
+        decode([header(rid=41, a=[["<f4", [9]]])])
+    assert info.value.rid == 41
+    with pytest.raises(MalformedMessage) as info:
+        decode([b"garbage"])
+    assert info.value.rid is None
+
+
+def nested(depth: int) -> bytes:
+    return b'{"op":"pull","rid":1,"a":[],"f":{"x":' + b"[" * depth + b"]" * depth + b"}}"
+
+
+@pytest.mark.parametrize(
+    "frames, fragment",
+    [
+        # Deeper than the parser recurses (was RecursionError, which ended the ps), under 64 KiB.
+        ([nested(30_000)], "nests deeper"),
+        ([nested(100)], "nests deeper"),
+        # Zero bytes declared, so the byte count matched, then reshape raised ValueError (which ended the ps).
+        ([header(a=[["<f4", [0, 2**70]]]), b""], "64-bit"),
+        ([header(a=[["<f4", [0, 2**62]]]), b""], "bad shape"),
+        ([header(a=[["<f4", [0, 2**31 - 1, 2**31 - 1, 2**31 - 1]]]), b""], "cannot have shape"),
+        ([header(rid=2**64)], "64-bit"),
+        ([header(f={"version": -(2**63) - 1})], "64-bit"),
+        ([b'{"op":"pull","rid":1,"f":{"lr":NaN},"a":[]}'], "not JSON"),
+        ([b'{"op":"pull","rid":1,"f":{"lr":-Infinity},"a":[]}'], "not JSON"),
+        ([b'{"op":"pull","rid":1,"f":{"lr":1e999},"a":[]}'], "not JSON"),
+        ([b'{"op":"pull","rid":1,"f":{"n":' + b"9" * 5000 + b'},"a":[]}'], "not JSON"),
+        ([header(op="x" * 65)], "op name"),
+        ([header(f={"reason": "y" * 9000})], "string"),
+        ([b'{"op":"pull","rid":1,"f":{},"a":[]}\xff'], "not JSON"),
+        ([header(), b"", b""], "declares 0 arrays but 2"),
+    ],
+)
+def test_hostile_headers_are_refused_as_malformed_messages(frames: list[bytes], fragment: str) -> None:
+    with pytest.raises(MalformedMessage) as info:
+        decode(frames)
+    assert fragment in str(info.value)
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.binary(max_size=300), min_size=0, max_size=5))
+def test_any_bytes_at_all_decode_to_a_message_or_a_malformed_message(frames: list[bytes]) -> None:
+    with contextlib.suppress(MalformedMessage):
+        decode(frames)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True, database=None)
+@given(
+    op=JSON,
+    rid=JSON,
+    fields=JSON,
+    specs=st.lists(st.tuples(st.sampled_from(["<f4", "<i8", "|u1", "?", 3]), st.lists(st.integers(), max_size=4))),
+    frames=st.lists(st.binary(max_size=64), max_size=4),
+)
+def test_any_json_header_decodes_to_a_message_or_a_malformed_message(
+    op: object, rid: object, fields: object, specs: list[tuple[object, list[int]]], frames: list[bytes]
+) -> None:
+    head = json.dumps({"op": op, "rid": rid, "f": fields, "a": [list(s) for s in specs]}).encode()
+    with contextlib.suppress(MalformedMessage):
+        decode([head, *frames])

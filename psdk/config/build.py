@@ -147,7 +147,8 @@ def server_options(cfg: DictConfig) -> ServerOptions:
     if idle is not None and float(idle) <= 0:
         raise ConfigError("ps.idle_timeout_s", f"must be a positive number of seconds or null (never), got {idle}")
     workers = plain(cfg.worker_hosts)
-    chief = cluster_from(cfg).worker_host(0) if workers and cfg.ps_hosts is not None else None
+    cluster = cluster_from(cfg) if workers and cfg.ps_hosts is not None else None
+    chief = cluster.worker_host(0) if cluster is not None else None
     return ServerOptions(
         heartbeat_timeout_s=float(cfg.transport.heartbeat_timeout_s),
         startup_timeout_s=float(cfg.transport.startup_timeout_s),
@@ -155,6 +156,7 @@ def server_options(cfg: DictConfig) -> ServerOptions:
         idle_timeout_s=None if idle is None else float(idle),
         chief_host=chief,
         recovery=bool(cfg.recovery.enabled),
+        max_workers=cluster.num_workers if cluster is not None else ServerOptions.max_workers,
     )
 
 

@@ -175,6 +175,7 @@ class PsConfig:
     log_every_s: float = 10.0
     idle_timeout_s: Any = 60.0  # seconds, or null: never
     progress_file: Any = None
+    max_connections: Any = None  # null: 4 per worker + 16
 
 
 @dataclass

@@ -33,6 +33,7 @@ def _worker_entry(
         {
             "gradients_applied": counters.get("applied", 0),
             "gradients_dropped": counters.get("dropped", 0),
+            "gradients_refused": counters.get("refused", 0),
             "staleness_p50": percentile(hist, 0.5),
             "staleness_p99": percentile(hist, 0.99),
             "staleness_histogram": hist,
@@ -77,6 +78,7 @@ def build_summary(
         "global_step": int(head["version"]),
         "gradients_applied": stats["applied"],
         "gradients_dropped": stats["dropped"],
+        "gradients_refused": stats.get("refused", 0),
         "global_steps_per_s": rate,
         "wall_s": wall_s,
         "workers": per_worker,

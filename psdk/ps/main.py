@@ -69,7 +69,19 @@ def run_ps(cfg: DictConfig) -> int:
     io_threads = int(cfg.ps.io_threads or min(max(1, len(workers)), os.cpu_count() or 1))
     cluster = ClusterSpec({"ps": ps_hosts, "worker": workers or ["localhost"]})
     curve = build.server_keys(cfg, cluster)
-    transport = ZmqTransport(dataclasses.replace(build.zmq_options(cfg), io_threads=io_threads, curve=curve))
+    max_connections = cfg.ps.max_connections
+    if max_connections is None:
+        max_connections = 4 * cluster.num_workers + 16
+    elif int(max_connections) < 2 * cluster.num_workers:
+        raise ConfigError(
+            "ps.max_connections",
+            f"is {max_connections} but each of the {cluster.num_workers} workers makes two connections; "
+            f"use ps.max_connections={4 * cluster.num_workers + 16} or null",
+        )
+    options = build.zmq_options(cfg)
+    transport = ZmqTransport(
+        dataclasses.replace(options, io_threads=io_threads, curve=curve, max_connections=int(max_connections))
+    )
     if curve is not None:
         log.info("ps %d: CURVE on: %d worker key(s) accepted, traffic encrypted", task, len(curve.allowed))
     try:

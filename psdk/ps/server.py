@@ -14,35 +14,37 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import resource
 import secrets
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from psdk.consistency import ConsistencyPolicy, Push, make_policy
-from psdk.errors import ConfigError, ProtocolError
+from psdk.errors import ConfigError, NonFiniteError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.logs import RateLimitedLog
+from psdk.numerics import all_finite
 from psdk.optim import rule_from_json
 from psdk.ps.membership import FINISHED, Membership
+from psdk.ps.stats import ShardStats
 from psdk.security import worker_name
 from psdk.shm import AttachedBuffers
 from psdk.store import FlatStore, ParameterStore, RestoreState
 from psdk.transport import Incoming, ServerEndpoint
-from psdk.wire import HEARTBEAT_SUFFIX, Message
+from psdk.wire import HEARTBEAT_SUFFIX, MAX_HEADER_BYTES, Message
 
 log = logging.getLogger(__name__)
 
 CHIEF = 0
 MAX_INIT_WAITERS = 1024
 HOUSEKEEPING_S = 0.05
+MAX_ERROR_CHARS = 1000
+"""An error reply quotes at most this much (a refusal may quote what the peer sent)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class ServerOptions:
     idle_timeout_s: float | None = 60.0  # a chief silent this long has vanished (ps.idle_timeout_s)
     recovery: bool = False  # dead tasks come back (recovery.enabled): wait for them instead of failing
     chief_host: str | None = None  # named in messages about the chief
+    max_workers: int = 1024
+    """Worker ids a ps accepts, before and after init (a per-task ps: the length of worker_hosts)."""
+    max_pushes_in_flight: int = 2
+    """Pushes one worker may have waiting for their answer (parked, held) on one shard; a worker waits for
+    each reply, so one is the norm and the second covers a push re-sent after a lost reply."""
 
 
 def _epoch(value: Any) -> int:
@@ -100,51 +107,6 @@ def _restore_state(data: Any, names: list[str], arrays: list[np.ndarray]) -> Res
     return RestoreState(version, rule_step, slots)
 
 
-@dataclass
-class WorkerCounters:
-    pushed: int = 0
-    applied: int = 0
-    dropped: int = 0
-    staleness: Counter[int] = field(default_factory=Counter)
-    last_seq: int = -1
-
-
-@dataclass
-class ShardStats:
-    applied: int = 0
-    dropped: int = 0
-    rejected: int = 0
-    updates: int = 0
-    first_update: float | None = None
-    last_update: float | None = None
-    workers: dict[int, WorkerCounters] = field(default_factory=dict)
-
-    def worker(self, index: int) -> WorkerCounters:
-        counters = self.workers.get(index)
-        if counters is None:
-            counters = self.workers[index] = WorkerCounters()
-        return counters
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "applied": self.applied,
-            "dropped": self.dropped,
-            "rejected": self.rejected,
-            "updates": self.updates,
-            "first_update": self.first_update,
-            "last_update": self.last_update,
-            "workers": {
-                str(i): {
-                    "pushed": c.pushed,
-                    "applied": c.applied,
-                    "dropped": c.dropped,
-                    "staleness": {str(k): v for k, v in sorted(c.staleness.items())},
-                }
-                for i, c in sorted(self.workers.items())
-            },
-        }
-
-
 class ParameterServer:
     """Serves one shard over ``endpoint`` until shutdown, abort or a fatal loss."""
 
@@ -171,6 +133,7 @@ class ParameterServer:
         self.boot = secrets.token_hex(4)
         self.epoch = 0
         self._rejections = RateLimitedLog(log)
+        self._internal_errors = RateLimitedLog(log)
         self.failure: str | None = None
         self.exit_code: int | None = None
         self._init_waiters: list[tuple[bytes, int]] = []
@@ -211,7 +174,13 @@ class ParameterServer:
         log.info("%s: serving at %s", self.name, self.endpoint.address)
         try:
             while self.exit_code is None and not (stop and stop.is_set()):
-                incoming = self.endpoint.receive(self.options.poll_s)
+                try:
+                    incoming = self.endpoint.receive(self.options.poll_s)
+                except Exception as exc:  # the transport itself broke: nothing more can be served
+                    log.exception("%s: the transport failed", self.name)
+                    self.fail(f"{self.name}'s transport failed: {exc!r}")
+                    self.exit_code = 1
+                    break
                 if incoming is not None:
                     self.handle(incoming)
                     # Dropped before the next receive: a pushed gradient's frame is freed now, not once the
@@ -228,18 +197,32 @@ class ParameterServer:
         return self.exit_code if self.exit_code is not None else 0
 
     def handle(self, incoming: Incoming) -> None:
+        """Answer one request exactly once (now, or when what it waits for happens), or drop it, counted.
+
+        Nothing a request holds or causes escapes from here: a refusal is an
+        error reply, and anything else (a bug) is logged, rate-limited, and
+        answered as an internal error, so the serving loop goes on.
+        """
+        self.stats.requests += 1
+        try:
+            self._handle(incoming)
+        finally:
+            self.stats.handled += 1
+
+    def _handle(self, incoming: Incoming) -> None:
         message = incoming.message
         if message is None:
             self.stats.rejected += 1
             self._rejections.warning("%s: rejected a malformed message: %s", self.name, incoming.error)
             if incoming.rid is not None:
                 self._error(incoming.peer, incoming.rid, str(incoming.error), "protocol")
-            return
-        handler = self._handlers.get(message.op)
-        if handler is None:
-            self._reject(incoming.peer, message, f"unknown op {message.op!r}")
+            else:
+                self.stats.unanswerable += 1
             return
         try:
+            handler = self._handlers.get(message.op)
+            if handler is None:
+                raise ProtocolError(f"unknown op {message.op!r}")
             worker = self._worker_of(message)
             if worker is not None:
                 if incoming.user is not None and incoming.user != worker_name(worker):
@@ -250,7 +233,7 @@ class ParameterServer:
         except ProtocolError as exc:
             self._reject(incoming.peer, message, str(exc))
         except Exception as exc:  # a bug must not take the shard down with it
-            log.exception("%s: internal error handling %s", self.name, message.op)
+            self._internal_errors.exception("%s: internal error handling %s", self.name, message.op)
             self._error(incoming.peer, message.rid, f"internal error in {self.name}: {exc!r}", "internal")
 
     def _housekeeping(self, now: float) -> None:
@@ -339,6 +322,8 @@ class ParameterServer:
             raise ProtocolError(f"bad worker id {worker!r}")
         if self.job is not None and worker >= self.job.num_workers:
             raise ProtocolError(f"worker {worker} is not in this job ({self.job.num_workers} workers)")
+        if worker >= self.options.max_workers:
+            raise ProtocolError(f"worker {worker} is beyond the {self.options.max_workers} workers this ps serves")
         return worker
 
     def _check_session(self, worker: int, peer: bytes) -> None:
@@ -363,31 +348,37 @@ class ParameterServer:
         self.sessions[worker] = session
 
     def _send(self, peer: bytes, rid: int, op: str, fields: dict[str, Any], arrays: list[Any]) -> None:
-        self.endpoint.reply(peer, Message(op, fields, arrays, rid))
+        self._deliver(peer, Message(op, fields, arrays, rid))
+
+    def _deliver(self, peer: bytes, message: Message) -> None:
+        """The one way a reply leaves (as a message), so every reply is counted."""
+        self.stats.replies[message.op] += 1
+        self.endpoint.reply(peer, message)
 
     def _error(self, peer: bytes, rid: int, text: str, kind: str = "error") -> None:
+        if len(text) > MAX_ERROR_CHARS:
+            text = text[:MAX_ERROR_CHARS] + "…"
         self._send(peer, rid, "error", {"error": text, "kind": kind}, [])
 
     def _reject(self, peer: bytes, message: Message, text: str) -> None:
         self.stats.rejected += 1
-        self._rejections.warning("%s: rejected %s: %s", self.name, message.op, text)
+        self._rejections.warning("%s: rejected %.64s: %.300s", self.name, message.op, text)
         self._error(peer, message.rid, text, "rejected")
 
-    def _reply_params(self, peer: bytes, rid: int, outcome: str, worker: int | None = None) -> None:
+    def _reply_params(self, peer: bytes, rid: int, outcome: str, worker: int) -> None:
+        """The parameters, to a worker's session only (a stranger's request never gets this far)."""
         fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
         if self.policy is not None and self.job is not None and self.job.sync.mode != "sync":
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
-        if worker is None:  # a stranger's pull: the transport copies the live buffer as it sends
-            self.endpoint.reply(peer, Message("params", fields, [self.store.params()], rid, volatile=True))
-            return
         shared = self._shared.get(worker)
         # Written into the worker's own memory, the reply only a header; never for a request of an earlier
         # process of this worker (a late answer to a dead one's parked push), whose memory is not this one.
         if shared is not None and shared.session == peer.removesuffix(HEARTBEAT_SUFFIX):
             if shared.write_params(self.store.params(), rid, fields):
+                self.stats.replies["params"] += 1
                 return  # the worker's doorbell rang: no message at all
             fields["shm"] = True
-            self.endpoint.reply(peer, Message("params", fields, [], rid))
+            self._deliver(peer, Message("params", fields, [], rid))
             return
         # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is
         # safe to refill on the worker's next request: the worker only sends one once it has this reply.
@@ -395,7 +386,7 @@ class ParameterServer:
         if buffer is None or buffer.shape != (self.store.size,):
             buffer = self._reply_buffers[worker] = np.empty(self.store.size, np.float32)
         np.copyto(buffer, self.store.params())
-        self.endpoint.reply(peer, Message("params", fields, [buffer], rid, stable=True))
+        self._deliver(peer, Message("params", fields, [buffer], rid, stable=True))
 
     def _layout(self) -> dict[str, Any]:
         assert self.job is not None
@@ -436,9 +427,14 @@ class ParameterServer:
             self._send(peer, message.rid, "already", self._layout(), [])
             return
         job = JobSpec.from_json(message.fields.get("job"))
+        if job.num_workers > self.options.max_workers:
+            raise ProtocolError(
+                f"the job has {job.num_workers} workers but this ps serves at most {self.options.max_workers}"
+            )
+        epoch = _epoch(message.fields.get("epoch", 0))
         try:
             rule = rule_from_json(message.fields.get("rule") or {})
-        except (ConfigError, TypeError) as exc:
+        except (ConfigError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad update rule: {exc}") from None
         names = message.fields.get("names")
         if not isinstance(names, list):
@@ -449,8 +445,10 @@ class ParameterServer:
         if len(message.arrays) != len(names) * (1 + (len(restore.slots) if restore else 0)):
             raise ProtocolError("init needs one array per variable (and per slot when restoring)")
         self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
-        self.epoch = _epoch(message.fields.get("epoch", 0))
+        self.epoch = epoch
         self.job = job
+        largest, push = self.largest_message_bytes(), 4 * self.store.size + MAX_HEADER_BYTES
+        self.endpoint.limit_incoming(largest, largest + job.num_workers * push)
         self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
         log.info(
@@ -469,6 +467,14 @@ class ParameterServer:
             self._send(waiter_peer, rid, "layout", self._layout(), [])
         self._init_waiters.clear()
 
+    def largest_message_bytes(self) -> int:
+        """The largest message a peer of this job can legitimately send this shard: the chief's restore.
+
+        It carries every variable and every slot of the shard (a push carries
+        the variables' size once), and a header.
+        """
+        return (1 + len(self.store.slots())) * 4 * self.store.size + MAX_HEADER_BYTES
+
     def _on_wait_init(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker is None:
             raise ProtocolError("wait_init needs a worker id")
@@ -482,7 +488,9 @@ class ParameterServer:
             self._init_waiters.append((peer, message.rid))
 
     def _on_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
-        if not self.store.initialized and worker is not None and self.options.recovery:
+        if worker is None:  # parameters go to the job's workers only (and cost a stranger nothing to ask)
+            raise ProtocolError("pull needs a worker id")
+        if not self.store.initialized and self.options.recovery:
             self._resync(peer, message.rid, f"{self.name} has restarted and waits for the chief to restore it")
             return
         self._require_init()
@@ -561,6 +569,8 @@ class ParameterServer:
             # offer and it gave up sharing altogether): answer it in frames too, never through its doorbell.
             self._let_go(worker)
         elif worker in self._shared:
+            # Read in place: the worker may still rewrite it, but whatever the apply reads, the store's own
+            # check after the apply refuses a non-finite result (a copy here would cost a model per push).
             grad = self._shared[worker].gradient(slot)
         else:
             raise ProtocolError(f"worker {worker} pushed through shared memory it has not offered to {self.name}")
@@ -571,15 +581,29 @@ class ParameterServer:
         counters = self.stats.worker(worker)
         if seq <= counters.last_seq:
             raise ProtocolError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
-        # One BLAS pass finds NaN and Inf; only if it overflows are the values checked one by one.
-        if not math.isfinite(float(np.dot(grad, grad))) and not np.isfinite(grad).all():
+        waiting = self._pushes_waiting(worker)
+        if waiting >= self.options.max_pushes_in_flight:
+            raise ProtocolError(
+                f"worker {worker} already has {waiting} pushes waiting for their answer on {self.name} "
+                f"(at most {self.options.max_pushes_in_flight}): not applied"
+            )
+        if not all_finite(grad):
             counters.last_seq = seq
+            counters.refused += 1
+            self.stats.refused += 1
             raise ProtocolError(f"gradient from worker {worker} holds NaN or Inf: not applied")
         counters.last_seq = seq
         if self.failure:
             self._error(peer, message.rid, self.failure, "failed")
             return
         self._submit(peer, message.rid, worker, version, grad)
+
+    def _pushes_waiting(self, worker: int) -> int:
+        """This worker's pushes not answered yet: parked by the sync mode, or held by a checkpoint's pause."""
+        assert self.policy is not None
+        return sum(1 for push in self.policy.parked() if push.worker == worker) + sum(
+            1 for held in self._held if held[2] == worker
+        )
 
     def _submit(self, peer: bytes, rid: int, worker: int, version: int, grad: np.ndarray) -> None:
         """Hand a checked push to the consistency policy (or hold it while paused)."""
@@ -590,8 +614,15 @@ class ParameterServer:
         if self._paused():  # a copy: a gradient in a worker's shared memory is only lent until the reply
             self._held.append((peer, rid, worker, version, grad.copy()))
             return
-        self.stats.worker(worker).pushed += 1
-        decision = self.policy.submit(Push(peer, rid, worker, version, grad))
+        counters = self.stats.worker(worker)
+        counters.pushed += 1
+        try:
+            decision = self.policy.submit(Push(peer, rid, worker, version, grad))
+        except NonFiniteError as exc:  # nothing changed: the worker is told, and counted
+            counters.refused += 1
+            self.stats.refused += 1
+            self._reject(peer, Message("push_pull", {}, [], rid), f"worker {worker}: {exc}")
+            return
         if decision.updates:
             now = time.time()
             if self.stats.first_update is None:
@@ -599,12 +630,17 @@ class ParameterServer:
             self.stats.last_update = now
             self.stats.updates += decision.updates
             self.stats.applied += len(decision.applied_workers)
+        for push in decision.refused:
+            self.stats.worker(push.worker).refused += 1
+        if decision.refused:
+            self.stats.refused += 1
+            self._rejections.warning("%s: the mean of a sync round would be non-finite: dropped", self.name)
         for push in decision.answer:
             c = self.stats.worker(push.worker)
             if push.outcome.value == "applied":
                 c.applied += 1
-                c.staleness[push.staleness] += 1
-            else:
+                c.record_staleness(push.staleness)
+            elif not any(push is refused for refused in decision.refused):
                 c.dropped += 1
                 self.stats.dropped += 1
             self._reply_params(push.peer, push.rid, push.outcome.value, push.worker)

@@ -1,0 +1,321 @@
+"""What a hostile peer sends cannot end a ps, poison its store, or make it hold without bound.
+
+Each test here reproduces an attack that worked before it was closed: one
+message that ended a ps before any authentication, pushes that drove the
+store to -inf, a gradient rewritten in shared memory between the ps's check
+and its apply, and requests that made the ps hold more and more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from psdk import shm
+from psdk.client import ParameterClient
+from psdk.cluster import ClusterSpec
+from psdk.consistency import SyncSpec
+from psdk.errors import RemoteError
+from psdk.jobspec import JobSpec
+from psdk.numerics import all_finite
+from psdk.optim import SGD, Adam
+from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.ps.stats import STALENESS_CAP
+from psdk.store import FlatStore, RestoreState
+from psdk.transport import Incoming
+from psdk.wire import Message, decode, encode
+from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from tests.conftest import running_ps
+from tests.helpers import FAST
+from tests.test_shm import CapturingEndpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+SIZE = 64
+
+
+class Stranger:
+    """A raw ZeroMQ connection that sends whatever frames it is given."""
+
+    def __init__(self, context: zmq.Context[Any], address: str):
+        self.sock = context.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(address if "://" in address else f"tcp://{address}")
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def reply(self, timeout_s: float = 5.0) -> Message | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return decode(self.sock.recv_multipart())
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _init(client: ParameterClient, rule: Any = None, sync: str = "async", workers: int = 1) -> None:
+    job = JobSpec(SyncSpec(sync).resolved(workers), 10_000, workers)
+    client.initialize({"w": np.zeros(SIZE, np.float32)}, job, rule or SGD(lr=1.0))
+
+
+def _client(transport: ZmqTransport, address: str, task: int = 0, workers: int = 1) -> ParameterClient:
+    return ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"] * workers}), task, FAST)
+
+
+NESTED = b'{"op":"pull","rid":7,"a":[],"f":{"x":' + b"[" * 30_000 + b"]" * 30_000 + b"}}"
+HUGE_ZERO_SHAPE = json.dumps({"op": "push_pull", "rid": 8, "f": {"worker": 0}, "a": [["<f4", [0, 2**70]]]}).encode()
+
+
+@pytest.mark.parametrize(
+    "frames, answered",
+    [
+        ([NESTED], False),  # RecursionError in the parser: no rid can be read, so it is dropped and counted
+        ([HUGE_ZERO_SHAPE, b""], True),  # passed the byte-count check (0 bytes), then reshape raised
+        ([json.dumps({"op": "x" * 60_000, "rid": 9, "f": {}, "a": []}).encode()], True),
+        ([json.dumps({"op": "ping", "rid": 10, "f": {"worker": "w" * 8000}, "a": []}).encode()], True),
+        ([b'{"op":"ping","rid":11,"f":{"worker":1e999},"a":[]}'], True),
+    ],
+    ids=["nested-30000", "shape-0x2^70", "op-60k", "echoed-id", "float-overflow"],
+)
+def test_one_message_never_ends_the_ps(frames: list[bytes], answered: bool) -> None:
+    with running_ps(scheme="tcp") as ps:
+        server = ps.servers[0]
+        stranger = Stranger(ps.transport.context, ps.addresses[0])
+        try:
+            stranger.send(frames)
+            reply = stranger.reply(timeout_s=2.0 if not answered else 5.0)
+            if answered:
+                assert reply is not None and reply.op == "error" and len(reply.fields["error"]) <= 1001
+            else:
+                assert reply is None
+            stranger.send(encode(Message("ping", {}, rid=99)))  # the same connection is still served
+            pong = stranger.reply()
+            assert pong is not None and pong.op == "pong" and pong.rid == 99
+            assert ps.threads[0].is_alive() and server.exit_code is None
+            stats = server.stats
+            assert stats.requests == 2 and sum(stats.replies.values()) + stats.unanswerable == 2
+        finally:
+            stranger.close()
+
+
+def test_two_finite_pushes_that_overflow_are_refused_and_the_store_stays_finite() -> None:
+    with running_ps(scheme="tcp") as ps:
+        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+        client = _client(transport, ps.addresses[0])
+        try:
+            _init(client)
+            client.grads["w"][...] = -3e38  # lr 1: w = 3e38, then 6e38 would be +inf
+            client.push_pull()
+            with pytest.raises(RemoteError, match="NaN or Inf"):
+                client.push_pull()
+            server = ps.servers[0]
+            assert all_finite(server.store.params()) and server.store.version == 1
+            assert server.stats.workers[0].refused == 1 and server.stats.refused == 1
+            client.grads["w"][...] = 1e38  # a finite step back is applied as usual
+            assert client.push_pull().outcome == "applied" and server.store.version == 2
+        finally:
+            client.close()
+            transport.close()
+
+
+def test_adam_slots_that_would_overflow_are_refused_with_the_parameters() -> None:
+    store = FlatStore()
+    store.initialize({"w": np.zeros(SIZE, np.float32)}, Adam(lr=0.1))
+    store.apply(np.full(SIZE, 1.0, np.float32))
+    before = store.digest(), {k: v.copy() for k, v in store.slots().items()}, store.rule_step
+    with pytest.raises(Exception, match="NaN or Inf"):
+        store.apply(np.full(SIZE, 3e38, np.float32))  # g*g overflows v
+    assert store.digest() == before[0] and store.rule_step == before[2]
+    for name, value in store.slots().items():
+        np.testing.assert_array_equal(value, before[1][name])
+
+
+def test_a_sync_round_whose_sum_would_overflow_refuses_the_push_that_overflows_it() -> None:
+    with running_ps(scheme="tcp") as ps:
+        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+        chief, other = _client(transport, ps.addresses[0], 0, 2), _client(transport, ps.addresses[0], 1, 2)
+        try:
+            _init(chief, sync="sync", workers=2)
+            other.wait_initialized()
+            chief.grads["w"][...] = 3e38
+            pending = chief.start_push_pull()  # parked: the round needs both
+            server = ps.servers[0]
+            deadline = time.monotonic() + 10
+            while len(server.policy.parked()) < 1:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the chief's push never reached the ps"
+                time.sleep(0.005)
+            other.grads["w"][...] = 3e38
+            with pytest.raises(RemoteError, match="overflow"):
+                other.push_pull()
+            other.grads["w"][...] = -1e38
+            other_pending = other.start_push_pull()
+            assert chief.finish_push_pull(pending).outcome == "applied"
+            assert other.finish_push_pull(other_pending).outcome == "applied"
+            assert all_finite(server.store.params()) and server.store.version == 1
+            assert server.stats.workers[1].refused == 1
+        finally:
+            chief.close()
+            other.close()
+            transport.close()
+
+
+@pytest.mark.parametrize(
+    "slot, message",
+    [(np.full(SIZE, np.nan, np.float32), "NaN"), (np.full(SIZE, -1.0, np.float32), "negative")],
+)
+def test_a_restore_with_slots_the_rule_cannot_run_from_is_refused(slot: np.ndarray, message: str) -> None:
+    store = FlatStore()
+    with pytest.raises(Exception, match=message):
+        store.initialize(
+            {"w": np.zeros(SIZE, np.float32)}, Adam(), RestoreState(5, 5, {"m": {"w": slot * 0}, "v": {"w": slot}})
+        )
+    assert not store.initialized
+    store.initialize({"w": np.zeros(SIZE, np.float32)}, Adam())
+    with pytest.raises(Exception, match=message):
+        store.reset({"w": np.ones(SIZE, np.float32)}, RestoreState(5, 5, {"m": {"w": slot * 0}, "v": {"w": slot}}))
+    assert store.version == 0 and float(store.params().sum()) == 0.0
+
+
+def test_values_beyond_float32_are_refused_at_init() -> None:
+    store = FlatStore()
+    with pytest.raises(Exception, match="NaN or Inf"):
+        store.initialize({"w": np.full(SIZE, 1e300, np.float64)}, SGD())
+    assert not store.initialized
+
+
+FLIPPER = """
+import mmap, os, sys
+import numpy as np
+pid, fd, nbytes, offset, size = map(int, sys.argv[1:])
+memory = mmap.mmap(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR), nbytes)
+grads = np.frombuffer(memory, np.float32, size, offset=offset)
+grads[8] = 2.0  # started
+while True:
+    grads[7] = np.nan
+    grads[7] = 1.0
+"""
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs Linux memfd and /proc")
+def test_a_gradient_rewritten_in_shared_memory_during_the_push_never_reaches_the_store() -> None:
+    """Another process flips one element of the shared gradient between NaN and 1.0 while the worker knocks.
+
+    Before, the ps checked the gradient in the worker's memory and then applied
+    it from there: NaN reached the store within a second. Now the store checks
+    what the apply made of it, whatever the apply read, and refuses NaN there.
+    """
+    worker = shm.WorkerBuffers(SIZE)
+    endpoint = CapturingEndpoint()
+    server = ParameterServer(endpoint, 0)
+    job = JobSpec(SyncSpec("async").resolved(1), 10**9, 1).to_json()
+    rule = SGD(lr=0.01).to_json()
+    server.handle(
+        Incoming(
+            b"w", Message("init", {"worker": 0, "job": job, "rule": rule, "names": ["w"]}, [np.zeros(SIZE, np.float32)])
+        )
+    )
+    server.handle(Incoming(b"w", Message("attach", {"worker": 0, **worker.offer()}, rid=2)))
+    (take,) = endpoint.listening.values()
+    worker.grads[...] = 1.0
+    args = [str(v) for v in (os.getpid(), worker.fd, shm.total_bytes(SIZE), shm.HEADER_BYTES, SIZE)]
+    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, *args])
+    try:
+        deadline = time.monotonic() + 30
+        while worker.grads[8] != 2.0:
+            assert time.monotonic() < deadline and flipper.poll() is None, "the flipping process did not start"
+            time.sleep(0.01)
+        rid = 10
+        while rid < 3000:
+            rid += 1
+            worker.knock(rid, version=server.store.version, seq=rid, epoch=0, slot="grads")
+            incoming = take()
+            if incoming is not None:
+                server.handle(incoming)
+            assert all_finite(server.store.params()), f"NaN reached the store after {rid - 10} pushes"
+    finally:
+        flipper.kill()
+        flipper.wait(timeout=10)
+        worker.close()
+    counters = server.stats.workers[0]
+    assert counters.applied > 100 and counters.refused > 0  # the race was really run, both ways
+
+
+def _handler_ps(options: ServerOptions | None = None) -> tuple[ParameterServer, CapturingEndpoint]:
+    endpoint = CapturingEndpoint()
+    return ParameterServer(endpoint, 0, options or ServerOptions()), endpoint
+
+
+def test_worker_ids_beyond_the_limit_are_refused_before_and_after_init() -> None:
+    server, endpoint = _handler_ps(ServerOptions(max_workers=4))
+    for worker in (4, 10**12):
+        server.handle(Incoming(b"s", Message("wait_init", {"worker": worker}, rid=1)))
+        assert endpoint.sent[-1][1].op == "error" and "beyond the 4 workers" in endpoint.sent[-1][1].fields["error"]
+    assert not server.sessions and not server.membership.workers
+    job = JobSpec(SyncSpec("async").resolved(5), 10, 5).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD().to_json(), "names": ["w"]}, [np.zeros(4, np.float32)], 2
+    )
+    server.handle(Incoming(b"c", init))
+    assert endpoint.sent[-1][1].op == "error" and "at most 4" in endpoint.sent[-1][1].fields["error"]
+    assert not server.store.initialized
+
+
+def test_a_bad_epoch_in_init_leaves_the_store_uninitialised() -> None:
+    server, endpoint = _handler_ps()
+    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
+    fields = {"worker": 0, "job": job, "rule": SGD().to_json(), "names": ["w"], "epoch": -3}
+    server.handle(Incoming(b"c", Message("init", fields, [np.zeros(4, np.float32)], 2)))
+    assert endpoint.sent[-1][1].op == "error" and not server.store.initialized and server.job is None
+
+
+def test_pushes_a_worker_does_not_wait_for_are_refused_beyond_the_limit() -> None:
+    server, endpoint = _handler_ps(ServerOptions(max_pushes_in_flight=2))
+    job = JobSpec(SyncSpec("ssp", staleness=0).resolved(2), 10**6, 2).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD().to_json(), "names": ["w"]}, [np.zeros(4, np.float32)], 1
+    )
+    server.handle(Incoming(b"c", init))
+    outcomes = []
+    for seq in range(1, 6):  # worker 0 never waits, and worker 1 never pushes: ssp holds every answer
+        push = Message(
+            "push_pull", {"worker": 0, "version": server.store.version, "seq": seq}, [np.ones(4, np.float32)], 10 + seq
+        )
+        server.handle(Incoming(b"c", push))
+        outcomes.append(endpoint.sent[-1][1].op if endpoint.sent[-1][1].rid == 10 + seq else "held")
+    assert outcomes == ["held", "held", "error", "error", "error"]
+    assert server.store.version == 2 and len(server.policy.parked()) == 2  # type: ignore[union-attr]
+
+
+def test_staleness_a_worker_claims_cannot_grow_the_histogram() -> None:
+    server, _endpoint = _handler_ps()
+    job = JobSpec(SyncSpec("async").resolved(1), 10**6, 1).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD(lr=1e-9).to_json(), "names": ["w"]}, [np.zeros(4, np.float32)], 1
+    )
+    server.handle(Incoming(b"c", init))
+    for seq in range(1, 2 * STALENESS_CAP):  # always from version 0: one more staleness each time
+        server.handle(
+            Incoming(b"c", Message("push_pull", {"worker": 0, "version": 0, "seq": seq}, [np.ones(4, np.float32)], seq))
+        )
+    assert len(server.stats.workers[0].staleness) == STALENESS_CAP + 1
+
+
+def test_a_stranger_gets_no_parameters() -> None:
+    server, endpoint = _handler_ps()
+    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD().to_json(), "names": ["w"]}, [np.ones(4, np.float32)], 1
+    )
+    server.handle(Incoming(b"c", init))
+    server.handle(Incoming(b"s", Message("pull", {}, rid=2)))
+    reply = endpoint.sent[-1][1]
+    assert reply.op == "error" and "worker id" in reply.fields["error"] and not reply.arrays
