@@ -51,7 +51,8 @@ commands:
   evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
   report    rebuild a run's curves.png, or a multirun's comparison: report PATH [target_accuracy=0.97]
   plugins   list the installed backends and the distributions that provide them
-  fuzz      send mutated real messages to a live ps and check nothing changed: fuzz count=100000 seed=0
+  fuzz      sequences of every op from real workers, then mutated single messages, against live ps tasks:
+            fuzz sequences=300 steps=50 count=100000 seed=0
   keys      make CURVE keys for secure per-task runs: keys keys_dir=DIR workers=N
   bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
   data      download MNIST (or check a folder: data.dir=...) and verify its checksums, nothing else
@@ -297,14 +298,26 @@ def _options(args: Sequence[str], defaults: dict[str, str]) -> dict[str, str]:
 
 
 def run_fuzz(args: Sequence[str]) -> int:
-    """``fuzz count=N seed=S``: a fuzzing session against a live ps; exit 1 if anything changed."""
-    from psdk import fuzz
+    """``fuzz sequences=N steps=K count=M seed=S``: the stateful stages, then single messages; exit 1 on a failure."""
+    from psdk.testing.fuzz import single
 
-    options = _options(args, {"count": "100000", "seed": "0"})
+    options = _options(args, {"sequences": "300", "steps": "50", "count": "100000", "seed": "0"})
     logging.basicConfig(level=logging.ERROR)
-    report = fuzz.run(int(options["count"]), int(options["seed"]))
-    print("\n".join(report.lines()))
-    return 0 if report.ok else 1
+    logging.getLogger("psdk").propagate = False  # the ps under fuzz logs every refusal: not this command's output
+    try:
+        from psdk.testing.fuzz import stateful
+    except ImportError as exc:
+        raise ConfigError("fuzz", str(exc)) from None
+    seed, ok = int(options["seed"]), True
+    for mode in (stateful.Mode(False, False), stateful.Mode(False, True), stateful.Mode(True, True)):
+        result = stateful.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed)
+        print(result.line(), flush=True)
+        ok = ok and result.failure is None
+    alongside = stateful.run_alongside(steps=3000, seed=seed, curve=True)
+    print(alongside.line(), flush=True)
+    report = single.run(int(options["count"]), seed)
+    print("single messages from a stranger: " + "\n".join(report.lines()))
+    return 0 if ok and alongside.ok and report.ok else 1
 
 
 def make_keys(args: Sequence[str]) -> int:

@@ -1,4 +1,4 @@
-"""20,000 mutated real messages from a stranger's connection change nothing on the ps."""
+"""20,000 mutated real messages from a stranger's connection change nothing on the ps; the fuzz command."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psdk.fuzz import FuzzSession
+from psdk.testing.fuzz.single import FuzzSession
 
 BATCHES, PER_BATCH = 200, 100
 
@@ -40,9 +40,12 @@ def test_the_ps_survives_20000_mutated_messages_and_applies_none_of_them() -> No
     assert report.ps_running and report.worker_trains_after
 
 
-def test_the_fuzz_command_reports_a_pass(capsys: object) -> None:
+def test_the_fuzz_command_runs_every_stage_and_reports_a_pass(capsys: object) -> None:
     from psdk.cli import main
 
-    assert main(["fuzz", "count=2000", "seed=3"]) == 0
+    assert main(["fuzz", "sequences=5", "steps=10", "count=2000", "seed=3"]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
-    assert "PASS" in out and "store hash unchanged: True" in out
+    for stage in ("stateful (plain, frames)", "stateful (plain, shared memory)", "stateful (curve, shared memory)"):
+        assert f"{stage}: 5 sequences" in out
+    assert "alongside a real job" in out and "store hash unchanged: True" in out
+    assert out.count("PASS") == 5

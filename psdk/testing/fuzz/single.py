@@ -1,4 +1,4 @@
-"""Fuzzing a live ps with mutated copies of real messages (``python -m psdk fuzz``).
+"""Single-message fuzzing: mutated copies of real messages from a stranger (the second stage of ``psdk fuzz``).
 
 A session starts a ps and two real workers, records the messages they
 really send (init, pulls, pushes, checkpoints, ...), then sends mutated

@@ -1,0 +1,70 @@
+"""The stateful fuzzer: sequences of every op from registered workers, over frames, shared memory and CURVE.
+
+Budgets here are short (a few hundred steps per mode); ``python -m psdk fuzz`` runs long ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from psdk import shm
+from psdk.ps.server import ParameterServer
+from psdk.testing.fuzz import stateful
+from psdk.testing.fuzz.stateful import Mode
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        Mode(curve=False, shared_memory=False),
+        Mode(curve=False, shared_memory=True),
+        Mode(curve=True, shared_memory=True),
+    ],
+    ids=["frames", "shared-memory", "curve"],
+)
+def test_sequences_of_every_op_keep_the_books_the_store_and_the_ps(mode: Mode) -> None:
+    if mode.shared_memory and not shm.available():
+        pytest.skip("needs Linux memfd and /proc")
+    stateful.COVERAGE.clear()
+    report = stateful.run(mode, examples=80, steps=40)
+    print(report.line())
+    assert report.failure is None, report.failure
+    reached = {key.split(" -> ")[0] for key in stateful.COVERAGE}
+    # Every op of the protocol was sent and answered, past the session check (knocks need shared memory).
+    ops = {"init", "wait_init", "pull", "push_pull", "attach", "finish", "ping", "status", "stats", "pause_at"}
+    ops |= {"state", "resume", "stop_at", "restore", "shutdown", "abort"}
+    assert ops <= reached, ops - reached
+    assert any(key.startswith("push_pull -> params applied") for key in stateful.COVERAGE)
+    assert any("the update would leave" in key for key in stateful.COVERAGE)  # an overflow refused, live
+    if mode.shared_memory:
+        assert any(key.startswith("knock -> params") for key in stateful.COVERAGE)
+
+
+def test_a_real_job_trains_to_the_end_while_a_workers_key_is_fuzzed() -> None:
+    report = stateful.run_alongside(steps=1500, seed=0, curve=True)
+    print(report.line())
+    assert report.ok, report.line()
+    assert report.intruder_requests > 300 and report.intruder_replies["error"] > 100
+
+
+def test_the_fuzzer_finds_a_ps_that_answers_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It can fail: a ps whose ping handler answers twice is caught (and so is one that never answers)."""
+    original = ParameterServer._on_ping
+
+    def twice(self: ParameterServer, peer: bytes, message: object, worker: int | None) -> None:
+        original(self, peer, message, worker)  # type: ignore[arg-type]
+        original(self, peer, message, worker)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ParameterServer, "_on_ping", twice)
+    report = stateful.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
+    assert report.failure is not None and "not waiting for one" in report.failure
+
+
+def test_the_fuzzer_finds_a_ps_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ParameterServer, "_on_stats", lambda self, peer, message, worker: None)
+    monkeypatch.setattr(stateful, "SETTLE_S", 1.0)
+    report = stateful.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
+    assert report.failure is not None
+    assert "wait for a reply but the ps holds 0" in report.failure or "+ parked 0" in report.failure
