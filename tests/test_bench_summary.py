@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from psdk.bench import transport
+from psdk.bench import flood, transport
 from psdk.bench.suite import Run, summarise, transport_table
 
 
@@ -44,3 +44,20 @@ def test_the_transport_micro_benchmark_measures_raw_pyzmq_and_psdk_with_and_with
     assert table.count("\n") == 2 and f"{result['ratio']:.2f}×" in table and f"{result['ratio_frames']:.2f}×" in table
     with pytest.raises(ValueError, match="unknown kind"):
         transport.measure("grpc", 1000, 1)
+
+
+@pytest.mark.timeout(120)
+def test_the_flood_benchmark_measures_a_real_ps_and_stays_within_its_bound() -> None:
+    report = flood.run(connections=8, seconds=2.0)
+    print("\n".join(report.lines()))
+    assert report.answered_after and report.reconnects > 0  # the guard shut floods out and the ps went on
+    assert report.peak_kb > report.before_kb >= report.base_kb > 0
+    assert report.within, report.lines()
+
+
+def test_the_bound_adds_up_its_terms() -> None:
+    terms = flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).terms
+    assert flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).total == sum(terms.values())
+    # libzmq's queues scale with the intake rate (one check's worth) and with the job's sizes.
+    assert flood.bound(10, 1000, 1, 2, 24, 64, 2e9, 65536).total > flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).total
+    assert flood.bound(10, 2000, 1, 2, 24, 64, 1e9, 65536).total > flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).total

@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from psdk.bench import load, transport
+from psdk.bench import flood, load, transport
 from psdk.errors import ConfigError
 from psdk.metrics import write_json_atomic
 
@@ -352,6 +352,13 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
         sections += [
             "## Load: 16 clients, one ps, sync (replicas_to_aggregate=12)",
             "\n".join(f"- {line}" for line in loaded.lines()),
+        ]
+    if cfg.flood:
+        flooded = flood.run(connections=16, seconds=float(cfg.flood_seconds))
+        report["flood"] = flood.summary(flooded)
+        sections += [
+            "## Flood: 16 hostile connections against one ps, peak memory against its bound",
+            "\n".join(f"- {line}" if not line.startswith("  ") else f"  - {line.strip()}" for line in flooded.lines()),
         ]
     if cfg.scaling:
         scaling = {
