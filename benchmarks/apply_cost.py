@@ -1,11 +1,13 @@
-"""What keeping the store finite costs an update: the checked apply against the rule's bare apply.
+"""What keeping the store finite costs an update, both ways, against the rule's bare apply.
 
-The ps applies every update after a backup of its parameters and slots and
-checks the result for NaN and Inf (``psdk.store.FlatStore.apply``). This
-times, for each update rule on the MLP's 79,510 floats (or ``--size``), the
-rule's own in-place apply alone (the baseline, what the ps did before) and
-the store's checked apply, interleaved, and prints microseconds per update
-and their ratio. Usage: ``python benchmarks/apply_cost.py [--size N] [--reps R]``.
+The store proves an update finite from bounds (scalars) when it can, and
+otherwise backs its state up, applies and checks (``psdk.store``). This
+times, for each update rule on the MLP's 79,510 floats (or ``--size``),
+interleaved: the rule's own in-place apply alone (the baseline, what the ps
+did before), the store's apply with the gradient's bound the ps measures
+anyway (the usual path), and the store's apply without one (the backup and
+check), and prints microseconds per update and the ratios to the baseline.
+Usage: ``python benchmarks/apply_cost.py [--size N] [--reps R]``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from psdk.numerics import magnitude
 from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.store import FlatStore
 
@@ -45,20 +48,25 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=500)
     args = parser.parse_args()
     grad = np.random.default_rng(0).standard_normal(args.size).astype(np.float32) * 1e-3
-    print(f"| rule ({args.size:,} floats) | bare apply µs | checked apply µs | checked ÷ bare |")
-    print("| --- | --- | --- | --- |")
+    print(f"| rule ({args.size:,} floats) | bare apply µs | with bounds µs | ÷ bare | backup and check µs | ÷ bare |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, rule in RULES:
-        store = FlatStore()
-        store.initialize({"w": np.zeros(args.size, np.float32)}, rule)
+        bounded_store, checked_store = FlatStore(), FlatStore()
+        for store in (bounded_store, checked_store):
+            store.initialize({"w": np.zeros(args.size, np.float32)}, rule)
         params, state = np.zeros(args.size, np.float32), rule.new_state(args.size)
-        bare_apply = functools.partial(rule.apply, params, grad, state)
-        checked_apply = functools.partial(store.apply, grad)
-        bare, checked = [], []
-        for _ in range(args.reps):  # interleaved: a busy moment of the machine hurts both alike
-            bare.append(per_call_us(bare_apply, args.count))
-            checked.append(per_call_us(checked_apply, args.count))
-        b, c = statistics.median(bare), statistics.median(checked)
-        print(f"| {name} | {b:.1f} | {c:.1f} | {c / b:.2f}× |")
+        bound = magnitude(grad)
+        timed = {
+            "bare": functools.partial(rule.apply, params, grad, state),
+            "bounds": functools.partial(bounded_store.apply, grad, bound),
+            "checked": functools.partial(checked_store.apply, grad, None),
+        }
+        figures: dict[str, list[float]] = {key: [] for key in timed}
+        for _ in range(args.reps):  # interleaved: a busy moment of the machine hurts all alike
+            for key, call in timed.items():
+                figures[key].append(per_call_us(call, args.count))
+        b, w, c = (statistics.median(figures[key]) for key in timed)
+        print(f"| {name} | {b:.1f} | {w:.1f} | {w / b:.2f}× | {c:.1f} | {c / b:.2f}× |")
 
 
 if __name__ == "__main__":

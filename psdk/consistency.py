@@ -27,6 +27,7 @@ push in it, and those pushes are named in :attr:`Decision.refused`.
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ConfigError, NonFiniteError
-from psdk.numerics import all_finite
+from psdk.numerics import magnitude
 from psdk.store import ParameterStore
 
 MODES = ("async", "sync", "ssp")
@@ -101,6 +102,8 @@ class Push:
     grad: np.ndarray
     outcome: Outcome = Outcome.PARKED
     staleness: int = 0
+    bound: float | None = None
+    """An upper bound on the gradient's ``|g|``, if the ps measured one that holds (see :mod:`psdk.store`)."""
 
 
 @dataclass
@@ -153,7 +156,7 @@ class ConsistencyPolicy(ABC):
 class AsyncPolicy(ConsistencyPolicy):
     def submit(self, push: Push) -> Decision:
         staleness = self.store.version - push.version
-        self.store.apply(push.grad)  # NonFiniteError: refused, nothing changed
+        self.store.apply(push.grad, push.bound)  # NonFiniteError: refused, nothing changed
         push.grad, push.staleness = USED, staleness
         push.outcome = Outcome.APPLIED
         self.tick(push.worker)
@@ -200,6 +203,7 @@ class SyncPolicy(ConsistencyPolicy):
         self.accumulator = np.zeros(store.size, np.float32)
         self._spare = np.zeros(store.size, np.float32)
         """The sum with the next gradient goes here first, and is swapped in only if it stays finite."""
+        self._sum_bound = 0.0
         self._waiting: list[Push] = []
 
     def submit(self, push: Push) -> Decision:
@@ -216,9 +220,10 @@ class SyncPolicy(ConsistencyPolicy):
             return Decision(answer=[push])
         with np.errstate(over="ignore"):  # an overflow is refused below
             np.add(self.accumulator, push.grad, out=self._spare)
-        if not all_finite(self._spare):
+        bound = magnitude(self._spare)
+        if not math.isfinite(bound):
             raise NonFiniteError(f"the gradient would make the sum of the round at version {version} overflow")
-        self.accumulator, self._spare = self._spare, self.accumulator
+        self.accumulator, self._spare, self._sum_bound = self._spare, self.accumulator, bound
         push.grad = USED
         self._waiting.append(push)
         if len(self._waiting) < self.replicas:
@@ -226,7 +231,7 @@ class SyncPolicy(ConsistencyPolicy):
         self.accumulator *= np.float32(1.0 / self.replicas)
         answered, self._waiting = self._waiting, []
         try:
-            self.store.apply(self.accumulator)
+            self.store.apply(self.accumulator, self._sum_bound / self.replicas * 1.01)
         except NonFiniteError:  # the mean of finite gradients overflows the parameters: nobody's step counts
             for p in answered:
                 p.outcome = Outcome.DROPPED

@@ -31,7 +31,23 @@ from typing import Any, ClassVar
 import numpy as np
 
 from psdk.errors import ConfigError
-from psdk.numerics import all_finite
+from psdk.numerics import SAFE_MAGNITUDE, all_finite
+
+Bounds = tuple[float, dict[str, float]]
+"""Upper bounds on ``|x|`` for a shard's parameters and for each of its slots, by name."""
+
+
+ROUNDING = 1 + 1e-5
+"""float32 rounds each operation by up to 2^-24 of its result; an update makes a handful, hence this slack."""
+TINY = 1e-30
+"""And an absolute slack, for values near zero (subnormal results round by more than their relative error)."""
+
+
+def _within(params: float, slots: dict[str, float], *intermediates: float) -> Bounds | None:
+    """The bounds after an update if it and everything computed on the way stay far from float32's limit."""
+    if max(params, *slots.values(), *intermediates) * ROUNDING < SAFE_MAGNITUDE:
+        return params * ROUNDING + TINY, {name: bound * ROUNDING + TINY for name, bound in slots.items()}
+    return None
 
 
 @dataclass
@@ -48,8 +64,6 @@ class UpdateRule(ABC):
     """A server-side optimizer; its fields are its hyper-parameters."""
 
     name: ClassVar[str]
-    changes_state: ClassVar[bool] = True
-    """False only for a rule that changes nothing (the store then skips its finiteness check)."""
     nonnegative_slots: ClassVar[tuple[str, ...]] = ()
     """Slots the rule takes a square root of: a negative value there would make NaN."""
     lr: float
@@ -99,6 +113,17 @@ class UpdateRule(ABC):
     def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
         """Update ``params`` in place with ``grad``; advance ``state``."""
 
+    def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
+        """Bounds on ``|x|`` after one :meth:`apply`, from bounds before it and on the gradient's ``|g|``.
+
+        ``None`` when the rule cannot tell, or when a value on the way could
+        come near float32's limit: the store then backs its state up, applies
+        and checks the result instead (see :mod:`psdk.store`). A rule that
+        answers lets the store skip that copy and that check: the interval
+        arithmetic of a few scalars proves the result finite.
+        """
+        return None
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, **dataclasses.asdict(self)}
 
@@ -131,6 +156,14 @@ class SGD(UpdateRule):
 
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.momentum else ()
+
+    def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
+        g = grad + abs(self.weight_decay) * params
+        step, after = g, {}
+        if self.momentum:
+            buf = after["momentum"] = self.momentum * slots["momentum"] + g
+            step = self.momentum * buf + g if self.nesterov else buf
+        return _within(params + self.lr * step, after, g, step)
 
     def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
         g = self._decayed(params, grad, state, self.weight_decay)
@@ -178,6 +211,18 @@ class Adam(UpdateRule):
     def slot_names(self) -> tuple[str, ...]:
         return ("m", "v")
 
+    def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
+        if self.eps <= 0:
+            return None  # a zero denominator is possible: only the check can tell
+        g = grad + abs(self.weight_decay) * params
+        m = self.beta1 * slots["m"] + (1 - self.beta1) * g
+        v = self.beta2 * slots["v"] + (1 - self.beta2) * g * g
+        root = math.sqrt(v / (1 - self.beta2))  # sqrt(v_t) / sqrt(1 - beta2^t), t >= 1
+        # Every denominator is at least eps, and the bias correction divides by at most 1 - beta1.
+        ratio = m / self.eps
+        update = self.lr / (1 - self.beta1) * ratio
+        return _within(params + update, {"m": m, "v": v}, g * g, root + self.eps, ratio, update)
+
     def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
         g = self._decayed(params, grad, state, self.weight_decay)
         m, v = state.slots["m"], state.slots["v"]
@@ -221,6 +266,14 @@ class Adagrad(UpdateRule):
     def slot_names(self) -> tuple[str, ...]:
         return ("sum",)
 
+    def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
+        if self.eps <= 0:
+            return None
+        g = grad + abs(self.weight_decay) * params
+        total = slots["sum"] + g * g
+        ratio = g / self.eps  # the denominator sqrt(sum) + eps is at least eps
+        return _within(params + self.lr * ratio, {"sum": total}, g * g, math.sqrt(total) + self.eps, ratio)
+
     def new_state(self, size: int) -> RuleState:
         state = super().new_state(size)
         state.slots["sum"].fill(self.initial_accumulator_value)
@@ -263,6 +316,19 @@ class RMSProp(UpdateRule):
     def scratch_count(self) -> int:
         return 3
 
+    def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
+        if self.centered or self.eps <= 0:
+            return None  # centered: sqrt(square_avg - grad_avg^2) can go NaN by rounding; only the check can tell
+        g = grad + abs(self.weight_decay) * params
+        alpha = abs(self.alpha)
+        square = alpha * slots["square_avg"] + abs(1 - alpha) * g * g
+        ratio = g / self.eps
+        after = {"square_avg": square}
+        step = ratio
+        if self.momentum:
+            step = after["momentum"] = self.momentum * slots["momentum"] + ratio
+        return _within(params + self.lr * step, after, g * g, math.sqrt(square) + self.eps, ratio)
+
     def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
         g = self._decayed(params, grad, state, self.weight_decay)
         sq, tmp, denom = state.slots["square_avg"], state.scratch[0], state.scratch[2]
@@ -300,7 +366,6 @@ class NoOp(UpdateRule):
     """Counts updates and changes nothing: measures the transport and the ps alone."""
 
     name: ClassVar[str] = "noop"
-    changes_state: ClassVar[bool] = False
     lr: float = 1.0
 
     def slot_names(self) -> tuple[str, ...]:
@@ -308,6 +373,9 @@ class NoOp(UpdateRule):
 
     def scratch_count(self) -> int:
         return 0
+
+    def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
+        return params, dict(slots)
 
     def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
         state.step += 1

@@ -8,19 +8,35 @@ applied; shard 0's version is the job's global step.
 
 The store is finite after every apply, whatever the gradients: finite
 gradients can still overflow (two pushes of 3e38 make -inf), and one
-non-finite value poisons every later step of every worker. So an apply
-runs on the live buffers after a backup of them, and an apply that leaves
-NaN or Inf anywhere (parameters or slots) is undone from the backup and
-refused. The check reads what the apply wrote, so it also holds when the
-gradient is read from a worker's shared memory that the worker rewrites
-during the apply. The backup costs a copy of the state per update;
-variables and slots that arrive with ``initialize`` or ``reset`` are
-checked before they are taken.
+non-finite value poisons every later step of every worker. Two ways keep
+it so, the cheap one whenever it can prove its case:
+
+* **Bounds.** The store keeps an upper bound on ``|x|`` of its parameters
+  and of each slot, and the ps knows one for each gradient (from the check
+  it makes anyway). The update rule turns them into bounds after the apply
+  (:meth:`~psdk.optim.UpdateRule.bounds_after`, a few scalar operations).
+  While everything stays below 1e30, eight orders of magnitude from
+  float32's limit, nothing can overflow: the rule applies in place, and
+  nothing more is read or written.
+* **Backup and check.** Otherwise (a rule that cannot tell, or bounds that
+  grew too large), the parameters and slots are copied aside, the rule
+  applies, and every buffer is checked; a result with NaN or Inf anywhere
+  is undone from the copy and refused (:class:`~psdk.errors.NonFiniteError`).
+  The check also measures the buffers again, which tightens the bounds.
+
+A gradient's bound holds only while nobody changes it: the ps copies a
+gradient out of a worker's shared memory before it measures it, unless the
+rule's bounds do not depend on the gradient at all
+(:meth:`FlatStore.needs_stable_gradient`); a gradient without a bound
+(``None``) takes the backup path, whose check reads what the apply wrote.
+Variables and slots that arrive with ``initialize`` or ``reset`` are
+checked (and measured) before they are taken.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,8 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from psdk.errors import NonFiniteError, ProtocolError
-from psdk.numerics import all_finite, as_float32
-from psdk.optim import RuleState, UpdateRule
+from psdk.numerics import all_finite, as_float32, magnitude
+from psdk.optim import Bounds, RuleState, UpdateRule
 from psdk.sharding import VarSpec, flat_size, layout, views
 
 
@@ -68,6 +84,10 @@ class ParameterStore(ABC):
     def reset(self, variables: Mapping[str, np.ndarray], restore: RestoreState) -> None:
         """Roll an initialised store back to a checkpoint's variables, slots, version and step."""
 
+    def needs_stable_gradient(self) -> bool:
+        """Whether an apply is proven finite only for a gradient that stays as it was measured."""
+        return True
+
     @abstractmethod
     def slots(self) -> dict[str, np.ndarray]:
         """The update rule's flat slot buffers, by slot name (live: copy before they change)."""
@@ -78,11 +98,14 @@ class ParameterStore(ABC):
         """How many updates the rule has made (Adam's bias correction counts them)."""
 
     @abstractmethod
-    def apply(self, grad: np.ndarray) -> None:
+    def apply(self, grad: np.ndarray, grad_bound: float | None = None) -> None:
         """Apply one (already averaged) flat gradient and advance the version.
 
-        Raises :class:`~psdk.errors.NonFiniteError`, with the store as it
-        was, when the result would hold NaN or Inf.
+        ``grad_bound``: an upper bound on the gradient's ``|g|`` that holds
+        while the apply reads it (``None``: measure it here, or the gradient
+        may change under the apply). Raises
+        :class:`~psdk.errors.NonFiniteError`, with the store as it was, when
+        the result would hold NaN or Inf.
         """
 
     @abstractmethod
@@ -146,6 +169,10 @@ class FlatStore(ParameterStore):
         self.rule_state = RuleState()
         self._backup: list[np.ndarray] = []
         """The parameters and each slot as they were before the apply in progress (see the module docstring)."""
+        self._bounds: Bounds | None = None
+        """Upper bounds on ``|x|`` of the parameters and of each slot (see the module docstring)."""
+        self.checked_applies = 0
+        """Applies that took the backup-and-check path (the others were proven finite by their bounds)."""
 
     @property
     def initialized(self) -> bool:
@@ -185,7 +212,8 @@ class FlatStore(ParameterStore):
             _restore_into(state, rule, specs, restore)
         self._specs, self._flat, self.rule, self.rule_state = specs, flat, rule, state
         self._version = restore.version if restore is not None else 0
-        self._backup = [np.empty_like(flat) for _ in range(1 + len(state.slots))] if rule.changes_state else []
+        self._backup = [np.empty_like(flat) for _ in range(1 + len(state.slots))]
+        self._bounds = self._measure()
         self._initialized = True
 
     def reset(self, variables: Mapping[str, np.ndarray], restore: RestoreState) -> None:
@@ -202,6 +230,7 @@ class FlatStore(ParameterStore):
             view[...] = as_float32(variables[name])
         self.rule_state = state
         self._version = restore.version
+        self._bounds = self._measure()
 
     def slots(self) -> dict[str, np.ndarray]:
         return dict(self.rule_state.slots)
@@ -210,19 +239,36 @@ class FlatStore(ParameterStore):
     def rule_step(self) -> int:
         return self.rule_state.step
 
-    def apply(self, grad: np.ndarray) -> None:
-        assert self.rule is not None, "apply before initialize"
-        if not self._backup:  # a rule that changes nothing (noop) cannot make anything non-finite
+    def _measure(self) -> Bounds:
+        return magnitude(self._flat), {name: magnitude(slot) for name, slot in self.rule_state.slots.items()}
+
+    def needs_stable_gradient(self) -> bool:
+        """Whether an apply is proven finite only for a gradient that stays as it was measured."""
+        assert self.rule is not None and self._bounds is not None
+        return self.rule.bounds_after(*self._bounds, math.inf) is None
+
+    def apply(self, grad: np.ndarray, grad_bound: float | None = None) -> None:
+        assert self.rule is not None and self._bounds is not None, "apply before initialize"
+        after = self.rule.bounds_after(*self._bounds, math.inf if grad_bound is None else grad_bound)
+        if after is not None:  # proven finite: nothing to copy, nothing to check
             self.rule.apply(self._flat, grad, self.rule_state)
+            self._bounds = after
             self._version += 1
             return
+        self._checked_apply(grad)
+
+    def _checked_apply(self, grad: np.ndarray) -> None:
+        assert self.rule is not None
+        self.checked_applies += 1
         live = [self._flat, *self.rule_state.slots.values()]
         for saved, buffer in zip(self._backup, live, strict=True):
             np.copyto(saved, buffer)
         step = self.rule_state.step
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, not warned about
             self.rule.apply(self._flat, grad, self.rule_state)
-        if all(all_finite(buffer) for buffer in live):
+        bounds = self._measure()
+        if math.isfinite(bounds[0]) and all(math.isfinite(b) for b in bounds[1].values()):
+            self._bounds = bounds
             self._version += 1
             return
         for saved, buffer in zip(self._backup, live, strict=True):

@@ -8,6 +8,7 @@ and its apply, and requests that made the ps hold more and more.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,15 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from psdk import shm
 from psdk.client import ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import RemoteError
+from psdk.errors import NonFiniteError, RemoteError
 from psdk.jobspec import JobSpec
-from psdk.numerics import all_finite
-from psdk.optim import SGD, Adam
+from psdk.numerics import all_finite, magnitude
+from psdk.optim import SGD, Adagrad, Adam, RMSProp
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.ps.stats import STALENESS_CAP
 from psdk.store import FlatStore, RestoreState
@@ -319,3 +322,52 @@ def test_a_stranger_gets_no_parameters() -> None:
     server.handle(Incoming(b"s", Message("pull", {}, rid=2)))
     reply = endpoint.sent[-1][1]
     assert reply.op == "error" and "worker id" in reply.fields["error"] and not reply.arrays
+
+
+BOUNDED_RULES = [
+    SGD(lr=0.5),
+    SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    Adam(lr=0.01, weight_decay=0.1),
+    Adam(lr=0.01, epsilon_mode="tf"),
+    Adagrad(lr=0.1, initial_accumulator_value=0.1),
+    RMSProp(lr=0.01, momentum=0.5),
+    RMSProp(lr=0.01, centered=True),  # gives no bounds: always the backup and check
+]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(
+    rule_index=st.integers(0, len(BOUNDED_RULES) - 1),
+    start=st.floats(-1e3, 1e3),
+    scales=st.lists(st.sampled_from([1e-3, 1.0, 1e3, 1e12, 1e20, 1e30, 1e36, 3e38]), min_size=1, max_size=12),
+    signs=st.lists(st.sampled_from([1.0, -1.0]), min_size=12, max_size=12),
+)
+def test_the_bounds_that_skip_the_check_are_never_wrong(
+    rule_index: int, start: float, scales: list[float], signs: list[float]
+) -> None:
+    """Whatever the gradients, the store stays finite and its bounds hold for what it really holds."""
+    store = FlatStore()
+    store.initialize({"w": np.linspace(-start, start, SIZE, dtype=np.float32)}, BOUNDED_RULES[rule_index])
+    for scale, sign in zip(scales, signs, strict=False):
+        grad = (np.linspace(-1, 1, SIZE) * scale * sign).astype(np.float32)
+        with contextlib.suppress(NonFiniteError):
+            store.apply(grad, magnitude(grad))
+        params_bound, slot_bounds = store._bounds  # type: ignore[misc]
+        assert all_finite(store.params()) and float(np.abs(store.params()).max()) <= params_bound
+        for name, slot in store.slots().items():
+            assert all_finite(slot) and float(np.abs(slot).max()) <= slot_bounds[name]
+
+
+def test_ordinary_updates_are_proven_finite_without_a_backup_and_huge_ones_are_checked() -> None:
+    store = FlatStore()
+    store.initialize({"w": np.zeros(SIZE, np.float32)}, SGD(lr=0.1, momentum=0.9))
+    rng = np.random.default_rng(0)
+    for _ in range(1000):
+        grad = rng.standard_normal(SIZE).astype(np.float32)
+        store.apply(grad, magnitude(grad))
+    assert store.checked_applies == 0 and store.version == 1000
+    huge = np.full(SIZE, 1e35, np.float32)
+    store.apply(huge, magnitude(huge))  # finite, but too close to the limit to be proven: checked
+    assert store.checked_applies == 1 and store.version == 1001
+    store.apply(grad)  # no bound given (a gradient that may change): checked too
+    assert store.checked_applies == 2

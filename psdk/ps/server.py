@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import resource
 import secrets
@@ -28,7 +29,7 @@ from psdk.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.errors import ConfigError, NonFiniteError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.logs import RateLimitedLog
-from psdk.numerics import all_finite
+from psdk.numerics import magnitude
 from psdk.optim import rule_from_json
 from psdk.ps.membership import FINISHED, Membership
 from psdk.ps.stats import ShardStats
@@ -134,13 +135,15 @@ class ParameterServer:
         self.epoch = 0
         self._rejections = RateLimitedLog(log)
         self._internal_errors = RateLimitedLog(log)
+        self._grad_copy = np.zeros(0, np.float32)
+        """A gradient in a worker's shared memory is copied here before it is measured (see psdk.store)."""
         self.failure: str | None = None
         self.exit_code: int | None = None
         self._init_waiters: list[tuple[bytes, int]] = []
         # Checkpoints: pushes beyond pause_version wait in _held until the chief resumes.
         self.pause_version: int | None = None
         self._pause_waiters: list[tuple[bytes, int]] = []
-        self._held: list[tuple[bytes, int, int, int, np.ndarray]] = []
+        self._held: list[Push] = []
         self._reply_buffers: dict[int, np.ndarray] = {}
         self._shared: dict[int, AttachedBuffers] = {}  # workers on this host: their memory, mapped
         self._last_log = time.monotonic()
@@ -305,8 +308,8 @@ class ParameterServer:
         if self.policy is not None:
             for push in self.policy.release_parked():
                 self._error(push.peer, push.rid, reason, "failed")
-        for peer, rid, *_ in self._held:
-            self._error(peer, rid, reason, "failed")
+        for push in self._held:
+            self._error(push.peer, push.rid, reason, "failed")
         for peer, rid in self._init_waiters + self._pause_waiters:
             self._error(peer, rid, reason, "failed")
         self._init_waiters.clear()
@@ -563,15 +566,20 @@ class ParameterServer:
         if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
             self._resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
             return
+        stable = True  # a frame is this process's own memory: nobody changes it under the apply
         if slot is None:
             grad = message.arrays[0]
             # A worker pushing in frames is not reading its shared memory (e.g. another shard refused its
             # offer and it gave up sharing altogether): answer it in frames too, never through its doorbell.
             self._let_go(worker)
         elif worker in self._shared:
-            # Read in place: the worker may still rewrite it, but whatever the apply reads, the store's own
-            # check after the apply refuses a non-finite result (a copy here would cost a model per push).
             grad = self._shared[worker].gradient(slot)
+            stable = not self.store.needs_stable_gradient()
+            if not stable:  # the worker can rewrite its memory during the apply: check and apply a copy
+                if self._grad_copy.shape != grad.shape:
+                    self._grad_copy = np.empty(grad.shape, np.float32)
+                np.copyto(self._grad_copy, grad)
+                grad, stable = self._grad_copy, True
         else:
             raise ProtocolError(f"worker {worker} pushed through shared memory it has not offered to {self.name}")
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
@@ -587,7 +595,8 @@ class ParameterServer:
                 f"worker {worker} already has {waiting} pushes waiting for their answer on {self.name} "
                 f"(at most {self.options.max_pushes_in_flight}): not applied"
             )
-        if not all_finite(grad):
+        bound = magnitude(grad)
+        if not math.isfinite(bound):
             counters.last_seq = seq
             counters.refused += 1
             self.stats.refused += 1
@@ -596,28 +605,26 @@ class ParameterServer:
         if self.failure:
             self._error(peer, message.rid, self.failure, "failed")
             return
-        self._submit(peer, message.rid, worker, version, grad)
+        self._submit(peer, message.rid, worker, version, grad, bound if stable else None)
 
     def _pushes_waiting(self, worker: int) -> int:
         """This worker's pushes not answered yet: parked by the sync mode, or held by a checkpoint's pause."""
         assert self.policy is not None
-        return sum(1 for push in self.policy.parked() if push.worker == worker) + sum(
-            1 for held in self._held if held[2] == worker
-        )
+        return sum(1 for push in [*self.policy.parked(), *self._held] if push.worker == worker)
 
-    def _submit(self, peer: bytes, rid: int, worker: int, version: int, grad: np.ndarray) -> None:
+    def _submit(self, peer: bytes, rid: int, worker: int, version: int, grad: np.ndarray, bound: float | None) -> None:
         """Hand a checked push to the consistency policy (or hold it while paused)."""
         assert self.policy is not None
         if self.done:
             self._reply_params(peer, rid, "done", worker)
             return
         if self._paused():  # a copy: a gradient in a worker's shared memory is only lent until the reply
-            self._held.append((peer, rid, worker, version, grad.copy()))
+            self._held.append(Push(peer, rid, worker, version, grad.copy(), bound=bound))
             return
         counters = self.stats.worker(worker)
         counters.pushed += 1
         try:
-            decision = self.policy.submit(Push(peer, rid, worker, version, grad))
+            decision = self.policy.submit(Push(peer, rid, worker, version, grad, bound=bound))
         except NonFiniteError as exc:  # nothing changed: the worker is told, and counted
             counters.refused += 1
             self.stats.refused += 1
@@ -700,8 +707,8 @@ class ParameterServer:
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
-        for peer, rid, worker, version, grad in held:
-            self._submit(peer, rid, worker, version, grad)
+        for push in held:
+            self._submit(push.peer, push.rid, push.worker, push.version, push.grad, push.bound)
 
     def _on_finish(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker is None:
@@ -777,7 +784,7 @@ class ParameterServer:
         self.store.reset(dict(zip(names, message.arrays, strict=False)), restore)
         self.epoch = _epoch(message.fields.get("epoch"))
         why = f"the chief restored the job at version {restore.version} (epoch {self.epoch})"
-        stale = [(p.peer, p.rid) for p in self.policy.release_parked()] + [(h[0], h[1]) for h in self._held]
+        stale = [(p.peer, p.rid) for p in [*self.policy.release_parked(), *self._held]]
         self._held.clear()
         self.pause_version = None
         self.policy = make_policy(self.store, self.job.sync, self.membership.live)
