@@ -638,6 +638,7 @@ class ParameterClient:
 
     def abort(self, reason: str) -> None:
         """Chief: stop the job after a failure; best effort, never raises."""
+        reason = reason if len(reason) <= 2000 else reason[:2000] + "…"  # a request header has its limits
         try:
             self._request(self._all("abort", reason=reason), "aborting the job", timeout_s=5.0)
         except PsdkError as exc:

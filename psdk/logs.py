@@ -41,6 +41,9 @@ class RateLimitedLog:
     def warning(self, message: str, *args: object) -> None:
         self._emit(logging.WARNING, message, args, with_traceback=False)
 
+    def info(self, message: str, *args: object) -> None:
+        self._emit(logging.INFO, message, args, with_traceback=False)
+
     def exception(self, message: str, *args: object) -> None:
         """An error with the traceback being handled, as ``Logger.exception`` but within the same limit."""
         self._emit(logging.ERROR, message, args, with_traceback=True)

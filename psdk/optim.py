@@ -43,9 +43,14 @@ TINY = 1e-30
 """And an absolute slack, for values near zero (subnormal results round by more than their relative error)."""
 
 
+SMALLEST_EPS = float(np.finfo(np.float32).tiny)
+"""An eps below float32's smallest normal number may round to 0 in float32: no denominator bound then."""
+
+
 def _within(params: float, slots: dict[str, float], *intermediates: float) -> Bounds | None:
     """The bounds after an update if it and everything computed on the way stay far from float32's limit."""
-    if max(params, *slots.values(), *intermediates) * ROUNDING < SAFE_MAGNITUDE:
+    values = [params, *slots.values(), *intermediates]
+    if all(math.isfinite(v) and 0 <= v * ROUNDING < SAFE_MAGNITUDE for v in values):  # NaN fails isfinite
         return params * ROUNDING + TINY, {name: bound * ROUNDING + TINY for name, bound in slots.items()}
     return None
 
@@ -207,12 +212,14 @@ class Adam(UpdateRule):
                 raise ConfigError(f"optimizer.{key}", f"must be in [0, 1), got {getattr(self, key)}")
         if self.epsilon_mode not in ("torch", "tf"):
             raise ConfigError("optimizer.epsilon_mode", f"got {self.epsilon_mode!r}", ["torch", "tf"])
+        if self.eps < 0:
+            raise ConfigError("optimizer.eps", f"must be >= 0, got {self.eps}")
 
     def slot_names(self) -> tuple[str, ...]:
         return ("m", "v")
 
     def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
-        if self.eps <= 0:
+        if self.eps < SMALLEST_EPS:
             return None  # a zero denominator is possible: only the check can tell
         g = grad + abs(self.weight_decay) * params
         m = self.beta1 * slots["m"] + (1 - self.beta1) * g
@@ -266,8 +273,17 @@ class Adagrad(UpdateRule):
     def slot_names(self) -> tuple[str, ...]:
         return ("sum",)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.initial_accumulator_value < 0:
+            raise ConfigError(
+                "optimizer.initial_accumulator_value", f"must be >= 0, got {self.initial_accumulator_value}"
+            )
+        if self.eps < 0:
+            raise ConfigError("optimizer.eps", f"must be >= 0, got {self.eps}")
+
     def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
-        if self.eps <= 0:
+        if self.eps < SMALLEST_EPS:
             return None
         g = grad + abs(self.weight_decay) * params
         total = slots["sum"] + g * g
@@ -316,12 +332,20 @@ class RMSProp(UpdateRule):
     def scratch_count(self) -> int:
         return 3
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha < 1.0:
+            raise ConfigError("optimizer.alpha", f"must be in [0, 1), got {self.alpha}")
+        if self.momentum < 0:
+            raise ConfigError("optimizer.momentum", f"must be >= 0, got {self.momentum}")
+        if self.eps < 0:
+            raise ConfigError("optimizer.eps", f"must be >= 0, got {self.eps}")
+
     def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
-        if self.centered or self.eps <= 0:
+        if self.centered or self.eps < SMALLEST_EPS:
             return None  # centered: sqrt(square_avg - grad_avg^2) can go NaN by rounding; only the check can tell
         g = grad + abs(self.weight_decay) * params
-        alpha = abs(self.alpha)
-        square = alpha * slots["square_avg"] + abs(1 - alpha) * g * g
+        square = self.alpha * slots["square_avg"] + (1 - self.alpha) * g * g
         ratio = g / self.eps
         after = {"square_avg": square}
         step = ratio

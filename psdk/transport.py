@@ -61,7 +61,11 @@ class ServerEndpoint(ABC):
 
     @abstractmethod
     def reply(self, peer: bytes, message: Message) -> bool:
-        """Send ``message`` to ``peer``; ``False`` when the peer is gone."""
+        """Send ``message`` to ``peer``; ``False`` when the peer is gone.
+
+        Raises :class:`~psdk.errors.ProtocolError` when ``message`` cannot be
+        put on the wire (a header over the reply limit): nothing was sent.
+        """
 
     def limit_incoming(self, largest_message: int, total: int) -> None:  # noqa: B027 - unbounded peers only
         """Refuse messages over ``largest_message`` bytes, and hold at most ``total`` bytes for all peers together.

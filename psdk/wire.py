@@ -28,6 +28,9 @@ from psdk.errors import ProtocolError
 # Explicit byte order: a header cannot smuggle a big-endian or object dtype in.
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i4", "<i8", "|u1", "|i1"})
 MAX_HEADER_BYTES = 1 << 16
+"""A request's header: what a ps reads from anyone who reaches it."""
+MAX_REPLY_HEADER_BYTES = 1 << 24
+"""A reply's header: a ps's statistics grow with its workers (a worker decodes what its own ps sends)."""
 MAX_ARRAYS = 4096
 MAX_NDIM = 8
 MAX_DIM = (1 << 31) - 1
@@ -66,7 +69,7 @@ def _dtype_code(array: np.ndarray) -> str:
     return code
 
 
-def encode(message: Message) -> list[Any]:
+def encode(message: Message, max_header_bytes: int = MAX_HEADER_BYTES) -> list[Any]:
     """Frames for ``message``: the header bytes, then each array (C-contiguous)."""
     arrays = [np.ascontiguousarray(a) for a in message.arrays]
     header = {
@@ -76,8 +79,8 @@ def encode(message: Message) -> list[Any]:
         "a": [[_dtype_code(a), list(a.shape)] for a in arrays],
     }
     head = _ENCODER.encode(header).encode()
-    if len(head) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(head) > max_header_bytes:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {max_header_bytes}")
     return [head, *arrays]
 
 
@@ -122,7 +125,7 @@ def _check_json(value: Any) -> None:
     while stack:
         item, depth = stack.pop()
         if isinstance(item, dict):
-            children: Any = item.values()
+            children: Any = [*item.keys(), *item.values()]
         elif isinstance(item, list):
             children = item
         elif isinstance(item, bool) or item is None or isinstance(item, float):
@@ -153,10 +156,10 @@ def _parse_array_spec(spec: Any, index: int) -> tuple[np.dtype[Any], tuple[int, 
     return np.dtype(code), tuple(shape)
 
 
-def decode(frames: Sequence[Any]) -> Message:
+def decode(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
     """Parse and check ``frames``: a :class:`Message`, or :class:`MalformedMessage` whatever they hold."""
     try:
-        return _decode(frames)
+        return _decode(frames, max_header_bytes)
     except MalformedMessage:
         raise
     except ProtocolError as exc:
@@ -168,19 +171,22 @@ def decode(frames: Sequence[Any]) -> Message:
 def _rid_of(frames: Sequence[Any]) -> int | None:
     """The request id of a refused message, if its header parses to one (so the refusal can be answered)."""
     try:
-        header = _LENIENT.decode(bytes(_buffer(frames[0])).decode())
+        head = _buffer(frames[0])
+        if len(head) > MAX_HEADER_BYTES:
+            return None  # not parsed at all: a gigabyte of header must not cost a gigabyte to refuse
+        header = _LENIENT.decode(bytes(head).decode())
         rid = header.get("rid") if isinstance(header, dict) else None
         return rid if isinstance(rid, int) and not isinstance(rid, bool) and INT_MIN <= rid <= INT_MAX else None
     except Exception:
         return None
 
 
-def _decode(frames: Sequence[Any]) -> Message:
+def _decode(frames: Sequence[Any], max_header_bytes: int) -> Message:
     if not frames:
         raise ProtocolError("empty message")
     head = _buffer(frames[0])
-    if len(head) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(head) > max_header_bytes:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {max_header_bytes}")
     try:
         header = _DECODER.decode(bytes(head).decode())
     except RecursionError:

@@ -4,7 +4,9 @@ Large arrays leave with ``copy=False`` (pyzmq still copies frames below its
 copy threshold, where that is cheaper) and arrive as ``np.frombuffer`` views
 of the received frames. Every socket closes with linger 0, so a dead peer
 never holds a process open; ``ROUTER_MANDATORY`` turns a reply to a vanished
-peer into an error instead of silence; ZeroMQ heartbeats drop dead TCP links.
+peer into an error instead of silence; ZeroMQ heartbeats (on a worker's
+sockets) and TCP keepalive (on a ps's: see :func:`_apply_server`) drop dead
+TCP links.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, Transpo
 from psdk.logs import RateLimitedLog
 from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.wire import MalformedMessage, Message, decode, encode
+from psdk.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,9 @@ class ZmqOptions:
     """A ps refuses bigger messages; it lowers this to its job's largest once the chief initialised it."""
     max_connections: int = 1024
     """A ps shuts down TCP connections beyond this many (each worker makes two per ps)."""
-    queue_messages: int = 64
-    """Messages ZeroMQ queues per peer and direction (its high-water marks); a worker has one or two in flight."""
+    queue_messages: int = 2
+    """Whole messages ZeroMQ queues per peer on their way in (its receive high-water mark): a worker waits for each
+    reply, so one is the norm. A peer with this many queued is not read until the ps takes one."""
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     curve: CurveKeys | None = None
@@ -126,13 +129,35 @@ class TimedReceiver:
             return None
 
 
-def _apply_common(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
+def _apply_client(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
+    """A worker's socket: ZeroMQ's heartbeats find a dead link to its ps and make it reconnect."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_interval_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(options.heartbeat_timeout_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(options.heartbeat_timeout_s * 1000))
 
 
+def _apply_server(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
+    """A ps's socket: no ZeroMQ heartbeats, the kernel's TCP keepalive instead.
+
+    libzmq 4.3 aborts the whole process (``Assertion failed: !_io_error``,
+    libzmq issues 3937, 4364, 4767, still open) when a heartbeat falls due on
+    a connection whose queue is full and whose peer has gone: measured, 16
+    raw connections that each sent 5,000 requests and reset killed a ps at
+    the first try. A ps learns that workers died from their own requests and
+    pings (``transport.heartbeat_timeout_s``); dead links only have to be
+    dropped, which keepalive does.
+    """
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, int(options.heartbeat_timeout_s)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, int(options.heartbeat_interval_s)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+
+
+HANDSHAKE_S = 5.0
+REPLY_QUEUE_MESSAGES = 64
+"""Replies ZeroMQ queues per peer that does not read them; past this they are dropped (and logged)."""
 PRE_INIT_SLACK_BYTES = 16 << 20
 """Before the chief's init, what all connections but the chief's may hold together (requests are small)."""
 FRAMING_SLACK_BYTES = 1 << 20
@@ -143,11 +168,14 @@ class ZmqServer(ServerEndpoint):
     def __init__(self, context: zmq.Context[Any], bind: str, name: str, options: ZmqOptions):
         self.name = name
         self.sock = context.socket(zmq.ROUTER)
-        _apply_common(self.sock, options)
+        _apply_server(self.sock, options)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
         self.sock.setsockopt(zmq.RCVHWM, options.queue_messages)
-        self.sock.setsockopt(zmq.SNDHWM, options.queue_messages)
+        self.sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE_MESSAGES)
+        # A peer that has not finished the handshake (a stranger without a key, a half-open connection) is
+        # dropped after this, so it cannot keep a connection slot of the guard's for long.
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self.max_message_bytes = options.max_message_bytes
         self.secure = options.curve is not None
         if options.curve is not None:
@@ -224,7 +252,7 @@ class ZmqServer(ServerEndpoint):
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
         if self.guard is not None and body:
-            self.guard.took(body[0].get(zmq.SRCFD))
+            self.guard.took(body[0].get(zmq.SRCFD), nbytes, len(body))
         user = body[0].get("User-Id") if self.secure and body else None
         if nbytes > self.max_message_bytes:
             too_big = MalformedMessage(f"a message of {nbytes:,} bytes exceeds this job's largest")
@@ -235,17 +263,14 @@ class ZmqServer(ServerEndpoint):
             return Incoming(peer, None, exc, rid=exc.rid, nbytes=nbytes, user=user)
 
     def reply(self, peer: bytes, message: Message) -> bool:
+        parts = [peer, *encode(message, MAX_REPLY_HEADER_BYTES)]  # ProtocolError: the caller's to answer
         try:
-            parts = [peer, *encode(message)]
             if message.stable:
                 send_parts(self.sock, self._reuse.frames(parts), copy=False)
             else:  # volatile: copied inside the send; else a fresh zero-copy frame each
                 send_parts(self.sock, parts, copy=message.volatile)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading (its queue is full)
             self._failures.warning("%s: reply %s to a peer failed: %s", self.name, message.op, exc.strerror)
-            return False
-        except ProtocolError as exc:  # a reply that cannot be encoded is a bug here, never the peer's doing
-            self._failures.warning("%s: reply %s could not be encoded: %s", self.name, message.op, exc)
             return False
         return True
 
@@ -278,15 +303,18 @@ class ZmqClient(ClientEndpoint):
         self._reuse: list[FrameReuse] = []
         for index, address in enumerate(addresses):
             sock = context.socket(zmq.DEALER)
-            _apply_common(sock, options)
+            _apply_client(sock, options)
             if identity is not None:
                 sock.setsockopt(zmq.ROUTING_ID, identity)
             if options.curve is not None:
-                if options.curve.server_public is None:
-                    raise TransportError("a CURVE client needs the server's public key")
+                if index >= len(options.curve.servers):
+                    raise TransportError(
+                        f"a CURVE client needs the public key of every ps task: it has {len(options.curve.servers)} "
+                        f"for {len(addresses)} ps tasks (load the worker's keys with the job's number of ps tasks)"
+                    )
                 sock.curve_publickey = options.curve.public
                 sock.curve_secretkey = options.curve.secret
-                sock.curve_serverkey = options.curve.server_public
+                sock.curve_serverkey = options.curve.servers[index]
             sock.connect(endpoint(address))
             self.socks.append(sock)
             self.poller.register(sock, zmq.POLLIN)
@@ -344,7 +372,7 @@ class ZmqClient(ClientEndpoint):
             frames = sock.recv_multipart(copy=False)
             index = self._index[sock]
             try:
-                got.append((index, decode(frames)))
+                got.append((index, decode(frames, MAX_REPLY_HEADER_BYTES)))
             except ProtocolError as exc:
                 raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
         return got

@@ -56,8 +56,8 @@ def test_the_flood_benchmark_measures_a_real_ps_and_stays_within_its_bound() -> 
 
 
 def test_the_bound_adds_up_its_terms() -> None:
-    terms = flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).terms
-    assert flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).total == sum(terms.values())
+    terms = flood.bound(10, 1000, 1, 2, 24, 1e9, 65536).terms
+    assert flood.bound(10, 1000, 1, 2, 24, 1e9, 65536).total == sum(terms.values())
     # libzmq's queues scale with the intake rate (one check's worth) and with the job's sizes.
-    assert flood.bound(10, 1000, 1, 2, 24, 64, 2e9, 65536).total > flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).total
-    assert flood.bound(10, 2000, 1, 2, 24, 64, 1e9, 65536).total > flood.bound(10, 1000, 1, 2, 24, 64, 1e9, 65536).total
+    assert flood.bound(10, 1000, 1, 2, 24, 2e9, 65536).total > flood.bound(10, 1000, 1, 2, 24, 1e9, 65536).total
+    assert flood.bound(10, 2000, 1, 2, 24, 1e9, 65536).total > flood.bound(10, 1000, 1, 2, 24, 1e9, 65536).total

@@ -69,6 +69,14 @@ def _peer(address: str) -> RawZmtpPeer:
     return RawZmtpPeer(host, int(port))
 
 
+def _seen(guard: zmq_guard.ConnectionGuard, connections: int) -> None:
+    """Wait until the guard watches this many connections (its monitor's events come a little later)."""
+    deadline = time.monotonic() + 10
+    while len(guard._connections) < connections:
+        assert time.monotonic() < deadline, "the guard never saw the connections"
+        time.sleep(0.005)
+
+
 @contextmanager
 def chief(address: str) -> Iterator[ParameterClient]:
     """The job's chief, which initialised 1000 floats: its largest legitimate message is ~68 KB."""
@@ -91,6 +99,7 @@ def _trains(client: ParameterClient) -> bool:
 def test_a_message_that_never_ends_is_cut_off_and_the_ps_goes_on() -> None:
     with guarded_ps(max_message_bytes=4 * MiB) as (server, address):
         peer = _peer(address)
+        _seen(_guard(server), 1)
         try:
             sent = peer.flood(frame_bytes=256 * 1024, frames=4000)  # 1 GB, were it all taken in
             assert sent < 4000 and peer.closed_by_server(10.0)
@@ -109,6 +118,7 @@ def test_once_the_job_is_known_a_connection_may_hold_no_more_than_its_largest_me
         with chief(address) as client:
             guard = _guard(server)
             assert guard.limits.per_connection < 2 * MiB
+            _seen(guard, 3)  # the chief's two and the peer's
             try:
                 sent = peer.flood(frame_bytes=64 * 1024, frames=1000)
                 assert sent < 1000 and peer.closed_by_server(10.0)
@@ -123,10 +133,7 @@ def test_connections_beyond_the_limit_are_closed_as_they_come() -> None:
     with guarded_ps(max_connections=4) as (server, address):
         guard = _guard(server)
         peers = [_peer(address) for _ in range(4)]
-        deadline = time.monotonic() + 10
-        while len(guard._connections) < 4:  # each one seen by the guard before the next comes
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _seen(guard, 4)
         try:
             try:
                 extra = _peer(address)
@@ -147,6 +154,7 @@ def test_the_biggest_holder_goes_when_all_together_hold_too_much() -> None:
         guard = _guard(server)
         guard.set_limits(zmq_guard.Limits(per_connection=64 * MiB, total=12 * MiB, max_connections=64))
         small, big = _peer(address), _peer(address)
+        _seen(guard, 2)
         try:
             small.flood(frame_bytes=64 * 1024, frames=16)  # 1 MiB, held
             deadline = time.monotonic() + 10
@@ -160,3 +168,35 @@ def test_the_biggest_holder_goes_when_all_together_hold_too_much() -> None:
             small.close()
             big.close()
         assert guard.shut_down == 1
+
+
+def test_messages_queued_behind_the_ones_taken_are_still_counted() -> None:
+    """A ps that takes a message now and then must not forget the ones still queued, nor the bytes behind them.
+
+    The owner takes one message for every two that come: libzmq's queue fills and the rest waits in the kernel,
+    received all the same. Counting from each take (as the guard first did) forgot all of it.
+    """
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0))
+    endpoint = transport.serve("127.0.0.1:0", "ps 0")
+    try:
+        assert isinstance(endpoint, ZmqServer) and endpoint.guard is not None
+        endpoint.guard.set_limits(zmq_guard.Limits(per_connection=300_000, total=64 * MiB, max_connections=64))
+        peer = _peer(endpoint.address.split("://", 1)[1])
+        _seen(endpoint.guard, 1)
+        peer.sock.settimeout(2.0)
+        header = b'{"op":"ping","rid":1,"f":{},"a":[["|u1",[100000]]]}'
+        sent = 0
+        try:
+            for _ in range(200):  # 20 MB of complete messages, half of them taken
+                peer.send_message([header, bytes(100_000)])
+                sent += 1
+                if sent % 2 == 0:
+                    endpoint.receive(0.05)
+        except OSError:
+            pass
+        finally:
+            peer.close()
+        assert endpoint.guard.shut_down == 1 and sent < 200, (sent, endpoint.guard._connections)
+    finally:
+        endpoint.close()
+        transport.close()

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -100,11 +101,16 @@ def test_one_message_never_ends_the_ps(frames: list[bytes], answered: bool) -> N
                 assert reply is not None and reply.op == "error" and len(reply.fields["error"]) <= 1001
             else:
                 assert reply is None
-            stranger.send(encode(Message("ping", {}, rid=99)))  # the same connection is still served
+            # The same connection is still served (it may claim a worker's id: this ps runs without CURVE).
+            stranger.send(encode(Message("ping", {"worker": 1}, rid=99)))
             pong = stranger.reply()
             assert pong is not None and pong.op == "pong" and pong.rid == 99
             assert ps.threads[0].is_alive() and server.exit_code is None
             stats = server.stats
+            deadline = time.monotonic() + 5
+            while stats.handled < stats.requests:  # the reply leaves before its handling ends
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
             assert stats.requests == 2 and sum(stats.replies.values()) + stats.unanswerable == 2
         finally:
             stranger.close()
@@ -321,7 +327,8 @@ def test_a_stranger_gets_no_parameters() -> None:
     server.handle(Incoming(b"c", init))
     server.handle(Incoming(b"s", Message("pull", {}, rid=2)))
     reply = endpoint.sent[-1][1]
-    assert reply.op == "error" and "worker id" in reply.fields["error"] and not reply.arrays
+    assert reply.op == "error" and "needs the id of one of the job's workers" in reply.fields["error"]
+    assert not reply.arrays
 
 
 BOUNDED_RULES = [
@@ -371,3 +378,76 @@ def test_ordinary_updates_are_proven_finite_without_a_backup_and_huge_ones_are_c
     assert store.checked_applies == 1 and store.version == 1001
     store.apply(grad)  # no bound given (a gradient that may change): checked too
     assert store.checked_applies == 2
+
+
+def test_full_queues_from_peers_that_reset_never_abort_the_ps_process(tmp_path: Path) -> None:
+    """libzmq asserts (and aborts the process) when a ZeroMQ heartbeat falls due on a connection whose queue is
+    full and whose peer has gone. 16 raw connections that each sent 5,000 requests and reset did it to a ps at
+    the first try; a ps now sends no ZeroMQ heartbeats (TCP keepalive drops dead links instead)."""
+    import socket
+    import struct
+    import threading
+
+    from psdk.testing.zmtp import RawZmtpPeer
+    from tests.conftest import REPO, free_port
+    from tests.jobs import env
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "psdk", "ps", f"ps_hosts=127.0.0.1:{port}", "worker_hosts=localhost",
+        "transport.secure=false", "transport.heartbeat_interval_s=0.2", f"hydra.run.dir={tmp_path}",
+        f"ps.announce_file={tmp_path / 'ps.json'}",
+    ]  # fmt: skip
+    ps = subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ps.json").exists():
+            assert ps.poll() is None and time.monotonic() < deadline, "the ps did not start"
+            time.sleep(0.05)
+        request = json.dumps({"op": "stats", "rid": 1, "f": {"worker": 0}, "a": []}).encode()
+        burst = b"".join(bytes([0, len(request)]) + request for _ in range(5000))
+
+        def flood_and_reset() -> None:
+            try:
+                peer = RawZmtpPeer("127.0.0.1", port, timeout_s=2.0)
+                peer.sock.sendall(burst)
+                peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                peer.close()  # a reset, with the ps's queue for it full
+            except OSError:
+                pass
+
+        for _ in range(3):
+            floods = [threading.Thread(target=flood_and_reset) for _ in range(16)]
+            for thread in floods:
+                thread.start()
+            for thread in floods:
+                thread.join(timeout=30)
+            time.sleep(1.0)  # several of the old heartbeat intervals
+            assert ps.poll() is None, ps.communicate(timeout=10)[0][-2000:]
+        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+        client = _client(transport, f"127.0.0.1:{port}")
+        try:
+            _init(client)
+            assert client.push_pull().global_step == 1
+            client.shutdown()
+        finally:
+            client.close()
+            transport.close()
+        assert ps.wait(timeout=30) == 0
+    finally:
+        if ps.poll() is None:
+            ps.kill()
+            ps.wait(timeout=10)
+
+
+def test_a_ps_socket_sends_no_zeromq_heartbeats_and_keeps_tcp_alive() -> None:
+    """The process-level test above needs libzmq's queue to fill; this one pins down the setting itself."""
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0))
+    try:
+        endpoint = transport.serve("127.0.0.1:0", "ps 0")
+        sock = endpoint.sock  # type: ignore[attr-defined]
+        assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+        assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1 and sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 2
+        endpoint.close()
+    finally:
+        transport.close()

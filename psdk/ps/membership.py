@@ -45,6 +45,10 @@ class Membership:
         if state.status in (UNSEEN, DEAD):  # the dead may come back (a restarted worker)
             state.status, state.reason = ALIVE, ""
 
+    def forget(self, worker: int) -> None:
+        """Drop a worker id that turned out not to be in the job."""
+        self.workers.pop(worker, None)
+
     def finish(self, worker: int) -> None:
         self.workers.setdefault(worker, WorkerState()).status = FINISHED
 

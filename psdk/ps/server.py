@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -42,8 +43,11 @@ from psdk.wire import HEARTBEAT_SUFFIX, MAX_HEADER_BYTES, Message
 log = logging.getLogger(__name__)
 
 CHIEF = 0
-MAX_INIT_WAITERS = 1024
+MAX_WAITS_PER_WORKER = 2
+"""Requests one worker may leave waiting for the chief's init (or the chief for a pause): a real one sends one."""
 HOUSEKEEPING_S = 0.05
+MAX_REPORT_CHARS = 16_384
+"""A worker's report at the end, as the ps keeps it for the chief's summary (a real one is ~2 KB)."""
 MAX_ERROR_CHARS = 1000
 """An error reply quotes at most this much (a refusal may quote what the peer sent)."""
 
@@ -134,12 +138,13 @@ class ParameterServer:
         self.boot = secrets.token_hex(4)
         self.epoch = 0
         self._rejections = RateLimitedLog(log)
+        self._refusals = RateLimitedLog(log)  # shared memory turned down: the worker goes on over frames
         self._internal_errors = RateLimitedLog(log)
         self._grad_copy = np.zeros(0, np.float32)
         """A gradient in a worker's shared memory is copied here before it is measured (see psdk.store)."""
         self.failure: str | None = None
         self.exit_code: int | None = None
-        self._init_waiters: list[tuple[bytes, int]] = []
+        self._init_waiters: list[tuple[bytes, int, int]] = []  # peer, rid, worker
         # Checkpoints: pushes beyond pause_version wait in _held until the chief resumes.
         self.pause_version: int | None = None
         self._pause_waiters: list[tuple[bytes, int]] = []
@@ -227,11 +232,12 @@ class ParameterServer:
             if handler is None:
                 raise ProtocolError(f"unknown op {message.op!r}")
             worker = self._worker_of(message)
-            if worker is not None:
-                if incoming.user is not None and incoming.user != worker_name(worker):
-                    raise ProtocolError(f"the key of {incoming.user} cannot speak for worker {worker}")
-                self._check_session(worker, incoming.peer)
-                self.membership.seen(worker, time.monotonic())
+            if worker is None:  # nothing at all for a connection that is none of the job's workers
+                raise ProtocolError(f"{message.op} needs the id of one of the job's workers")
+            if incoming.user is not None and incoming.user != worker_name(worker):
+                raise ProtocolError(f"the key of {incoming.user} cannot speak for worker {worker}")
+            self._check_session(worker, incoming.peer)
+            self.membership.seen(worker, time.monotonic())
             handler(incoming.peer, message, worker)
         except ProtocolError as exc:
             self._reject(incoming.peer, message, str(exc))
@@ -310,7 +316,7 @@ class ParameterServer:
                 self._error(push.peer, push.rid, reason, "failed")
         for push in self._held:
             self._error(push.peer, push.rid, reason, "failed")
-        for peer, rid in self._init_waiters + self._pause_waiters:
+        for peer, rid, *_ in self._init_waiters + self._pause_waiters:
             self._error(peer, rid, reason, "failed")
         self._init_waiters.clear()
         self._pause_waiters.clear()
@@ -354,9 +360,15 @@ class ParameterServer:
         self._deliver(peer, Message(op, fields, arrays, rid))
 
     def _deliver(self, peer: bytes, message: Message) -> None:
-        """The one way a reply leaves (as a message), so every reply is counted."""
+        """The one way a reply leaves (as a message), so every reply is counted, and each request gets one."""
+        try:
+            self.endpoint.reply(peer, message)
+        except ProtocolError as exc:  # too big to send (say, stats of very many workers): say so instead
+            self._internal_errors.warning("%s: the %s reply could not be sent: %s", self.name, message.op, exc)
+            text = f"{self.name} could not send its {message.op} reply: {exc}"[:MAX_ERROR_CHARS]
+            message = Message("error", {"error": text, "kind": "internal"}, [], message.rid)
+            self.endpoint.reply(peer, message)
         self.stats.replies[message.op] += 1
-        self.endpoint.reply(peer, message)
 
     def _error(self, peer: bytes, rid: int, text: str, kind: str = "error") -> None:
         if len(text) > MAX_ERROR_CHARS:
@@ -454,6 +466,9 @@ class ParameterServer:
         self.endpoint.limit_incoming(largest, largest + job.num_workers * push)
         self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
+        for stray in [w for w in self.sessions if w >= job.num_workers]:  # ids claimed before the job was known
+            del self.sessions[stray]
+            self.membership.forget(stray)
         log.info(
             "%s: initialised %d variables (%d floats), %s, %s mode, %d steps, %d workers%s",
             self.name,
@@ -466,7 +481,7 @@ class ParameterServer:
             f", restored at version {self.store.version}" if restore else "",
         )
         self._send(peer, message.rid, "ok", self._layout(), [])
-        for waiter_peer, rid in self._init_waiters:
+        for waiter_peer, rid, _ in self._init_waiters:
             self._send(waiter_peer, rid, "layout", self._layout(), [])
         self._init_waiters.clear()
 
@@ -485,10 +500,10 @@ class ParameterServer:
             self._error(peer, message.rid, self.failure, "failed")
         elif self.store.initialized:
             self._send(peer, message.rid, "layout", self._layout(), [])
-        elif len(self._init_waiters) >= MAX_INIT_WAITERS:
-            raise ProtocolError(f"more than {MAX_INIT_WAITERS} requests already wait for the chief")
+        elif sum(1 for waiter in self._init_waiters if waiter[2] == worker) >= MAX_WAITS_PER_WORKER:
+            raise ProtocolError(f"worker {worker} already waits for the chief {MAX_WAITS_PER_WORKER} times")
         else:
-            self._init_waiters.append((peer, message.rid))
+            self._init_waiters.append((peer, message.rid, worker))
 
     def _on_pull(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker is None:  # parameters go to the job's workers only (and cost a stranger nothing to ask)
@@ -510,7 +525,7 @@ class ParameterServer:
                 raise ProtocolError(f"{self.name} does not take shared memory (transport.shared_memory=false)")
             shared = AttachedBuffers(message.fields, self.store.size, pipes=self.endpoint.knocks)
         except Exception as exc:  # not an attack on the store (nor a reason to fail): the worker goes on with frames
-            log.info("%s: worker %d stays on ZeroMQ frames: %s", self.name, worker, exc)
+            self._refusals.info("%s: worker %d stays on ZeroMQ frames: %.300s", self.name, worker, exc)
             self._send(peer, message.rid, "refused", {"error": str(exc)}, [])
             return
         shared.session = peer.removesuffix(HEARTBEAT_SUFFIX)
@@ -525,7 +540,7 @@ class ParameterServer:
         try:
             taken = shared.take_knock()
         except Exception:  # a bug here must not end the serving loop, which called this outside handle()
-            log.exception("%s: internal error reading worker %d's knock", self.name, worker)
+            self._internal_errors.exception("%s: internal error reading worker %d's knock", self.name, worker)
             shared.hung_up = True
             taken = None
         if shared.hung_up:  # the worker closed its buffers or is gone (membership notices that on its own)
@@ -608,9 +623,14 @@ class ParameterServer:
         self._submit(peer, message.rid, worker, version, grad, bound if stable else None)
 
     def _pushes_waiting(self, worker: int) -> int:
-        """This worker's pushes not answered yet: parked by the sync mode, or held by a checkpoint's pause."""
+        """This worker's pushes not answered yet (parked by the mode, held by a pause), from its current process."""
         assert self.policy is not None
-        return sum(1 for push in [*self.policy.parked(), *self._held] if push.worker == worker)
+        session = self.sessions.get(worker)
+        return sum(
+            1
+            for push in [*self.policy.parked(), *self._held]
+            if push.worker == worker and push.peer.removesuffix(HEARTBEAT_SUFFIX) == session
+        )
 
     def _submit(self, peer: bytes, rid: int, worker: int, version: int, grad: np.ndarray, bound: float | None) -> None:
         """Hand a checked push to the consistency policy (or hold it while paused)."""
@@ -678,6 +698,8 @@ class ParameterServer:
         if self._paused():
             self._send(peer, message.rid, "paused", {"version": self.store.version}, [])
             return
+        if len(self._pause_waiters) >= MAX_WAITS_PER_WORKER:
+            raise ProtocolError(f"{MAX_WAITS_PER_WORKER} pauses already wait for version {self.pause_version}")
         self._pause_waiters.append((peer, message.rid))
         self._release_held()
 
@@ -707,8 +729,12 @@ class ParameterServer:
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
-        for push in held:
-            self._submit(push.peer, push.rid, push.worker, push.version, push.grad, push.bound)
+        for push in held:  # each on its own: a bug on one must not leave the others unanswered
+            try:
+                self._submit(push.peer, push.rid, push.worker, push.version, push.grad, push.bound)
+            except Exception as exc:
+                self._internal_errors.exception("%s: internal error releasing a held push", self.name)
+                self._error(push.peer, push.rid, f"internal error in {self.name}: {exc!r}", "internal")
 
     def _on_finish(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker is None:
@@ -716,8 +742,9 @@ class ParameterServer:
         self.membership.finish(worker)
         self._let_go(worker)  # its last pulls are answered in frames; its memory is let go
         report = message.fields.get("report")
-        if isinstance(report, dict):
-            self.reports[worker] = report
+        if isinstance(report, dict):  # kept for the chief's summary: one small report per worker
+            size = len(json.dumps(report))
+            self.reports[worker] = report if size <= MAX_REPORT_CHARS else {"report_too_large": size}
         self._send(peer, message.rid, "ok", {}, [])
         if self.policy is not None and not self.done:
             blocked = self.policy.blocked_round(self.membership.live())
@@ -781,8 +808,9 @@ class ParameterServer:
         restore = _restore_state(message.fields.get("restore"), names, message.arrays)
         if restore is None:
             raise ProtocolError("restore needs the checkpoint's state")
+        epoch = _epoch(message.fields.get("epoch"))  # checked before anything changes
         self.store.reset(dict(zip(names, message.arrays, strict=False)), restore)
-        self.epoch = _epoch(message.fields.get("epoch"))
+        self.epoch = epoch
         why = f"the chief restored the job at version {restore.version} (epoch {self.epoch})"
         stale = [(p.peer, p.rid) for p in [*self.policy.release_parked(), *self._held]]
         self._held.clear()
