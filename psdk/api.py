@@ -3,7 +3,7 @@
 ::
 
     cluster = psdk.ClusterSpec({"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1"] * 2})
-    with psdk.connect(cluster, task_index=0, steps=1000, sync="sync") as session:
+    with psdk.connect(cluster, task_index=0, steps=1000, sync="sync", keys="keys") as session:
         opt = psdk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, session)
         opt.broadcast_parameters()
         while not session.should_stop():
@@ -26,13 +26,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from psdk import checkpoint
+from psdk import checkpoint, security
 from psdk.backend import Backend
 from psdk.checkpoint import Checkpoint
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError
+from psdk.errors import ConfigError, PeerDeadError, PeerRestartedError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.plugins import backend_for
 from psdk.recovery import latest_or_none
@@ -142,18 +142,24 @@ def connect(
     sharding: str = "round_robin",
     options: ClientOptions | None = None,
     transport: Transport | None = None,
-    curve: CurveKeys | None = None,
+    keys: Path | str | CurveKeys | None = None,
+    secure: bool = True,
     checkpoint_dir: Path | str | None = None,
 ) -> WorkerSession:
     """Join ``cluster`` as worker ``task_index``.
 
     ``steps`` (the target global step), ``sync`` and ``replicas_to_aggregate``
     configure the job; only the chief's values reach the ps, as only the
-    chief's graph mattered in TensorFlow. ``curve`` (see
-    :func:`psdk.security.load_worker`) authenticates this worker and encrypts
-    its traffic. With ``options.recovery_timeout_s`` set, the chief restores
-    a lost ps from the latest checkpoint in ``checkpoint_dir`` (or the
-    initial state) and the other workers wait for it.
+    chief's graph mattered in TensorFlow. ``keys``: the job's key folder
+    (``python -m psdk keys``; this worker reads its own secret and the ps
+    tasks' public keys from it), or keys already loaded
+    (:func:`psdk.security.load_worker`): they authenticate this worker and
+    encrypt its traffic, as every ps expects unless it was started with
+    ``transport.secure=false``; then pass ``secure=False`` here too. A
+    ``transport`` of your own (e.g. in-process, for tests) brings its own.
+    With ``options.recovery_timeout_s`` set, the chief restores a lost ps
+    from the latest checkpoint in ``checkpoint_dir`` (or the initial state)
+    and the other workers wait for it.
     """
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
     job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers)
@@ -164,7 +170,7 @@ def connect(
             ZmqOptions(
                 heartbeat_interval_s=options.heartbeat_interval_s,
                 heartbeat_timeout_s=options.heartbeat_timeout_s,
-                curve=curve,
+                curve=_worker_keys(keys, secure, cluster, task_index),
             )
         )
     try:
@@ -177,6 +183,23 @@ def connect(
         folder = checkpoint_dir
         client.recovery_source = lambda: latest_or_none(folder)
     return WorkerSession(client, job, sharding, own)
+
+
+def _worker_keys(
+    keys: Path | str | CurveKeys | None, secure: bool, cluster: ClusterSpec, task: int
+) -> CurveKeys | None:
+    if isinstance(keys, CurveKeys):
+        return keys
+    if keys is not None:
+        return security.load_worker(Path(keys), task, cluster.num_ps)
+    if secure:
+        raise ConfigError(
+            "keys",
+            "psdk.connect needs the job's keys: keys=DIR, a folder made by `python -m psdk keys keys_dir=DIR "
+            "workers=N` and given to the ps tasks as transport.keys_dir=DIR; or secure=False with ps tasks "
+            "started with transport.secure=false, where every host and user is trusted",
+        )
+    return None
 
 
 class DistributedOptimizer:

@@ -53,7 +53,7 @@ commands:
   plugins   list the installed backends and the distributions that provide them
   fuzz      sequences of every op from real workers, then mutated single messages, against live ps tasks:
             fuzz sequences=300 steps=50 count=100000 seed=0
-  keys      make CURVE keys for secure per-task runs: keys keys_dir=DIR workers=N
+  keys      make CURVE keys for per-task runs: keys keys_dir=DIR workers=N ps=M [overwrite=true]
   bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
   data      download MNIST (or check a folder: data.dir=...) and verify its checksums, nothing else
 
@@ -321,17 +321,21 @@ def run_fuzz(args: Sequence[str]) -> int:
 
 
 def make_keys(args: Sequence[str]) -> int:
-    """``keys keys_dir=DIR workers=N``: a keypair for the ps tasks and one per worker."""
+    """``keys keys_dir=DIR workers=N ps=M [overwrite=true]``: a keypair per ps task and per worker."""
     from psdk import security
 
-    options = _options(args, {"keys_dir": "keys", "workers": "2"})
-    if int(options["workers"]) < 1:
-        raise ConfigError("workers", f"must be at least 1, got {options['workers']!r}")
-    folder = security.generate(Path(options["keys_dir"]), int(options["workers"]))
-    print(f"keys for the ps tasks and {options['workers']} workers in {folder}/:")
-    print(f"  every ps task needs   {folder}/server.key_secret and {folder}/workers/*.key")
-    print(f"  worker i needs        {folder}/workers/worker-<i>.key_secret and {folder}/server.key")
-    print(f"  run every task with   transport.secure=true transport.keys_dir={folder}")
+    options = _options(args, {"keys_dir": "keys", "workers": "2", "ps": "1", "overwrite": "false"})
+    for key in ("workers", "ps"):
+        if int(options[key]) < 1:
+            raise ConfigError(key, f"must be at least 1, got {options[key]!r}")
+    if options["overwrite"] not in ("true", "false"):
+        raise ConfigError("overwrite", f"must be true or false, got {options['overwrite']!r}")
+    folder = Path(options["keys_dir"])
+    security.generate(folder, int(options["workers"]), int(options["ps"]), overwrite=options["overwrite"] == "true")
+    print(f"keys for {options['ps']} ps task(s) and {options['workers']} workers in {folder}/:")
+    print(f"  ps task j needs   {folder}/ps/ps-<j>.key_secret and {folder}/workers/*.key")
+    print(f"  worker i needs    {folder}/workers/worker-<i>.key_secret and {folder}/ps/*.key")
+    print(f"  give every task   transport.keys_dir={folder} (a folder holding those files, on its own host)")
     return 0
 
 

@@ -1,27 +1,32 @@
 """CURVE keys: who may talk to a ps, and an encrypted channel for what they say.
 
-With ``transport.secure`` on, every ps socket is a CURVE server and every
-worker socket a CURVE client. A ps accepts only the public keys of the job's
-workers (a ZAP handler checks each connection before its first message is
-read), and it knows which worker each key belongs to, so a worker's key
-cannot claim another worker's id. A refused connection is logged and never
-reaches the store. Keys live in one folder::
+CURVE is on wherever a ps listens, one host included: every ps socket is a
+CURVE server and every worker socket a CURVE client, unless a task is told
+``transport.secure=false`` (and then the ps says what that exposes). A ps
+accepts only the public keys of the job's workers (a ZAP handler checks each
+connection before its first message is read), and it knows which worker each
+key belongs to, so a worker's key cannot claim another worker's id. Every ps
+task has a keypair of its own and every worker one; a folder holds them::
 
-    keys/server.key, keys/server.key_secret        the ps tasks' keypair
-    keys/workers/worker-<i>.key(+_secret)           one keypair per worker
+    keys/ps/ps-<j>.key, keys/ps/ps-<j>.key_secret            ps task j's keypair
+    keys/workers/worker-<i>.key, ....key_secret               worker i's keypair
 
-A ps needs ``server.key_secret`` and ``workers/*.key``; worker i needs
-``workers/worker-<i>.key_secret`` and ``server.key``. ``python -m psdk keys``
-makes them; the local launcher makes a fresh set per run.
+Each task needs only its own secret and the others' public keys
+(:func:`files_for`): ps task j ``ps/ps-<j>.key_secret`` and
+``workers/*.key``; worker i ``workers/worker-<i>.key_secret`` and
+``ps/*.key``. A secret file readable by group or others is refused, as ssh
+refuses a private key. ``python -m psdk keys`` makes a folder (and never
+overwrites one unless asked); ``python -m psdk run`` makes a fresh one per run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +35,26 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from psdk.cluster import ClusterSpec
 from psdk.errors import ConfigError
+from psdk.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-SERVER = "server"
+PS = "ps"
 WORKERS = "workers"
 DENIAL_LOG_INTERVAL_S = 60.0
+REMEMBERED_DENIALS = 256
+"""Unknown keys remembered (to log each once a minute): the oldest is forgotten first, so a flood of fresh keys
+costs a bounded table and, past the log's own limit, a count."""
+KEY_ENV_HINT = "make them with `python -m psdk keys keys_dir=DIR workers=N ps=M`"
 
 
 def worker_name(index: int) -> str:
     return f"worker-{index}"
+
+
+def ps_name(index: int) -> str:
+    return f"ps-{index}"
 
 
 @dataclass(frozen=True)
@@ -50,97 +63,134 @@ class CurveKeys:
 
     public: bytes
     secret: bytes
-    server_public: bytes | None = None
-    """Clients: the ps tasks' public key."""
+    servers: tuple[bytes, ...] = ()
+    """Clients: each ps task's public key, by ps index."""
     allowed: dict[bytes, str] = field(default_factory=dict)
     """Servers: the public key of every worker that may connect, and its name."""
 
 
-def generate(folder: Path, num_workers: int) -> Path:
-    """A fresh keypair for the ps tasks and one per worker (secrets readable by the owner only)."""
+def files_for(job: str, index: int) -> list[str]:
+    """The files of a key folder that task ``job`` ``index`` needs, as globs: its own secret, the others' publics."""
+    if job == "ps":
+        return [f"{PS}/{ps_name(index)}.key_secret", f"{WORKERS}/*.key"]
+    return [f"{WORKERS}/{worker_name(index)}.key_secret", f"{PS}/*.key"]
+
+
+def generate(folder: Path, num_workers: int, num_ps: int = 1, overwrite: bool = False) -> Path:
+    """A fresh keypair per ps task and per worker (secrets readable by the owner only).
+
+    An existing key folder is kept unless ``overwrite``: replacing keys under
+    a running job locks its tasks out, and a copy elsewhere may be the only one.
+    """
+    if (folder / PS).exists() or (folder / WORKERS).exists():
+        if not overwrite:
+            raise ConfigError(
+                "keys_dir",
+                f"{folder} already holds keys; pass overwrite=true to replace them (every task of a job using "
+                "them then needs the new ones), or choose another keys_dir",
+            )
+        for old in [*(folder / PS).glob("*.key*"), *(folder / WORKERS).glob("*.key*")]:
+            old.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
-    (folder / WORKERS).mkdir(exist_ok=True)
-    zmq.auth.create_certificates(str(folder), SERVER)
-    for index in range(num_workers):
-        zmq.auth.create_certificates(str(folder / WORKERS), worker_name(index))
+    tasks = {PS: [ps_name(j) for j in range(num_ps)], WORKERS: [worker_name(i) for i in range(num_workers)]}
+    for sub, names in tasks.items():
+        (folder / sub).mkdir(exist_ok=True, mode=0o700)
+        for name in names:
+            zmq.auth.create_certificates(str(folder / sub), name)
     for secret in folder.rglob("*.key_secret"):
         os.chmod(secret, 0o600)
     return folder
 
 
-def _load(path: Path) -> tuple[bytes, bytes | None]:
+def _public(path: Path) -> bytes:
     if not path.is_file():
-        raise ConfigError("transport.keys_dir", f"{path} is missing; make keys with `python -m psdk keys`")
+        raise ConfigError("transport.keys_dir", f"{path} is missing; {KEY_ENV_HINT}")
+    public, _ = zmq.auth.load_certificate(str(path))
+    return public
+
+
+def _secret(path: Path) -> tuple[bytes, bytes]:
+    """A keypair from a secret key file that only its owner can read (refused otherwise, as ssh does)."""
+    if not path.is_file():
+        raise ConfigError("transport.keys_dir", f"{path} is missing; {KEY_ENV_HINT}")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        who = " and ".join(w for w, bits in (("its group", 0o070), ("other users", 0o007)) if mode & bits)
+        raise ConfigError(
+            "transport.keys_dir",
+            f"{path} is a secret key that {who} can read or write (mode {mode:04o}); anyone who can read it can act "
+            f"as this task: `chmod 600 {path}` (and keep its folder the owner's alone)",
+        )
     public, secret = zmq.auth.load_certificate(str(path))
+    if secret is None:
+        raise ConfigError("transport.keys_dir", f"{path} holds no secret key; {KEY_ENV_HINT}")
     return public, secret
 
 
-def load_server(folder: Path) -> CurveKeys:
-    public, secret = _load(folder / f"{SERVER}.key_secret")
-    allowed = {}
-    for path in sorted((folder / WORKERS).glob("*.key")):
-        key, _ = zmq.auth.load_certificate(str(path))
-        allowed[key] = path.stem
-    if not allowed or secret is None:
+def load_server(folder: Path, index: int = 0) -> CurveKeys:
+    """Ps task ``index``'s keys, and the workers it lets in."""
+    public, secret = _secret(folder / PS / f"{ps_name(index)}.key_secret")
+    allowed = {_public(path): path.stem for path in sorted((folder / WORKERS).glob("*.key"))}
+    if not allowed:
         raise ConfigError("transport.keys_dir", f"{folder} holds no worker public keys (workers/worker-<i>.key)")
     return CurveKeys(public, secret, allowed=allowed)
 
 
-def load_worker(folder: Path, index: int) -> CurveKeys:
-    public, secret = _load(folder / WORKERS / f"{worker_name(index)}.key_secret")
-    server_public, _ = _load(folder / f"{SERVER}.key")
-    if secret is None:
-        raise ConfigError("transport.keys_dir", f"no secret key for worker {index} in {folder}")
-    return CurveKeys(public, secret, server_public=server_public)
+def load_worker(folder: Path, index: int, num_ps: int = 1) -> CurveKeys:
+    """Worker ``index``'s keys, and the public key of each of the ``num_ps`` ps tasks it talks to."""
+    public, secret = _secret(folder / WORKERS / f"{worker_name(index)}.key_secret")
+    servers = tuple(_public(folder / PS / f"{ps_name(j)}.key") for j in range(num_ps))
+    return CurveKeys(public, secret, servers=servers)
 
 
-def _loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def secure_by_default(cluster: ClusterSpec) -> bool:
-    """On when the tasks are not all on one host (every loopback name counts as one host)."""
-    hosts = {cluster.worker_host(i) for i in range(cluster.num_workers)}
-    hosts |= {entry.rsplit(":", 1)[0] for entry in cluster.ps if "://" not in entry}
-    named = {"loopback" if _loopback(h) else h for h in hosts}
-    return len(named) > 1
-
-
-def is_secure(secure: bool | None, keys_dir: str | None, cluster: ClusterSpec) -> bool:
-    """Whether this task must use CURVE, refusing a secure setup without keys."""
-    on = secure_by_default(cluster) if secure is None else bool(secure)
+def require_keys(secure: Any, keys_dir: Any) -> bool:
+    """Whether this task uses CURVE (always, unless ``transport.secure=false``); refuses secure without keys."""
+    on = True if secure is None else bool(secure)
     if on and not keys_dir:
-        why = "transport.secure=true" if secure else "the tasks are on more than one host, so transport.secure is on"
         raise ConfigError(
             "transport.keys_dir",
-            f"{why} but no keys were given: make them with `python -m psdk keys keys_dir=DIR workers=N`, "
-            "copy the folder to every host and pass transport.keys_dir=DIR to every task "
-            "(or set transport.secure=false on a trusted network)",
+            "a ps and its workers talk CURVE unless told otherwise, and this task was given no keys: "
+            f"{KEY_ENV_HINT}, give every task transport.keys_dir=DIR (each host needs only its tasks' files: "
+            "docs/security.md), or run the whole job with `python -m psdk run`, which makes its own; "
+            "transport.secure=false turns CURVE off (anyone who can reach a ps can then read and change the model)",
         )
     return on
 
 
+INSECURE_WARNING = (
+    "%s: CURVE is off (transport.secure=false): anyone who can reach %s can read the parameters, push gradients, "
+    "take any worker's id (the chief's too) before it connects or while it restarts, and stop the job; use it "
+    "only where you trust every host and every user that can reach this port"
+)
+
+
 class KeyRing:
-    """The ZAP decision: a known worker key is let in under its worker's name; others are refused and logged."""
+    """The ZAP decision: a known worker key is let in under its worker's name; others are refused and logged.
+
+    What unknown keys cost is bounded: the keys remembered (to log each at
+    most once a minute) are the latest :data:`REMEMBERED_DENIALS`, and the
+    log lines themselves are rate-limited.
+    """
 
     def __init__(self, allowed: dict[bytes, str], owner: str):
         self.allowed = allowed
         self.owner = owner
-        self._logged: dict[bytes, float] = {}
+        self.refused = 0
+        self._logged: OrderedDict[bytes, float] = OrderedDict()
+        self._lines = RateLimitedLog(log)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.allowed:
             return True
+        self.refused += 1
         now = time.monotonic()
         if now - self._logged.get(key, -1e9) >= DENIAL_LOG_INTERVAL_S:  # a retrying client logs once a minute
             self._logged[key] = now
-            log.warning("%s: refused a connection with an unknown CURVE key %s…", self.owner, key[:12].decode())
+            self._logged.move_to_end(key)
+            while len(self._logged) > REMEMBERED_DENIALS:
+                self._logged.popitem(last=False)
+            self._lines.warning("%s: refused a connection with an unknown CURVE key %s…", self.owner, key[:12].decode())
         return False
 
 

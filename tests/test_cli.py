@@ -111,7 +111,7 @@ def test_a_busy_port_is_reported_with_how_to_fix_it(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = psdk("ps", f"ps_hosts=127.0.0.1:{port}", out=tmp_path, timeout=60)
+        result = psdk("ps", f"ps_hosts=127.0.0.1:{port}", "transport.secure=false", out=tmp_path, timeout=60)
     assert result.returncode != 0
     text = result.stdout + result.stderr
     assert f"127.0.0.1:{port}" in text and "in use" in text and "ps 0" in text

@@ -200,3 +200,20 @@ def test_messages_queued_behind_the_ones_taken_are_still_counted() -> None:
     finally:
         endpoint.close()
         transport.close()
+
+
+def test_silent_connections_make_room_for_a_worker_at_the_connection_cap() -> None:
+    """Strangers holding every slot (no key, a half-open handshake) cannot lock a worker out."""
+    with guarded_ps(max_connections=4) as (server, address):
+        guard = _guard(server)
+        squatters = [_peer(address) for _ in range(4)]  # connected, handshake done, never a message
+        _seen(guard, 4)
+        time.sleep(1.1)  # older than the newcomer by the grace the guard gives (measured, not raced: 1 s)
+        try:
+            with chief(address) as client:  # its two connections evict the two oldest squatters
+                assert _trains(client)
+            assert guard.shut_down >= 2
+            assert sum(s.closed_by_server(1.0) for s in squatters) >= 2
+        finally:
+            for squatter in squatters:
+                squatter.close()

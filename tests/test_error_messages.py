@@ -140,7 +140,7 @@ def test_a_busy_port_names_it_and_how_to_free_it(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         fails_with(
             tmp_path,
-            ["ps", "backend=numpy", f"ps_hosts=127.0.0.1:{port}"],
+            ["ps", "backend=numpy", f"ps_hosts=127.0.0.1:{port}", "transport.secure=false"],
             [f"ps 0 cannot bind 127.0.0.1:{port}: the port is in use", "Pick another port in ps_hosts", f":{port}"],
             code=None,
         )

@@ -114,8 +114,10 @@ def test_sync_job_over_two_ps_shards(tmp_path: Path) -> None:
 
 def test_per_task_mode_as_in_tensorflow_1(tmp_path: Path) -> None:
     port = free_port()
+    made = psdk("keys", f"keys_dir={tmp_path / 'keys'}", "workers=2")
+    assert made.returncode == 0, made.stderr
     hosts = ["--ps_hosts", f"127.0.0.1:{port}", "--worker_hosts=localhost:0,localhost:0"]
-    common = [*hosts, "backend=numpy", "train.steps=200", *FAST_FLAGS]
+    common = [*hosts, "backend=numpy", "train.steps=200", f"transport.keys_dir={tmp_path / 'keys'}", *FAST_FLAGS]
     ps = start("ps", "--task_index=0", *common, out=tmp_path / "ps")
     workers = [start("task", "--job_name=worker", f"--task_index={i}", *common, out=tmp_path / f"w{i}") for i in (1, 0)]
     try:
@@ -127,6 +129,7 @@ def test_per_task_mode_as_in_tensorflow_1(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "w0" / "summary.json").read_text())
     assert summary["global_step"] == 200 and summary["num_workers"] == 2
     assert outputs[1].strip().splitlines()[-1].startswith("psdk done:")
+    assert "CURVE on: 2 worker key(s) accepted" in outputs[2]
 
 
 def test_a_dead_worker_in_async_mode_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
@@ -232,19 +235,32 @@ def test_a_job_resumes_from_its_checkpoint_with_another_number_of_ps(tmp_path: P
     assert summary["test_accuracy"] > json.loads((tmp_path / "a" / "summary.json").read_text())["test_accuracy"] - 0.02
 
 
-def test_a_secure_job_authenticates_and_encrypts(tmp_path: Path) -> None:
+def test_the_default_job_authenticates_and_encrypts_on_one_host(tmp_path: Path) -> None:
+    """No host names decide it: `run` makes a fresh key set per run, one keypair per task."""
+    for run in ("first", "again"):  # the same folder twice: the run's keys are made anew
+        result = psdk("run", "backend=numpy", "train.steps=200", "train.validate_every=50", *FAST_FLAGS, out=tmp_path)
+        summary = check_run(tmp_path, result, 200)
+        assert "CURVE on" in result.stdout, run
+        assert summary["gradients_applied"] == 200
+    keys = tmp_path / "keys"
+    assert sorted(p.name for p in keys.rglob("*_secret")) == [
+        "ps-0.key_secret",
+        "worker-0.key_secret",
+        "worker-1.key_secret",
+    ]
+    assert all(p.stat().st_mode & 0o077 == 0 for p in keys.rglob("*_secret"))
+
+
+def test_curve_off_takes_an_explicit_setting_and_the_ps_says_what_it_exposes(tmp_path: Path) -> None:
     result = psdk(
-        "run",
-        "backend=numpy",
-        "transport.secure=true",
-        "train.steps=200",
-        "train.validate_every=50",
-        *FAST_FLAGS,
+        "run", "backend=numpy", "train.steps=100", "train.validate_every=50", "transport.secure=false", *FAST_FLAGS,
         out=tmp_path,
-    )
-    summary = check_run(tmp_path, result, 200)
-    assert "CURVE on" in result.stdout and (tmp_path / "keys" / "server.key_secret").exists()
-    assert summary["gradients_applied"] == 200
+    )  # fmt: skip
+    check_run(tmp_path, result, 100)
+    ps_log = (tmp_path / "tasks" / "ps0" / "ps0.log").read_text()
+    assert "CURVE is off (transport.secure=false): anyone who can reach" in ps_log
+    assert "can read the parameters, push gradients, take any worker's id" in ps_log
+    assert not (tmp_path / "keys").exists()
 
 
 @pytest.mark.parametrize(

@@ -51,15 +51,9 @@ def start_job(
     ps, w0, w1 = lan["ps"], lan["w0"], lan["w1"]
     # A loaded machine may delay heartbeats: only the test that wants a death detects it quickly.
     fast = [f for f in FAST_FLAGS if not f.startswith("transport.heartbeat_timeout_s=")]
-    # Tasks on several hosts use CURVE by default: every host gets the job's keys.
+    # CURVE, as everywhere: each host gets only its own task's key files, as the README says.
     keys = security.generate(tmp_path / "keys", 2)
-    common = [
-        "backend=numpy",
-        *fast,
-        f"transport.heartbeat_timeout_s={heartbeat_timeout_s}",
-        f"transport.keys_dir={keys}",
-        *flags,
-    ]
+    common = ["backend=numpy", *fast, f"transport.heartbeat_timeout_s={heartbeat_timeout_s}", *flags]
     # The three hosts share this machine's cores, as under the local launcher: one BLAS thread each.
     base_env = dict(env(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cluster = [f"--ps_hosts={ps.address}:{port}", f"--worker_hosts={w0.address},{w1.address}"]
@@ -68,12 +62,22 @@ def start_job(
     tf_cluster = {"chief": [f"{w0.address}:2222"], "worker": [f"{w1.address}:2222"], "ps": [f"{ps.address}:{port}"]}
     procs = {}
     for name, (job, index, host) in tasks.items():
+        own = tmp_path / name / "keys"
+        for pattern in security.files_for(job, index):
+            for source in keys.glob(pattern):
+                target = own / source.relative_to(keys)
+                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                target.write_bytes(source.read_bytes())
+                target.chmod(0o600)
+        secrets = sorted(p.name for p in own.rglob("*_secret"))
+        assert secrets == [f"{'ps-' if job == 'ps' else 'worker-'}{index}.key_secret"], secrets
+        common_here = [*common, f"transport.keys_dir={own}"]
         if tf_config:
             task_type, tf_index = tf_tasks[name]
             spec = {"cluster": tf_cluster, "task": {"type": task_type, "index": tf_index}}
-            argv, task_env = ["task", *common], dict(base_env, TF_CONFIG=json.dumps(spec))
+            argv, task_env = ["task", *common_here], dict(base_env, TF_CONFIG=json.dumps(spec))
         else:
-            argv, task_env = [job, f"--task_index={index}", *cluster, *common], base_env
+            argv, task_env = [job, f"--task_index={index}", *cluster, *common_here], base_env
         procs[name] = lan.start(host, psdk_argv(*argv, out=tmp_path / name), env=task_env, cwd=REPO)
     return procs
 

@@ -138,6 +138,7 @@ def test_a_ps_process_exits_after_its_idle_timeout_naming_the_chief(tmp_path: Pa
             "worker_hosts=127.0.0.1",
             "ps.idle_timeout_s=1",
             "transport.heartbeat_timeout_s=60",
+            "transport.secure=false",
             f"hydra.run.dir={tmp_path}",
         ],
         stdout=subprocess.PIPE,

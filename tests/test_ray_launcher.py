@@ -14,7 +14,7 @@ import pytest
 from psdk import security
 from psdk.cluster import Topology
 from psdk.errors import ConfigError
-from psdk.launch.ray import RayLauncher, TaskRunner, import_ray, key_files
+from psdk.launch.ray import RayLauncher, TaskRunner, import_ray
 
 from .conftest import REPO
 from .jobs import FAST_FLAGS, all_tasks_gone, psdk, test_accuracy
@@ -78,19 +78,21 @@ def test_a_ps_binds_its_node_ip_and_a_local_ray_keeps_to_loopback() -> None:
 
 
 def test_each_node_gets_only_the_keys_its_task_needs(tmp_path: Path) -> None:
-    keys = security.generate(tmp_path / "keys", 2)
+    keys = security.generate(tmp_path / "keys", 2, num_ps=2)
 
     def shipped(job: str, index: int) -> Path:
         folder = tmp_path / f"{job}{index}" / "keys"
-        files = {str(p.relative_to(keys)): p.read_bytes() for g in key_files(job, index) for p in keys.glob(g)}
+        files = {str(p.relative_to(keys)): p.read_bytes() for g in security.files_for(job, index) for p in keys.glob(g)}
         TaskRunner(f"{job} {index}").write_files(str(folder), files)
         return folder
 
-    ps = shipped("ps", 0)
-    assert len(security.load_server(ps).allowed) == 2
-    assert sorted(p.name for p in ps.rglob("*_secret")) == ["server.key_secret"]
+    ps = shipped("ps", 1)
+    assert len(security.load_server(ps, 1).allowed) == 2
+    assert sorted(p.name for p in ps.rglob("*_secret")) == ["ps-1.key_secret"]
     worker = shipped("worker", 1)
-    assert security.load_worker(worker, 1).server_public == security.load_server(keys).public
+    assert security.load_worker(worker, 1, num_ps=2).servers == tuple(
+        security.load_server(keys, j).public for j in range(2)
+    )
     assert sorted(p.name for p in worker.rglob("*_secret")) == ["worker-1.key_secret"]
     assert all(p.stat().st_mode & 0o077 == 0 for p in worker.rglob("*_secret"))
 

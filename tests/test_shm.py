@@ -439,3 +439,24 @@ def test_a_server_listens_to_several_knock_pipes_and_stops_cleanly() -> None:
         for fds in pipes:
             for fd in fds:
                 os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_cannot_open_a_workers_shared_memory() -> None:
+    """The ps maps a worker's memory through /proc/<pid>/fd: a process of another user gets EACCES there."""
+    import subprocess
+
+    worker = shm.WorkerBuffers(SIZE)
+    try:
+
+        def as_nobody() -> None:
+            os.setgid(65534)
+            os.setuid(65534)
+
+        for path in (f"/proc/{os.getpid()}/fd/{worker.fd}", f"/proc/{os.getpid()}/fd/{worker.bell}"):
+            done = subprocess.run(
+                ["/bin/cat", path], preexec_fn=as_nobody, capture_output=True, timeout=30, check=False
+            )  # fmt: skip
+            assert done.returncode != 0 and b"Permission denied" in done.stderr, done.stderr
+    finally:
+        worker.close()

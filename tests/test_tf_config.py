@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from psdk import security
 from psdk.cli import apply_tf_config, main
 from psdk.errors import ConfigError
 from psdk.tf_config import from_environ, parse_tf_config
@@ -142,7 +143,8 @@ def test_a_job_run_only_by_tf_config_env_vars(tmp_path: Path) -> None:
     """chief, worker 0 and ps 0 as three processes that get nothing but TF_CONFIG: the job completes."""
     port = free_port()
     cluster = {"chief": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"], "ps": [f"127.0.0.1:{port}"]}
-    flags = ["backend=numpy", "train.steps=200", *FAST_FLAGS]
+    keys = security.generate(tmp_path / "keys", 2)  # a Kubernetes Secret mounted in every pod, say
+    flags = ["backend=numpy", "train.steps=200", f"transport.keys_dir={keys}", *FAST_FLAGS]
     procs = {}
     for task_type in ("ps", "worker", "chief"):
         task_env = dict(env(), TF_CONFIG=tf_config(task_type, 0, cluster), OMP_NUM_THREADS="1")

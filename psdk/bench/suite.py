@@ -86,18 +86,17 @@ def run_psdk(
     mode: str,
     num_workers: int = 2,
     num_ps: int = 1,
-    secure: bool = False,
+    secure: bool = True,
     overlap: bool = False,
     frames: bool = False,
 ) -> Run:
     """psdk's own job through its CLI; figures from the summary the chief writes.
 
-    ``frames`` turns same-host shared memory off: every array goes through
-    ZeroMQ frames, as between hosts (CURVE runs are measured that way too:
-    encryption matters where tasks span hosts).
+    As it runs by default: CURVE on (``secure=False`` for the comparison),
+    shared memory between the tasks (``frames`` turns it off: every array
+    goes through ZeroMQ frames, as between hosts).
     """
-    frames = frames or secure
-    system = f"psdk-{backend}" + ("+CURVE" if secure else "") + (" (frames)" if frames else "")
+    system = f"psdk-{backend}" + ("" if secure else " (CURVE off)") + (" (frames)" if frames else "")
     label = f"{mode}+overlap" if overlap else mode
     with tempfile.TemporaryDirectory(prefix="psdk-bench-") as tmp:
         command = [
@@ -276,11 +275,21 @@ def transport_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def encryption_table(cost: dict[str, Any]) -> str:
-    return (
-        "| floats | plain round trips/s | CURVE round trips/s | CURVE ÷ plain |\n| --- | --- | --- | --- |\n"
-        f"| {cost['size']:,} | {cost['plain']:.0f} | {cost['secure']:.0f} | {cost['ratio']:.2f}× |"
-    )
+def curve_table(results: Sequence[dict[str, Any]]) -> str:
+    """CURVE's cost: round trips/s and CPU per round trip with it off and on, one host and between hosts."""
+    lines = [
+        "| floats | path | round trips/s off / on | ÷ | CPU µs/rt (client+server) off / on | ÷ |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for kind, path in (("psdk", "shared memory (one host)"), ("psdk-frames", "frames (between hosts)")):
+            side = r[kind]
+            lines.append(
+                f"| {r['size']:,} | {path} | {side['off']['round_trips_per_s']:.0f} / "
+                f"{side['on']['round_trips_per_s']:.0f} | {side['rate_ratio']:.2f}× | {side['off']['cpu_us']:.0f} / "
+                f"{side['on']['cpu_us']:.0f} | {side['cpu_ratio']:.2f}× |"
+            )
+    return "\n".join(lines)
 
 
 def interleave(plan: dict[str, Callable[[], Run]], reps: int) -> dict[str, list[Run]]:
@@ -312,8 +321,8 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
                 plan[f"psdk-{backend}-{mode}-overlap"] = functools.partial(run_psdk, cfg, backend, mode, overlap=True)
         if cfg.frames:
             plan[f"psdk-{backend}-async-frames"] = functools.partial(run_psdk, cfg, backend, "async", frames=True)
-        if cfg.secure:
-            plan[f"psdk-{backend}-async-secure"] = functools.partial(run_psdk, cfg, backend, "async", secure=True)
+        if cfg.curve:
+            plan[f"psdk-{backend}-async-curve-off"] = functools.partial(run_psdk, cfg, backend, "async", secure=False)
     for peer in cfg.peers:
         for mode in cfg.modes:
             if peer == "torch_ddp" and mode == "async":
@@ -346,6 +355,14 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
         ]
         report["transport"] = results
         sections += ["## Transport: push-and-pull against raw pyzmq (medians)", transport_table(results)]
+    if cfg.curve:
+        costs = [transport.curve_cost(int(size), transport_count(int(size)), reps=int(cfg.curve_reps))
+                 for size in cfg.transport_sizes[:1]]  # fmt: skip
+        report["curve"] = costs
+        sections += [
+            f"## CURVE: push-and-pull with it off and on (medians of {cfg.curve_reps} interleaved runs)",
+            curve_table(costs),
+        ]
     if cfg.load:
         loaded = load.run(clients=16, replicas=12, seconds=float(cfg.load_seconds))
         report["load"] = load.summary(loaded)

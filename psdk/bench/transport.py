@@ -217,15 +217,27 @@ def compare(size: int, count: int, reps: int) -> dict[str, Any]:
     return out
 
 
-def encryption_cost(size: int, count: int, reps: int) -> dict[str, Any]:
-    """psdk's push-and-pull over frames with CURVE on and off, alternated; medians and their ratio."""
+def curve_cost(size: int, count: int, reps: int) -> dict[str, Any]:
+    """psdk's push-and-pull with CURVE off and on, alternated ``reps`` times, on one host (shared memory) and over
+    frames; medians of round trips/s and of CPU per round trip (client + server), and CURVE's ratio to off."""
     from psdk import security
 
+    out: dict[str, Any] = {"size": size, "reps": reps, "count": count}
     with tempfile.TemporaryDirectory(prefix="psdk-keys-") as tmp:
         keys = str(security.generate(Path(tmp) / "keys", 1))
-        plain, secure = [], []
-        for _ in range(reps):  # over frames: encryption matters where tasks span hosts
-            plain.append(measure("psdk-frames", size, count).round_trips_per_s)
-            secure.append(measure("psdk-frames", size, count, keys=keys).round_trips_per_s)
-    p, s = float(np.median(plain)), float(np.median(secure))
-    return {"size": size, "plain": p, "secure": s, "ratio": s / p}
+        for kind in ("psdk", "psdk-frames"):
+            off: list[RoundTrips] = []
+            on: list[RoundTrips] = []
+            for _ in range(reps):
+                off.append(measure(kind, size, count))
+                on.append(measure(kind, size, count, keys=keys))
+            sides: dict[str, Any] = {}
+            for label, runs in (("off", off), ("on", on)):
+                sides[label] = {
+                    "round_trips_per_s": float(np.median([r.round_trips_per_s for r in runs])),
+                    "cpu_us": float(np.median([r.client_cpu_us + r.server_cpu_us for r in runs])),
+                }
+            sides["rate_ratio"] = sides["on"]["round_trips_per_s"] / sides["off"]["round_trips_per_s"]
+            sides["cpu_ratio"] = sides["on"]["cpu_us"] / sides["off"]["cpu_us"]
+            out[kind] = sides
+    return out

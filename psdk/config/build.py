@@ -45,17 +45,17 @@ def cluster_from(cfg: DictConfig) -> ClusterSpec:
 
 
 def worker_keys(cfg: DictConfig, cluster: ClusterSpec, task: int) -> CurveKeys | None:
-    """Worker ``task``'s CURVE keys when the transport is secure."""
-    if not security.is_secure(cfg.transport.secure, cfg.transport.keys_dir, cluster):
+    """Worker ``task``'s CURVE keys and every ps task's public key (``None`` only with transport.secure=false)."""
+    if not security.require_keys(cfg.transport.secure, cfg.transport.keys_dir):
         return None
-    return security.load_worker(Path(cfg.transport.keys_dir), task)
+    return security.load_worker(Path(cfg.transport.keys_dir), task, cluster.num_ps)
 
 
-def server_keys(cfg: DictConfig, cluster: ClusterSpec) -> CurveKeys | None:
-    """A ps task's CURVE keys (and the workers it accepts) when the transport is secure."""
-    if not security.is_secure(cfg.transport.secure, cfg.transport.keys_dir, cluster):
+def server_keys(cfg: DictConfig, task: int) -> CurveKeys | None:
+    """Ps task ``task``'s CURVE keys and the workers it accepts (``None`` only with transport.secure=false)."""
+    if not security.require_keys(cfg.transport.secure, cfg.transport.keys_dir):
         return None
-    return security.load_server(Path(cfg.transport.keys_dir))
+    return security.load_server(Path(cfg.transport.keys_dir), task)
 
 
 def instantiate_node(node: Any, **kwargs: Any) -> Any:

@@ -154,7 +154,7 @@ class DataConfig:
 
 @dataclass
 class TransportConfig:
-    secure: Any = None
+    secure: bool = True
     keys_dir: Any = None
     shared_memory: bool = True
     doorbells: bool = True

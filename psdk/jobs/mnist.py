@@ -148,7 +148,8 @@ def run_worker(cfg: DictConfig) -> None:
             sync=build.sync_spec(cfg),
             sharding=str(cfg.topology.sharding),
             options=build.client_options(cfg),
-            curve=build.worker_keys(cfg, cluster, task),
+            keys=build.worker_keys(cfg, cluster, task),
+            secure=bool(cfg.transport.secure),
             checkpoint_dir=cfg.checkpoint.dir if task == 0 else None,
         ) as session:
             optimizer = DistributedOptimizer(framework_optimizer, model, session, backend=backend)

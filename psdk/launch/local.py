@@ -135,10 +135,6 @@ class LocalLauncher:
         self.monitor: ProgressMonitor | None = None
         self.plot = True  # report.plot: curves.png when the job ends
 
-    def spans_hosts(self) -> bool:
-        """Whether the tasks run on more than one host (then CURVE is on by default)."""
-        return False
-
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
         """Fail before starting anything, naming the key and the valid choices."""
@@ -164,13 +160,14 @@ class LocalLauncher:
         (out / "tasks").mkdir(parents=True, exist_ok=True)
         data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
-        secure = bool(cfg.transport.secure) if cfg.transport.secure is not None else self.spans_hosts()
-        if secure:
+        if cfg.transport.secure is None or bool(cfg.transport.secure):
             keys = Path(cfg.transport.keys_dir) if cfg.transport.keys_dir else None
-            keys = keys or security.generate(out / "keys", topology.num_workers)
+            # A fresh set for every run, also when a run folder is used again.
+            keys = keys or security.generate(out / "keys", topology.num_workers, topology.num_ps, overwrite=True)
             log.info("launcher: CURVE on, keys in %s", keys)
             common += ["transport.secure=true", f"transport.keys_dir={keys}"]
         else:
+            log.warning("launcher: CURVE is off (transport.secure=false): see the ps's warning for what that exposes")
             common += ["transport.secure=false"]  # decided here, for every task alike
         self.monitor = self._monitor(cfg, topology.num_workers, topology.num_ps, out)
         if self.monitor is not None and self.monitor.live:

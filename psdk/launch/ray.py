@@ -63,18 +63,6 @@ def import_ray() -> ModuleType:
     return ray
 
 
-def key_files(job: str, index: int) -> list[str]:
-    """The files of a key folder that one task needs (``psdk.security`` says which), as globs.
-
-    A ps gets the ps tasks' secret and the workers' public keys; worker i its
-    own secret and the ps tasks' public key: no node holds a secret it does
-    not use.
-    """
-    if job == "ps":
-        return [f"{security.SERVER}.key_secret", f"{security.WORKERS}/*.key"]
-    return [f"{security.SERVER}.key", f"{security.WORKERS}/{security.worker_name(index)}.key_secret"]
-
-
 # ------------------------------------------------------------------ on the node
 def _pdeathsig() -> Callable[[], None]:
     """A ``preexec_fn`` that has the child killed when the actor dies (libc resolved before the fork)."""
@@ -253,11 +241,6 @@ class RayLauncher(LocalLauncher):
     def local_cluster(self) -> bool:
         return self.address is None
 
-    def spans_hosts(self) -> bool:
-        # A Ray cluster's nodes are separate hosts: CURVE is on by default, and each task on
-        # another node than the launcher's gets its keys through its actor (_send_keys).
-        return not self.local_cluster
-
     def bind_host(self, node_ip: str) -> str:
         """What a ps binds: its node's IP, or loopback on a local Ray (nothing else can reach it)."""
         return "127.0.0.1" if self.local_cluster else node_ip
@@ -368,7 +351,11 @@ class RayLauncher(LocalLauncher):
         elsewhere = [slot for slot in range(len(names)) if self._nodes[slot] != self._driver_node]
         for slot in elsewhere:
             job, index = names[slot]
-            files = {str(p.relative_to(folder)): p.read_bytes() for g in key_files(job, index) for p in folder.glob(g)}
+            files = {
+                str(p.relative_to(folder)): p.read_bytes()
+                for g in security.files_for(job, index)
+                for p in folder.glob(g)
+            }
             self._ray.get(self.actors[slot].write_files.remote(str(folder), files), timeout=RPC_TIMEOUT_S)
         if elsewhere:
             log.info("launcher: sent each of %d task(s) on other nodes the keys it needs", len(elsewhere))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from psdk import security
 from psdk.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.config import build
 from psdk.errors import BindError, ConfigError, TransportError
@@ -68,7 +69,7 @@ def run_ps(cfg: DictConfig) -> int:
     # One ZeroMQ I/O thread per worker (up to the cores) moves their messages in parallel.
     io_threads = int(cfg.ps.io_threads or min(max(1, len(workers)), os.cpu_count() or 1))
     cluster = ClusterSpec({"ps": ps_hosts, "worker": workers or ["localhost"]})
-    curve = build.server_keys(cfg, cluster)
+    curve = build.server_keys(cfg, task)
     max_connections = cfg.ps.max_connections
     if max_connections is None:
         max_connections = 4 * cluster.num_workers + 16
@@ -84,6 +85,8 @@ def run_ps(cfg: DictConfig) -> int:
     )
     if curve is not None:
         log.info("ps %d: CURVE on: %d worker key(s) accepted, traffic encrypted", task, len(curve.allowed))
+    else:
+        log.warning(security.INSECURE_WARNING, f"ps {task}", bind)
     try:
         try:
             endpoint = transport.serve(bind, f"ps {task}")

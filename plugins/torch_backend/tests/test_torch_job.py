@@ -38,8 +38,14 @@ def test_softmax_regression_reaches_its_bar(tmp_path: Path) -> None:
 
 
 def test_the_readme_example_script_trains(tmp_path: Path) -> None:
+    """The example's docstring, command by command (a free port instead of 2222)."""
     env = dict(os.environ, PSDK_DATA_DIR=str(MNIST_DIR), PYTHONUNBUFFERED="1")
     announce = tmp_path / "ps.json"
+    made = subprocess.run(
+        [sys.executable, "-m", "psdk", "keys", "keys_dir=keys", "workers=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
     ps = subprocess.Popen(
         [
             sys.executable,
@@ -47,6 +53,8 @@ def test_the_readme_example_script_trains(tmp_path: Path) -> None:
             "psdk",
             "ps",
             "ps_hosts=127.0.0.1:0",
+            "worker_hosts=localhost,localhost",
+            f"transport.keys_dir={tmp_path / 'keys'}",
             "transport.startup_timeout_s=60",
             f"ps.announce_file={announce}",
             f"hydra.run.dir={tmp_path / 'ps'}",
@@ -58,6 +66,7 @@ def test_the_readme_example_script_trains(tmp_path: Path) -> None:
         text=True,
     )
     workers: list[subprocess.Popen[str]] = []
+    ps_log = ""
     try:
         deadline = time.monotonic() + 60
         while not announce.exists():
@@ -66,7 +75,7 @@ def test_the_readme_example_script_trains(tmp_path: Path) -> None:
         address = json.loads(announce.read_text())["address"]
         workers = [
             subprocess.Popen(
-                [sys.executable, str(REPO / "examples" / "torch_worker.py"), str(i), address],
+                [sys.executable, str(REPO / "examples" / "torch_worker.py"), str(i), address, "keys"],
                 env=env,
                 cwd=tmp_path,
                 stdout=subprocess.PIPE,
@@ -77,11 +86,12 @@ def test_the_readme_example_script_trains(tmp_path: Path) -> None:
         ]
         outputs = [w.communicate(timeout=180)[0] for w in workers]
         assert [w.returncode for w in workers] == [0, 0], outputs
-        ps.communicate(timeout=30)
+        ps_log = ps.communicate(timeout=30)[0]
     finally:
         for p in (ps, *workers):
             p.kill()
     assert ps.returncode == 0
+    assert "CURVE on: 2 worker key(s) accepted" in ps_log, ps_log
     accuracy = float(outputs[0].strip().splitlines()[-1].rsplit(" ", 1)[1])
     assert accuracy > 0.93
 

@@ -186,7 +186,7 @@ class Actor:
         self.sock.setsockopt(zmq.ROUTING_ID, f"fuzz-{worker}-{id(self)}".encode())
         if keys is not None:
             self.sock.curve_publickey, self.sock.curve_secretkey = keys.public, keys.secret
-            self.sock.curve_serverkey = keys.server_public
+            self.sock.curve_serverkey = keys.servers[0]
         self.sock.connect(address)
         self.buffers: shm.WorkerBuffers | None = None
         self.attached = False
@@ -925,7 +925,7 @@ def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s
             backend = NumpyBackend()
             model = backend.build_model(spec, init_weights(spec, seed))
             keys = security.load_worker(keys_dir, task) if keys_dir is not None else None
-            with psdk.connect(cluster, task, steps=steps, options=options, curve=keys) as session:
+            with psdk.connect(cluster, task, steps=steps, options=options, keys=keys, secure=curve) as session:
                 opt = psdk.DistributedOptimizer(SGD(lr=0.1), model, session, backend=backend)
                 opt.broadcast_parameters()
                 local = 0
