@@ -23,7 +23,15 @@ import numpy as np
 
 from psdk.checkpoint import Checkpoint
 from psdk.cluster import ClusterSpec
-from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError, RemoteError, TransportError
+from psdk.errors import (
+    PeerDeadError,
+    PeerRestartedError,
+    PeerTimeoutError,
+    PsdkError,
+    RemoteError,
+    TransportError,
+)
+from psdk.failpoints import CHECKPOINT_PAUSED, failpoint
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
@@ -502,6 +510,15 @@ class ParameterClient:
             if self.options.recovery_timeout_s is None:
                 raise
             return self.recover(str(exc))
+        except PeerTimeoutError as exc:
+            if self.options.recovery_timeout_s is None:
+                raise
+            from psdk.recovery import after_timeout
+
+            outcome = after_timeout(self, pending, exc)
+            if isinstance(outcome, StepResult):
+                return outcome
+            replies = outcome
         resync = [r for r in replies.values() if r.op == "resync"]
         if resync:
             if self.options.recovery_timeout_s is None:
@@ -590,6 +607,7 @@ class ParameterClient:
                 target = max(passed)
             else:
                 raise PsdkError(f"the shards did not settle on one version in {max_rounds} rounds")
+            failpoint(CHECKPOINT_PAUSED)
             states = self._request(self._all("state"), "the shards' state for a checkpoint")
             failed = False
         finally:

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from psdk.checkpoint import Checkpoint
-from psdk.errors import PsdkError, TransportError
+from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
 from psdk.wire import Message
 
 if TYPE_CHECKING:
     from psdk.client import ParameterClient, StepResult
+    from psdk.transport import Pending
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,59 @@ def recover(client: ParameterClient, why: str) -> StepResult:
     )
     client.recoveries.append({"global_step": step, "epoch": client.epoch, "lost_steps": lost, "why": why})
     return StepResult(step, False, "resync")
+
+
+def after_timeout(
+    client: ParameterClient, pending: Pending, timeout: PeerTimeoutError
+) -> StepResult | dict[int, Message]:
+    """A push-and-pull no shard answered in time: recover if one lost its state, else wait once more.
+
+    Heartbeats catch a ps that died or came back as a new process; a timeout
+    with heartbeats still answered means either a shard that lost its state
+    without the heartbeats telling (its answer to this request will never
+    come), or one that is merely slow: overloaded, or holding the push (a
+    sync round, a checkpoint pause). The shards' status tells them apart.
+    Only a lost state is worth a rollback to the last checkpoint; a slow
+    shard is waited for once more, up to ``recovery.timeout_s``, and then
+    named in a clear error, with nothing rolled back.
+    """
+    wait_s = client.options.recovery_timeout_s or 0.0
+    shards = statuses(client, time.monotonic() + wait_s, "the shards' status after a timeout")
+    lost = [i for i, status in shards.items() if _lost_state(client, i, status)]
+    if lost:
+        names = ", ".join(client.names[i] for i in lost)
+        return client.recover(f"{timeout}; {names} no longer holds this job's state")
+    slow = [i for i in pending.expected if i not in pending.replies]
+    described = ", ".join(f"{client.names[i]} (version {shards[i]['version']})" for i in slow)
+    log.warning(
+        "worker %d: %s; %s still holds its state and answers: slow, not lost, so nothing is rolled back; "
+        "waiting up to %.0f s more (recovery.timeout_s)",
+        client.task_index,
+        timeout,
+        described,
+        wait_s,
+    )
+    try:
+        return client._collect(pending, "a push-and-pull (after a timeout)", timeout_s=wait_s)
+    except (PeerDeadError, PeerRestartedError) as exc:
+        return client.recover(str(exc))
+    except PeerTimeoutError as again:
+        raise PsdkError(
+            f"{described} did not answer worker {client.task_index}'s push-and-pull in "
+            f"{timeout.waited_s + again.waited_s:.0f} s (transport.request_timeout_s + recovery.timeout_s), "
+            "though it answers heartbeats and status and still holds its state: it is overloaded or stuck "
+            "(see its log); nothing was rolled back"
+        ) from again
+
+
+def _lost_state(client: ParameterClient, index: int, status: dict[str, Any]) -> bool:
+    """Shard ``index`` is empty, a new process, or was restored by the chief since this worker's request."""
+    known = client.boots[index]
+    return (
+        not status["initialized"]
+        or (known is not None and status.get("boot") != known)
+        or int(status.get("epoch", 0)) != client.epoch
+    )
 
 
 def statuses(client: ParameterClient, deadline: float, what: str) -> dict[int, dict[str, Any]]:

@@ -164,6 +164,8 @@ class Pending:
     def __init__(self, endpoint: ClientEndpoint, expected: dict[int, int]):
         self.endpoint = endpoint
         self.expected = expected
+        self.replies: dict[int, Message] = {}
+        """Replies collected so far: a wait that gave up can be waited on again without losing them."""
 
     def wait(
         self,
@@ -178,8 +180,7 @@ class Pending:
         ``restarted(index)`` tells when a server came back as a new process:
         a request to its old self will never be answered.
         """
-        endpoint, expected = self.endpoint, self.expected
-        replies: dict[int, Message] = {}
+        endpoint, expected, replies = self.endpoint, self.expected, self.replies
         start = time.monotonic()
         deadline = start + timeout_s
         while len(replies) < len(expected):

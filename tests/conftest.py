@@ -71,6 +71,8 @@ def running_ps(
     heartbeat_timeout_s: float = 5.0,
     startup_timeout_s: float = 60.0,
     shared_memory: bool = True,
+    pause_lease_s: float = 3.0,
+    recovery: bool = False,
 ) -> Iterator[PsCluster]:
     """Start ``num_ps`` ps threads; they are stopped and joined afterwards, whatever happens."""
     context = zmq.Context()
@@ -80,7 +82,13 @@ def running_ps(
     )
     stop = threading.Event()
     servers, threads, addresses = [], [], []
-    options = ServerOptions(heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s, poll_s=0.02)
+    options = ServerOptions(
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        startup_timeout_s=startup_timeout_s,
+        poll_s=0.02,
+        pause_lease_s=pause_lease_s,
+        recovery=recovery,
+    )
     try:
         for index in range(num_ps):
             bind = f"inproc://ps{index}-{id(stop)}" if scheme == "inproc" else "127.0.0.1:0"

@@ -47,13 +47,13 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start(*args: str, out: Path) -> subprocess.Popen[str]:
+def start(*args: str, out: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "psdk", *args, f"hydra.run.dir={out}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env(),
+        env=dict(env(), **(extra_env or {})),
         cwd=REPO,
         preexec_fn=_interruptible,
     )

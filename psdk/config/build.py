@@ -146,6 +146,11 @@ def server_options(cfg: DictConfig) -> ServerOptions:
     idle = cfg.ps.idle_timeout_s
     if idle is not None and float(idle) <= 0:
         raise ConfigError("ps.idle_timeout_s", f"must be a positive number of seconds or null (never), got {idle}")
+    lease = cfg.ps.pause_lease_s
+    if lease is not None and float(lease) <= 0:
+        raise ConfigError("ps.pause_lease_s", f"must be a positive number of seconds or null, got {lease}")
+    if lease is None:  # a few heartbeats: the chief's heartbeats renew it while it writes the file
+        lease = 3 * float(cfg.transport.heartbeat_interval_s)
     workers = plain(cfg.worker_hosts)
     cluster = cluster_from(cfg) if workers and cfg.ps_hosts is not None else None
     chief = cluster.worker_host(0) if cluster is not None else None
@@ -157,6 +162,7 @@ def server_options(cfg: DictConfig) -> ServerOptions:
         chief_host=chief,
         recovery=bool(cfg.recovery.enabled),
         max_workers=cluster.num_workers if cluster is not None else ServerOptions.max_workers,
+        pause_lease_s=float(lease),
     )
 
 

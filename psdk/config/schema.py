@@ -176,6 +176,7 @@ class PsConfig:
     idle_timeout_s: Any = 60.0  # seconds, or null: never
     progress_file: Any = None
     max_connections: Any = None  # null: 4 per worker + 16
+    pause_lease_s: Any = None  # null: 3 heartbeat intervals
 
 
 @dataclass

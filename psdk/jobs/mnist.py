@@ -27,6 +27,7 @@ from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
 from psdk.client import StepResult
 from psdk.config import build
 from psdk.data import mnist
+from psdk.failpoints import TRAINED, failpoint
 from psdk.jobs.summary import build_summary, save_params
 from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.models import init_weights
@@ -161,6 +162,7 @@ def run_worker(cfg: DictConfig) -> None:
             job.train()
             workers = session.finish(job.report.to_json(), float(cfg.train.final_wait_s))
             if session.is_chief:
+                failpoint(TRAINED)
                 job.finalize(workers, start)
     finally:
         metrics.close()

@@ -72,6 +72,19 @@ class Membership:
         state = self.workers.get(worker)
         return None if state is None or state.last_seen is None else now - state.last_seen
 
+    def gone(self, worker: int, now: float) -> bool:
+        """Whether a new process may take ``worker``'s place: it is dead, or it finished and then went silent.
+
+        A finished worker is no longer watched for deaths, but one silent for a
+        whole heartbeat timeout has no process behind it any more; a chief
+        lost between its training and its results must be able to come back.
+        """
+        state = self.workers.get(worker)
+        if state is None or state.status == DEAD:
+            return state is not None
+        silent = self.silent_for(worker, now)
+        return state.status == FINISHED and silent is not None and silent > self.heartbeat_timeout_s
+
     def live(self) -> frozenset[int]:
         """Workers that may still push: alive, or not yet seen but still expected."""
         statuses = tuple((i, s.status) for i, s in self.workers.items())

@@ -33,6 +33,7 @@ from psdk.logs import RateLimitedLog
 from psdk.numerics import magnitude
 from psdk.optim import rule_from_json
 from psdk.ps.membership import FINISHED, Membership
+from psdk.ps.pause import PauseLease
 from psdk.ps.stats import ShardStats
 from psdk.security import worker_name
 from psdk.shm import AttachedBuffers
@@ -63,6 +64,8 @@ class ServerOptions:
     chief_host: str | None = None  # named in messages about the chief
     max_workers: int = 1024
     """Worker ids a ps accepts, before and after init (a per-task ps: the length of worker_hosts)."""
+    pause_lease_s: float = 3.0
+    """How long a checkpoint pause outlives the last word from the chief's session (its heartbeats renew it)."""
     max_pushes_in_flight: int = 2
     """Pushes one worker may have waiting for their answer (parked, held) on one shard; a worker waits for
     each reply, so one is the norm and the second covers a push re-sent after a lost reply."""
@@ -145,9 +148,8 @@ class ParameterServer:
         self.failure: str | None = None
         self.exit_code: int | None = None
         self._init_waiters: list[tuple[bytes, int, int]] = []  # peer, rid, worker
-        # Checkpoints: pushes beyond pause_version wait in _held until the chief resumes.
-        self.pause_version: int | None = None
-        self._pause_waiters: list[tuple[bytes, int]] = []
+        # Checkpoints: pushes beyond the paused version wait in _held until the chief resumes.
+        self.pause = PauseLease(self.options.pause_lease_s)
         self._held: list[Push] = []
         self._reply_buffers: dict[int, np.ndarray] = {}
         self._shared: dict[int, AttachedBuffers] = {}  # workers on this host: their memory, mapped
@@ -237,7 +239,10 @@ class ParameterServer:
             if incoming.user is not None and incoming.user != worker_name(worker):
                 raise ProtocolError(f"the key of {incoming.user} cannot speak for worker {worker}")
             self._check_session(worker, incoming.peer)
-            self.membership.seen(worker, time.monotonic())
+            now = time.monotonic()
+            self.membership.seen(worker, now)
+            if worker == CHIEF:
+                self.pause.renew(incoming.peer.removesuffix(HEARTBEAT_SUFFIX), now)
             handler(incoming.peer, message, worker)
         except ProtocolError as exc:
             self._reject(incoming.peer, message, str(exc))
@@ -248,6 +253,8 @@ class ParameterServer:
     def _housekeeping(self, now: float) -> None:
         for worker, reason in self.membership.check(now):
             self._on_worker_lost(worker, reason)
+        if self.pause.lapsed(now):
+            self._end_pause(f"nothing heard from the chief's session for {self.pause.lease_s:g} s (ps.pause_lease_s)")
         self._check_chief_idle(now)
         if self.job is None and now - self.membership.started > self.options.startup_timeout_s:
             log.error(
@@ -272,17 +279,23 @@ class ParameterServer:
 
         Heartbeat deaths only cover a chief still training: one that finished
         and then vanished without a shutdown would leave this ps running for
-        ever, the classic lingering ps of a Kubernetes job.
+        ever, the classic lingering ps of a Kubernetes job. The chief shuts
+        the job down only after it wrote its results (final checkpoint,
+        summary), so a chief gone before that is a failure too, even once
+        training is done: an exit code of 0 would pass a lost result off as
+        success.
         """
         limit, silent = self.options.idle_timeout_s, self.membership.silent_for(CHIEF, now)
         if not limit or silent is None or silent <= limit or self.exit_code is not None:
             return
         chief = self._chief_label()
         if self.done and self.membership.status(CHIEF) == FINISHED:
-            log.warning("%s: %s finished, then went silent for %.0f s without a shutdown", self.name, chief, silent)
-            self.exit_code = 0
-            return
-        self.fail(f"nothing heard from {chief} for {silent:.0f} s (ps.idle_timeout_s={limit:g}): it has vanished")
+            self.fail(
+                f"{chief} finished training, then went silent for {silent:.0f} s (ps.idle_timeout_s={limit:g}) "
+                "without shutting the job down: its results (final checkpoint, summary.json) may not have been written"
+            )
+        else:
+            self.fail(f"nothing heard from {chief} for {silent:.0f} s (ps.idle_timeout_s={limit:g}): it has vanished")
         self.exit_code = 1
 
     def _chief_label(self) -> str:
@@ -296,6 +309,7 @@ class ParameterServer:
             return
         if worker == CHIEF:
             log.warning("%s: %s is gone (%s); waiting for it to come back", self.name, self._chief_label(), reason)
+            self._end_pause(f"{self._chief_label()} is gone")
         log.warning("%s: worker %d is gone: %s", self.name, worker, reason)
         if self.policy is not None:
             for push in self.policy.release_ready():  # bounded staleness: the dead leave the minimum
@@ -316,10 +330,10 @@ class ParameterServer:
                 self._error(push.peer, push.rid, reason, "failed")
         for push in self._held:
             self._error(push.peer, push.rid, reason, "failed")
-        for peer, rid, *_ in self._init_waiters + self._pause_waiters:
+        for peer, rid, *_ in self._init_waiters + self.pause.waiters:
             self._error(peer, rid, reason, "failed")
         self._init_waiters.clear()
-        self._pause_waiters.clear()
+        self.pause.waiters.clear()
         self._held.clear()
 
     # ------------------------------------------------------------- helpers
@@ -348,10 +362,12 @@ class ParameterServer:
         known = self.sessions.get(worker)
         if known == session:
             return
-        if known is not None and self.membership.status(worker) != "dead":
+        if known is not None and not self.membership.gone(worker, time.monotonic()):
             raise ProtocolError(f"worker {worker} is already connected from another session: not accepted")
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
+            if worker == CHIEF:
+                self._end_pause("the chief is back as a new process")
             self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
             self._let_go(worker)  # the old process's memory; the new one offers its own
         self.sessions[worker] = session
@@ -675,16 +691,20 @@ class ParameterServer:
             for push in self.policy.release_parked():
                 self._reply_params(push.peer, push.rid, "done", push.worker)
         if decision.updates and self._paused():
-            for waiter_peer, waiter_rid in self._pause_waiters:
+            for waiter_peer, waiter_rid in self.pause.waiters:
                 self._send(waiter_peer, waiter_rid, "paused", {"version": self.store.version}, [])
-            self._pause_waiters.clear()
+            self.pause.waiters.clear()
 
     # ---------------------------------------------------------- checkpoints
     def _paused(self) -> bool:
-        return self.pause_version is not None and self.store.version >= self.pause_version
+        return self.pause.covers(self.store.version)
 
     def _on_pause_at(self, peer: bytes, message: Message, worker: int | None) -> None:
-        """Stop applying pushes once this shard reaches ``version``; answer when it has."""
+        """Stop applying pushes once this shard reaches ``version``; answer when it has.
+
+        The pause is the chief session's lease (:mod:`psdk.ps.pause`): it ends
+        by itself when that session goes silent.
+        """
         if worker != CHIEF:
             raise ProtocolError("only the chief (worker 0) pauses the store")
         self._require_init()
@@ -694,13 +714,23 @@ class ParameterServer:
         if self.store.version > target or (self.done and self.store.version < target):
             self._send(peer, message.rid, "passed", {"version": self.store.version}, [])
             return
-        self.pause_version = target
+        self.pause.hold(target, peer.removesuffix(HEARTBEAT_SUFFIX), time.monotonic())
         if self._paused():
             self._send(peer, message.rid, "paused", {"version": self.store.version}, [])
             return
-        if len(self._pause_waiters) >= MAX_WAITS_PER_WORKER:
-            raise ProtocolError(f"{MAX_WAITS_PER_WORKER} pauses already wait for version {self.pause_version}")
-        self._pause_waiters.append((peer, message.rid))
+        if len(self.pause.waiters) >= MAX_WAITS_PER_WORKER:
+            raise ProtocolError(f"{MAX_WAITS_PER_WORKER} pauses already wait for version {self.pause.version}")
+        self.pause.waiters.append((peer, message.rid))
+        self._release_held()
+
+    def _end_pause(self, why: str) -> None:
+        """The chief's pause ends without its resume (see :mod:`psdk.ps.pause`): the shard goes on."""
+        if not self.pause.held:
+            return
+        log.warning("%s: %s; the checkpoint pause at version %s ends, training goes on", self.name, why,
+                    self.pause.version)  # fmt: skip
+        for peer, rid in self.pause.end():
+            self._error(peer, rid, f"the checkpoint pause ended: {why}", "failed")
         self._release_held()
 
     def _on_state(self, peer: bytes, message: Message, worker: int | None) -> None:
@@ -723,7 +753,8 @@ class ParameterServer:
     def _on_resume(self, peer: bytes, message: Message, worker: int | None) -> None:
         if worker != CHIEF:
             raise ProtocolError("only the chief (worker 0) resumes the store")
-        self.pause_version = None
+        for waiter_peer, waiter_rid in self.pause.end():  # a pause_at still waiting: the chief gave up on it
+            self._error(waiter_peer, waiter_rid, "the chief resumed before the shard reached the version", "failed")
         self._send(peer, message.rid, "ok", {}, [])
         self._release_held()
 
@@ -814,7 +845,7 @@ class ParameterServer:
         why = f"the chief restored the job at version {restore.version} (epoch {self.epoch})"
         stale = [(p.peer, p.rid) for p in [*self.policy.release_parked(), *self._held]]
         self._held.clear()
-        self.pause_version = None
+        stale += self.pause.end()
         self.policy = make_policy(self.store, self.job.sync, self.membership.live)
         log.warning("%s: %s", self.name, why)
         self._send(peer, message.rid, "ok", self._layout(), [])

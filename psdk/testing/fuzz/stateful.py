@@ -166,7 +166,7 @@ class LivePs:
         """Requests the ps holds for a later answer (read while it is idle)."""
         server = self.server
         policy = len(server.policy.parked()) if server.policy is not None else 0
-        return len(server._init_waiters) + len(server._pause_waiters) + len(server._held) + policy
+        return len(server._init_waiters) + len(server.pause.waiters) + len(server._held) + policy
 
     def close(self) -> None:
         self._stop.set()
