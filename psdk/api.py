@@ -21,6 +21,7 @@ The MNIST job (:mod:`psdk.jobs.mnist`) is written on this same API.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -95,6 +96,7 @@ class WorkerSession:
         """
         if not self.is_chief:
             raise PsdkError("only the chief (worker 0) writes checkpoints")
+        began = time.perf_counter()
         try:
             state = self.client.checkpoint_state()
         except (PeerDeadError, PeerRestartedError) as exc:
@@ -102,9 +104,16 @@ class WorkerSession:
                 raise
             self.record(self.client.recover(f"{exc} during a checkpoint"))
             return None
+        collected = time.perf_counter()
         state.config, state.extra = config, dict(extra)
         path = checkpoint.save(state, checkpoint.path_for(Path(folder), state.global_step))
-        log.info("worker 0: checkpoint at global step %d written to %s", state.global_step, path)
+        log.info(
+            "worker 0: checkpoint at global step %d written to %s (%.1f ms collecting, %.1f ms writing)",
+            state.global_step,
+            path,
+            (collected - began) * 1e3,
+            (time.perf_counter() - collected) * 1e3,
+        )
         return path
 
     def close(self) -> None:

@@ -7,15 +7,26 @@ pickle): ``params/<variable>``, ``slots/<slot>/<variable>`` and a JSON
 with another number of ps tasks, and canonical names and layouts let a
 checkpoint written by torch workers resume on TensorFlow workers. The chief
 collects the state over the transport (no shared file system is assumed) and
-writes the file atomically: a reader sees the old file or the new one.
+writes the file atomically: a reader sees the old file or the new one, and
+the folder is fsynced so the rename survives a power cut.
+
+A checkpoint is trusted only once checked (:func:`load`): the zip's CRCs
+catch flipped or missing bytes, and the contents must be plausible (finite
+float values, slots shaped like their variables and usable by the update
+rule, a global step the file's own config allows). Resume and recovery take
+the newest checkpoint that passes (:func:`latest_valid`), saying which files
+they skipped and why, and ``keep`` counts only those that pass.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
+import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import DataError
+from psdk.errors import DataError, PsdkError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "psdk-checkpoint"
 FORMAT_VERSION = 1
@@ -31,7 +44,7 @@ META = "__meta__"
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
 WHAT_TO_RESUME = (
     "resume= takes a checkpoint the chief wrote (outputs/<run>/checkpoints/ckpt-<step>.npz) or a folder of "
-    "them (outputs/<run>/checkpoints: its latest)"
+    "them (outputs/<run>/checkpoints: its newest valid one)"
 )
 
 
@@ -85,70 +98,216 @@ def save(checkpoint: Checkpoint, path: Path) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_folder(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _checked[path] = _stamp(path)  # written from memory this process holds: known good
     return path
 
 
+def _fsync_folder(folder: Path) -> None:
+    """The rename is durable only once the folder's entry is on disk too."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+DAMAGE = (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile, zlib.error)
+"""What reading a damaged or foreign file can raise: numpy, zipfile and json name no common base."""
+
+
 def load(path: Path | str) -> Checkpoint:
-    """Read a checkpoint (or a directory's latest), checking its format."""
+    """Read and check a checkpoint (or the newest valid one of a folder); a refusal names the file and why."""
     path = Path(path).expanduser()
     if path.is_dir():
-        found = latest(path)
+        found, skipped = latest_valid(path)
         if found is None:
+            if skipped:
+                raise DataError(f"{path} holds no valid checkpoint ({_skipped_text(skipped)}); {WHAT_TO_RESUME}")
             raise DataError(f"{path} holds no checkpoint (ckpt-<step>.npz); {WHAT_TO_RESUME}")
-        path = found
+        return found
     if not path.is_file():
         raise DataError(f"no checkpoint at {path}: no such file or folder; {WHAT_TO_RESUME}")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if META not in data.files:
-                raise DataError(
-                    f"{path} cannot be read as a psdk checkpoint (no {META} record: a params.npz holds the "
-                    f"final weights only); {WHAT_TO_RESUME}"
-                )
-            meta = json.loads(data[META].tobytes())
-            if meta.get("format") != FORMAT:
-                raise DataError(f"{path} is not a psdk checkpoint; {WHAT_TO_RESUME}")
-            variables = {n: np.array(data[f"params/{n}"]) for n in meta["variables"]}
-            slots = {
-                slot: {n: np.array(data[f"slots/{slot}/{n}"]) for n in names} for slot, names in meta["slots"].items()
-            }
-    except (OSError, ValueError, KeyError) as exc:
-        reason = "not an .npz file" if "pickled" in str(exc) else str(exc)
+        checkpoint = _read(path)
+    except DataError:
+        raise
+    except DAMAGE as exc:
+        reason = "not an .npz file" if "pickled" in str(exc) else f"{type(exc).__name__}: {exc}"
         raise DataError(f"{path} cannot be read as a psdk checkpoint ({reason}); {WHAT_TO_RESUME}") from None
+    problem = implausible(checkpoint)
+    if problem is not None:
+        raise DataError(f"{path} is damaged or not from a real job: {problem}; {WHAT_TO_RESUME}")
+    return checkpoint
+
+
+def _read(path: Path) -> Checkpoint:
+    """Every array read in full, so the zip's CRC of each is checked."""
+    with np.load(path, allow_pickle=False) as data:
+        if META not in data.files:
+            raise DataError(
+                f"{path} cannot be read as a psdk checkpoint (no {META} record: a params.npz holds the "
+                f"final weights only); {WHAT_TO_RESUME}"
+            )
+        meta = json.loads(data[META].tobytes())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise DataError(f"{path} is not a psdk checkpoint; {WHAT_TO_RESUME}")
+        variables = {str(n): np.array(data[f"params/{n}"]) for n in meta["variables"]}
+        slots = {
+            str(slot): {str(n): np.array(data[f"slots/{slot}/{n}"]) for n in names}
+            for slot, names in dict(meta["slots"]).items()
+        }
     known = {"format", "format_version", "global_step", "variables", "slots", "rule", "rule_step", "config"}
     return Checkpoint(
-        global_step=int(meta["global_step"]),
+        global_step=_count(meta["global_step"], "global_step"),
         variables=variables,
         slots=slots,
         rule=dict(meta["rule"]),
-        rule_step=int(meta["rule_step"]),
+        rule_step=_count(meta["rule_step"], "rule_step"),
         config=str(meta.get("config", "")),
         extra={k: v for k, v in meta.items() if k not in known},
     )
+
+
+def _count(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} is {value!r}, not a count")
+    return value
+
+
+def implausible(checkpoint: Checkpoint) -> str | None:
+    """What no job could have written into ``checkpoint`` (``None``: nothing)."""
+    from psdk.numerics import all_finite
+    from psdk.optim import rule_from_json
+
+    if not checkpoint.variables:
+        return "no variables"
+    for name, values in checkpoint.variables.items():
+        if values.dtype.kind != "f":
+            return f"variable {name} holds {values.dtype}, not floats"
+        if not all_finite(values):
+            return f"variable {name} holds NaN or Inf"
+    for slot, by_name in checkpoint.slots.items():
+        if set(by_name) != set(checkpoint.variables):
+            return f"slot {slot} does not cover the same variables as the checkpoint"
+        for name, values in by_name.items():
+            if values.shape != checkpoint.variables[name].shape or values.dtype.kind != "f":
+                return f"slot {slot} of {name} has shape {values.shape} ({values.dtype}), not its variable's"
+    if checkpoint.rule:
+        try:
+            rule = rule_from_json(checkpoint.rule)
+        except (PsdkError, ValueError, TypeError, KeyError) as exc:
+            return f"its update rule {checkpoint.rule} is unusable ({exc})"
+        flat = {
+            slot: np.concatenate([v.ravel() for v in by_name.values()]) for slot, by_name in checkpoint.slots.items()
+        }
+        problem = rule.check_slots(flat)
+        if problem is not None:
+            return f"its {rule.name} slots are unusable: {problem}"
+    steps = _configured_steps(checkpoint.config)
+    if steps is not None and checkpoint.global_step > steps:
+        return f"global step {checkpoint.global_step} is beyond the train.steps={steps} of the config it holds"
+    return None
+
+
+def _configured_steps(config: str) -> int | None:
+    """``train.steps`` of the config a checkpoint carries (``None``: none, e.g. one written through the API)."""
+    if not config:
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        steps = OmegaConf.select(OmegaConf.create(config), "train.steps")
+    except Exception:  # text from a file: unreadable means no bound to check, not a crash
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def path_for(folder: Path, global_step: int) -> Path:
     return folder / f"ckpt-{global_step}.npz"
 
 
+def _by_step(folder: Path) -> list[tuple[int, Path]]:
+    """The checkpoint files of ``folder`` by global step, newest first."""
+    return sorted(((int(m.group(1)), p) for p in folder.glob("ckpt-*.npz") if (m := _NAME.match(p.name))), reverse=True)
+
+
 def latest(folder: Path) -> Path | None:
-    """The checkpoint of the highest global step in ``folder``."""
-    steps = [(int(m.group(1)), p) for p in folder.glob("ckpt-*.npz") if (m := _NAME.match(p.name))]
-    return max(steps)[1] if steps else None
+    """The checkpoint file of the highest global step in ``folder``, unchecked (see :func:`latest_valid`)."""
+    found = _by_step(folder)
+    return found[0][1] if found else None
+
+
+def latest_valid(folder: Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of ``folder`` that loads and passes the checks, and the newer ones skipped (why).
+
+    Each file skipped is logged: a resume or a recovery that falls back to an
+    older checkpoint says so.
+    """
+    skipped: list[tuple[Path, str]] = []
+    for _, path in _by_step(folder):
+        try:
+            checkpoint = load(path)
+        except DataError as exc:
+            skipped.append((path, str(exc).split(f"; {WHAT_TO_RESUME}")[0]))
+            log.warning("skipping checkpoint %s", skipped[-1][1])
+            continue
+        _checked[path] = _stamp(path)
+        if skipped:
+            log.warning("using %s, the newest valid checkpoint in %s", path.name, folder)
+        return checkpoint, skipped
+    return None, skipped
+
+
+def _skipped_text(skipped: list[tuple[Path, str]]) -> str:
+    return "skipped: " + "; ".join(why for _, why in skipped)
+
+
+_checked: dict[Path, tuple[int, int]] = {}
+"""Files this process wrote or loaded and found valid, with their (size, mtime): not read again by prune."""
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def is_valid(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint that passes :func:`load`'s checks (remembered while unchanged)."""
+    try:
+        if _checked.get(path) == _stamp(path):
+            return True
+        load(path)
+    except (DataError, OSError):
+        return False
+    _checked[path] = _stamp(path)
+    return True
 
 
 def prune(folder: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` checkpoints of the highest global steps (``keep <= 0``: none)."""
+    """Delete every checkpoint older than the ``keep`` newest valid ones (``keep <= 0``: none).
+
+    A damaged file never counts toward ``keep``: it would leave fewer good
+    checkpoints than asked for. Damaged files newer than those kept stay for
+    a look; resume and recovery skip them.
+    """
     if keep <= 0:
         return []
-    found = sorted((int(m.group(1)), p) for p in folder.glob("ckpt-*.npz") if (m := _NAME.match(p.name)))
-    doomed = [p for _, p in found[:-keep]]
-    for path in doomed:
-        path.unlink(missing_ok=True)
-    return doomed
+    found = _by_step(folder)
+    valid = 0
+    for position, (_, path) in enumerate(found):
+        if is_valid(path):
+            valid += 1
+            if valid == keep:
+                doomed = [p for _, p in found[position + 1 :]]
+                for old in doomed:
+                    old.unlink(missing_ok=True)
+                    _checked.pop(old, None)
+                return doomed
+    return []
 
 
 def load_weights(path: Path | str) -> dict[str, np.ndarray]:

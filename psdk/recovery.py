@@ -185,9 +185,9 @@ def follow(client: ParameterClient, deadline: float) -> None:
 
 
 def latest_or_none(folder: Any) -> Checkpoint | None:
+    """The newest valid checkpoint of ``folder`` to restore from; damaged ones are skipped, and logged."""
     from pathlib import Path
 
     from psdk import checkpoint
 
-    path = checkpoint.latest(Path(folder)) if folder else None
-    return checkpoint.load(path) if path is not None else None
+    return checkpoint.latest_valid(Path(folder))[0] if folder else None

@@ -128,3 +128,14 @@ def test_the_ps_idle_timeout_is_seconds_or_null_and_names_the_chief() -> None:
     assert server_options(compose("config", overrides=["ps.idle_timeout_s=null"])).idle_timeout_s is None
     with pytest.raises(ConfigError, match=r"ps\.idle_timeout_s.*null"):
         server_options(compose("config", overrides=["ps.idle_timeout_s=0"]))
+
+
+def test_periodic_checkpoints_and_a_pause_lease_are_on_by_default() -> None:
+    """A lost ps costs at most a minute of training; a checkpoint pause ends a few heartbeats after the chief."""
+    cfg = compose(config_name="config", overrides=["output_dir=/tmp/psdk-test"])
+    assert cfg.checkpoint.every_seconds == 60
+    assert server_options(cfg).pause_lease_s == 3 * cfg.transport.heartbeat_interval_s
+    lease = compose(config_name="config", overrides=["output_dir=/tmp/psdk-test", "ps.pause_lease_s=7"])
+    assert server_options(lease).pause_lease_s == 7
+    with pytest.raises(ConfigError, match=r"ps\.pause_lease_s"):
+        server_options(compose(config_name="config", overrides=["output_dir=/tmp/psdk-test", "ps.pause_lease_s=0"]))

@@ -133,7 +133,7 @@ class RecoveryConfig:
 class CheckpointConfig:
     dir: str = "checkpoints"
     every_steps: int = 0
-    every_seconds: float = 0.0
+    every_seconds: float = 60.0
     keep: int = 5
     final: bool = True
 
