@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,7 +15,7 @@ import zmq
 from psdk.client import ClientOptions, ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import PsdkError
+from psdk.errors import PortInUseError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
@@ -81,7 +82,15 @@ def test_a_shard_slow_beyond_the_recovery_timeout_is_named_in_a_clear_error() ->
 @contextmanager
 def ps_thread(transport: ZmqTransport, port: int) -> Iterator[ParameterServer]:
     options = ServerOptions(heartbeat_timeout_s=30.0, startup_timeout_s=60.0, poll_s=0.02, recovery=True)
-    server = ParameterServer(transport.serve(f"127.0.0.1:{port}", "ps 0"), 0, options)
+    deadline = time.monotonic() + 20.0
+    while True:  # the ps this one replaces closed its socket; ZeroMQ's I/O thread lets go of the port a moment later
+        try:
+            endpoint = transport.serve(f"127.0.0.1:{port}", "ps 0")
+            break
+        except PortInUseError:
+            assert time.monotonic() < deadline, f"port {port} still in use 20 s after its ps stopped"
+            time.sleep(0.05)
+    server = ParameterServer(endpoint, 0, options)
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
     thread.start()
