@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from psdk.errors import ConfigError
 from psdk.launch.ray import RayLauncher, TaskRunner, import_ray
 
 from .conftest import REPO
-from .jobs import FAST_FLAGS, all_tasks_gone, psdk, test_accuracy
+from .jobs import FAST_FLAGS, all_tasks_gone, kill_task_when, progress_of, psdk, start, test_accuracy
 
 
 def test_without_ray_the_launcher_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,13 +98,17 @@ def test_each_node_gets_only_the_keys_its_task_needs(tmp_path: Path) -> None:
     assert all(p.stat().st_mode & 0o077 == 0 for p in worker.rglob("*_secret"))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
+def needs_ray() -> None:
     if importlib.util.find_spec("ray") is None:  # found, not imported: the job imports it, not this test
         if os.environ.get("PSDK_NO_SKIP"):
             pytest.fail("PSDK_NO_SKIP is set but Ray is not installed (pip install 'psdk[ray]')")
         pytest.skip("Ray is not installed (pip install 'psdk[ray]')")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
+    needs_ray()
     result = psdk(
         "run",
         "launcher=ray",
@@ -130,4 +135,32 @@ def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
     assert "ps tasks listening at 127.0.0.1:" in text
     assert "CURVE on: 2 worker key(s) accepted" in text
     assert result.stdout.strip().splitlines()[-1].startswith("psdk done:")
+    assert all_tasks_gone(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_worker_comes_back_as_a_new_ray_actor_not_a_local_process(tmp_path: Path) -> None:
+    """The local launcher's restart ran the `python` on PATH on the driver's machine, not a task on Ray."""
+    needs_ray()
+    job = start(
+        "run",
+        "launcher=ray",
+        "launcher.num_cpus=2",
+        "launcher.cpus_per_ps=0.5",
+        "launcher.cpus_per_worker=0.5",
+        "backend=numpy",
+        "sync=sync",  # the job cannot end without worker 1: its restart is forced
+        "train.steps=1500",
+        "train.validate_every=0",
+        *FAST_FLAGS,
+        out=tmp_path,
+    )
+    output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 40, timeout=240)
+    assert job.returncode == 0, output
+    assert "restarting it as a new Ray actor (1/3)" in output
+    assert re.search(r"worker 1 \(on [0-9.]+\) started again on Ray node", output)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 1500 and summary["workers"]["1"]["status"] == "finished"
+    assert sum(summary["restarts"].values()) == 1
     assert all_tasks_gone(tmp_path)

@@ -236,6 +236,7 @@ class RayLauncher(LocalLauncher):
         self._driver_node: str | None = None
         self._chief_node: str | None = None
         self._nodes: list[str] = []
+        self._common: list[str] = []  # every task's arguments, for a restart
 
     @property
     def local_cluster(self) -> bool:
@@ -313,17 +314,13 @@ class RayLauncher(LocalLauncher):
         runner = self._ray.remote(TaskRunner)
         names = [("ps", i) for i in range(topology.num_ps)] + [("worker", i) for i in range(topology.num_workers)]
         for job, index in names:
-            resources = (
-                {"num_cpus": self.cpus_per_ps, "num_gpus": 0}
-                if job == "ps"
-                else {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker}
-            )
-            self.actors.append(runner.options(**resources).remote(f"{job} {index}"))
+            self.actors.append(runner.options(**self._resources(job)).remote(f"{job} {index}"))
         places = self._placed(names)
         self._nodes = [node for _, node in places]
         ps_ips, worker_ips = places[: topology.num_ps], places[topology.num_ps :]
         self._chief_node = worker_ips[0][1]
-        self._send_keys(common, names)
+        self._common = common
+        self._send_keys(common, names, list(range(len(names))))
         binds = ",".join(f"{self.bind_host(ip)}:0" for ip, _ in ps_ips)
         workers = ",".join(ip for ip, _ in worker_ips)
         for index, (ip, _) in enumerate(ps_ips):
@@ -331,13 +328,19 @@ class RayLauncher(LocalLauncher):
             args = [*common, f"ps_hosts='{binds}'", f"worker_hosts='{workers}'", f"ps.announce_file={announce}"]
             self._start_on(index, "ps", index, ip, out, args, {"CUDA_VISIBLE_DEVICES": ""})
         addresses = self._wait_for_ps(out, topology.num_ps)
+        self.ps_addresses = addresses
         log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
         no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if self.gpus_per_worker == 0 else {}  # else Ray set it
         for index, (ip, _) in enumerate(worker_ips):
             args = [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"]
             self._start_on(topology.num_ps + index, "worker", index, ip, out, args, no_gpu)
 
-    def _send_keys(self, common: list[str], names: list[tuple[str, int]]) -> None:
+    def _resources(self, job: str) -> dict[str, float]:
+        if job == "ps":
+            return {"num_cpus": self.cpus_per_ps, "num_gpus": 0}
+        return {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker}
+
+    def _send_keys(self, common: list[str], names: list[tuple[str, int]], slots: list[int]) -> None:
         """Give each task on another node than this one the CURVE key files it needs, and no others.
 
         The keys are in the launcher's ``transport.keys_dir`` (a fresh set in
@@ -348,9 +351,10 @@ class RayLauncher(LocalLauncher):
         folder = Path(given[-1]) if given else None
         if folder is None or not folder.is_dir():
             return  # not secure, or keys the user put on every node himself
-        elsewhere = [slot for slot in range(len(names)) if self._nodes[slot] != self._driver_node]
-        for slot in elsewhere:
-            job, index = names[slot]
+        elsewhere = [
+            (slot, name) for slot, name in zip(slots, names, strict=True) if self._nodes[slot] != self._driver_node
+        ]
+        for slot, (job, index) in elsewhere:
             files = {
                 str(p.relative_to(folder)): p.read_bytes()
                 for g in security.files_for(job, index)
@@ -360,9 +364,10 @@ class RayLauncher(LocalLauncher):
         if elsewhere:
             log.info("launcher: sent each of %d task(s) on other nodes the keys it needs", len(elsewhere))
 
-    def _placed(self, names: list[tuple[str, int]]) -> list[tuple[str, str]]:
-        """Each task's node (IP, node id), once Ray has placed them all."""
-        pending = {actor.where.remote(): i for i, actor in enumerate(self.actors)}
+    def _placed(self, names: list[tuple[str, int]], slots: list[int] | None = None) -> list[tuple[str, str]]:
+        """Each task's node (IP, node id), once Ray has placed them all (the actors of ``slots``: all of them)."""
+        slots = list(range(len(names))) if slots is None else slots
+        pending = {self.actors[slot].where.remote(): i for i, slot in enumerate(slots)}
         places: dict[int, tuple[str, str]] = {}
         deadline = time.monotonic() + self.ready_timeout_s
         while pending:
@@ -377,10 +382,11 @@ class RayLauncher(LocalLauncher):
                     raise JobFailedError(f"Ray could not start {job} {i}: {exc}") from None
             if pending and time.monotonic() > deadline:
                 waiting = ", ".join(f"{names[i][0]} {names[i][1]}" for i in sorted(pending.values()))
+                asked = {names[i][0]: self._resources(names[i][0]) for i in pending.values()}
                 raise JobFailedError(
-                    f"Ray placed no node for {waiting} within {self.ready_timeout_s:.0f} s; the cluster has "
-                    f"{self._ray.available_resources()} free. Lower launcher.cpus_per_ps, cpus_per_worker or "
-                    "gpus_per_worker, add nodes, or raise launcher.ready_timeout_s"
+                    f"Ray placed no node for {waiting} within {self.ready_timeout_s:.0f} s: asked for "
+                    f"{asked}, the cluster has {self._ray.available_resources()} free. Lower launcher.cpus_per_ps, "
+                    "cpus_per_worker or gpus_per_worker, add nodes, or raise launcher.ready_timeout_s"
                 )
         return [places[i] for i in range(len(names))]
 
@@ -396,7 +402,62 @@ class RayLauncher(LocalLauncher):
             raise JobFailedError(f"{job} {index} (on {ip}) could not be started through Ray: {exc}") from None
         if self._nodes[slot] == self._driver_node:  # a pid means something only on this machine
             (out / "tasks" / f"{job}{index}.pid").write_text(f"{pid}\n")
-        self.tasks.append(Task(job, index, RemoteProcess(self._ray, actor), ["python", "-m", "psdk", *argv], ip))
+        self.tasks.append(
+            Task(job, index, RemoteProcess(self._ray, actor), ["python", "-m", "psdk", *argv], ip, env=dict(env))
+        )
+
+    # ------------------------------------------------------------- restarts
+    def _restart(self, task: Task) -> None:
+        """Start ``task`` again as a new Ray actor, on a live node with room (its own may be gone).
+
+        The local launcher's restart runs ``python -m psdk`` on the launcher's
+        machine with the launcher's ``python``: neither where Ray runs the
+        job's tasks nor necessarily an interpreter that has psdk. A new
+        :class:`TaskRunner` runs the task's own command, with the interpreter
+        and environment of the first start, wherever Ray finds room.
+        """
+        slot = self.tasks.index(task)
+        old_name = task.name
+        self.restarts[old_name] += 1
+        log.warning(
+            "launcher: %s %s; restarting it as a new Ray actor (%d/%d)",
+            old_name,
+            task.describe_exit(),
+            self.restarts[old_name],
+            self.max_restarts,
+        )
+        with contextlib.suppress(Exception):
+            self._ray.kill(self.actors[slot])  # whatever is left of it (nothing, if its node died)
+        job, index = task.job, task.index
+        self.actors[slot] = self._ray.remote(TaskRunner).options(**self._resources(job)).remote(f"{job} {index}")
+        ((ip, node),) = self._placed([(job, index)], [slot])
+        if job == "ps" and ip != task.host and not self.local_cluster:
+            raise JobFailedError(
+                f"{old_name} could only be restarted on node {ip}, but the workers reach it at {task.host}: "
+                "a ps restarted on Ray must land on its own node (give the ps node room for one more ps, "
+                "or run the ps tasks outside Ray)"
+            )
+        self._nodes[slot] = node
+        self._send_keys(self._common, [(job, index)], [slot])
+        if job == "worker" and index == 0:
+            self._chief_node = node
+        argv = task.command[3:]  # python -m psdk ...
+        if job == "ps" and self.ps_addresses:  # the address the workers know
+            argv = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in argv]
+        env = task.env or {}
+        try:
+            pid = self._ray.get(self.actors[slot].start.remote(argv, env), timeout=RPC_TIMEOUT_S)
+        except self._ray.exceptions.RayError as exc:
+            raise JobFailedError(f"{job} {index} could not be restarted through Ray on {ip}: {exc}") from None
+        if node == self._driver_node:  # as at the first start: a pid means something only on this machine
+            run_dir = Path(next(a for a in argv if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+            run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{pid}\n")
+        task.process = RemoteProcess(self._ray, self.actors[slot])
+        task.command = ["python", "-m", "psdk", *argv]
+        if ip != task.host:
+            task.host = ip
+            self.restarts[task.name] = self.restarts.pop(old_name)
+        log.info("launcher: %s started again on Ray node %s", task.name, ip)
 
     def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
         deadline = time.monotonic() + self.ready_timeout_s
