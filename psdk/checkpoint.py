@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import DataError, PsdkError
+from psdk.numerics import all_finite
+from psdk.optim import rule_from_json
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +182,6 @@ def _count(value: Any, name: str) -> int:
 
 def implausible(checkpoint: Checkpoint) -> str | None:
     """What no job could have written into ``checkpoint`` (``None``: nothing)."""
-    from psdk.numerics import all_finite
-    from psdk.optim import rule_from_json
-
     if not checkpoint.variables:
         return "no variables"
     for name, values in checkpoint.variables.items():

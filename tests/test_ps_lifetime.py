@@ -84,13 +84,19 @@ def test_a_chief_that_finished_and_vanished_before_the_end_fails_the_ps() -> Non
         assert "nothing heard from the chief (worker 0 at h0)" in failure and "ps.idle_timeout_s=0.5" in failure
 
 
+def finished_job(ps: Served) -> ParameterClient:
+    """A chief whose one-step job is done and who said it finished (it has not shut the job down)."""
+    chief = ps.chief()
+    start_job(chief, steps=1)
+    assert chief.push_pull({"w": np.ones((2, 3), np.float32)}).done
+    chief.finish({})
+    return chief
+
+
 def test_a_chief_lost_after_training_but_before_its_shutdown_fails_the_ps_naming_it() -> None:
     """The chief shuts the job down only once its results are written: without that, they may be lost."""
     with serving(idle_timeout_s=0.5) as ps:
-        chief = ps.chief()
-        start_job(chief, steps=1)
-        assert chief.push_pull({"w": np.ones((2, 3), np.float32)}).done
-        chief.finish({})
+        chief = finished_job(ps)
         chief.close()  # gone before writing its results
         assert ps.wait_exit() == 1
         failure = ps.server.failure or ""
@@ -100,10 +106,7 @@ def test_a_chief_lost_after_training_but_before_its_shutdown_fails_the_ps_naming
 
 def test_a_done_job_the_chief_shuts_down_ends_cleanly() -> None:
     with serving(idle_timeout_s=0.5) as ps:
-        chief = ps.chief()
-        start_job(chief, steps=1)
-        assert chief.push_pull({"w": np.ones((2, 3), np.float32)}).done
-        chief.finish({})
+        chief = finished_job(ps)
         chief.shutdown()
         chief.close()
         assert ps.wait_exit() == 0 and ps.server.failure is None

@@ -98,6 +98,10 @@ def test_each_node_gets_only_the_keys_its_task_needs(tmp_path: Path) -> None:
     assert all(p.stat().st_mode & 0o077 == 0 for p in worker.rglob("*_secret"))
 
 
+# A local Ray on this machine's 2 CPUs, with room for a ps and two workers.
+LOCAL_RAY = ["launcher=ray", "launcher.num_cpus=2", "launcher.cpus_per_ps=0.5", "launcher.cpus_per_worker=0.5"]
+
+
 def needs_ray() -> None:
     if importlib.util.find_spec("ray") is None:  # found, not imported: the job imports it, not this test
         if os.environ.get("PSDK_NO_SKIP"):
@@ -111,10 +115,7 @@ def test_a_short_job_on_a_local_ray_with_2_cpus(tmp_path: Path) -> None:
     needs_ray()
     result = psdk(
         "run",
-        "launcher=ray",
-        "launcher.num_cpus=2",
-        "launcher.cpus_per_ps=0.5",
-        "launcher.cpus_per_worker=0.5",
+        *LOCAL_RAY,
         "backend=numpy",
         "train.steps=300",
         "train.validate_every=100",
@@ -145,10 +146,7 @@ def test_a_killed_worker_comes_back_as_a_new_ray_actor_not_a_local_process(tmp_p
     needs_ray()
     job = start(
         "run",
-        "launcher=ray",
-        "launcher.num_cpus=2",
-        "launcher.cpus_per_ps=0.5",
-        "launcher.cpus_per_worker=0.5",
+        *LOCAL_RAY,
         "backend=numpy",
         "sync=sync",  # the job cannot end without worker 1: its restart is forced
         "train.steps=1500",
