@@ -33,7 +33,7 @@ from psdk.checkpoint import Checkpoint
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import ConfigError, PeerDeadError, PeerRestartedError, PsdkError
+from psdk.errors import CheckpointAbandoned, ConfigError, PeerDeadError, PeerRestartedError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.plugins import backend_for
 from psdk.recovery import latest_or_none
@@ -93,6 +93,9 @@ class WorkerSession:
 
         If a ps is lost meanwhile and recovery is on, no checkpoint is written:
         the job is restored from the previous one instead (returns ``None``).
+        If the shards ended the pause first (this session was silent for
+        ``ps.pause_lease_s``), this checkpoint is skipped with a warning and
+        ``None`` is returned: the next one is written when it is due.
         """
         if not self.is_chief:
             raise PsdkError("only the chief (worker 0) writes checkpoints")
@@ -103,6 +106,9 @@ class WorkerSession:
             if self.client.options.recovery_timeout_s is None:
                 raise
             self.record(self.client.recover(f"{exc} during a checkpoint"))
+            return None
+        except CheckpointAbandoned as exc:
+            log.warning("worker 0: checkpoint skipped, the next is written when due: %s", exc)
             return None
         collected = time.perf_counter()
         state.config, state.extra = config, dict(extra)

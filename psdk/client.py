@@ -24,6 +24,7 @@ import numpy as np
 from psdk.checkpoint import Checkpoint
 from psdk.cluster import ClusterSpec
 from psdk.errors import (
+    CheckpointAbandoned,
     PeerDeadError,
     PeerRestartedError,
     PeerTimeoutError,
@@ -610,6 +611,10 @@ class ParameterClient:
             failpoint(CHECKPOINT_PAUSED)
             states = self._request(self._all("state"), "the shards' state for a checkpoint")
             failed = False
+        except RemoteError as exc:
+            if exc.kind != "not_paused":
+                raise
+            raise CheckpointAbandoned(f"the checkpoint pause ended before every state was read: {exc}") from exc
         finally:
             try:
                 self._request(self._all("resume"), "resuming after a checkpoint")
@@ -625,8 +630,8 @@ class ParameterClient:
         rule_step = 0
         for index in range(self.cluster.num_ps):
             reply = states[index]
-            if int(reply.fields["version"]) != version:
-                raise PsdkError(
+            if int(reply.fields["version"]) != version:  # a pause lapsed between the reads
+                raise CheckpointAbandoned(
                     f"{self.names[index]} was at version {reply.fields['version']}, not {version}, "
                     "when its state was read: the checkpoint would not be a consistent cut"
                 )

@@ -172,5 +172,14 @@ class RemoteError(PsdkError):
         super().__init__(f"{peer}: {message}")
 
 
+class CheckpointAbandoned(PsdkError):
+    """The checkpoint pause ended before every shard's state was read: no consistent cut, no file.
+
+    The ps ends a pause whose chief went silent for ``ps.pause_lease_s``
+    (a stalled chief, say); the chief then skips this checkpoint and writes
+    the next one when it is due.
+    """
+
+
 class JobFailedError(PsdkError):
     """A task of the job died or failed; names it and says how it ended."""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import pytest
 
-from psdk.client import ParameterClient
+from psdk import client as client_module
+from psdk.client import ParameterClient, StepResult
+from psdk.errors import CheckpointAbandoned
 
 from .conftest import PsCluster, running_ps
 from .test_server import grads, in_thread, start, wait_until
@@ -81,6 +84,37 @@ def test_a_pause_ends_when_the_chief_is_declared_dead(caplog: pytest.LogCaptureF
             assert push.result(timeout=20).global_step == version + 1
             assert ps.servers[0].membership.status(0) == "dead"
             assert f"the chief (worker 0) is gone; the checkpoint pause at version {version} ends" in caplog.text
+        finally:
+            chief.close()
+            worker.close()
+
+
+def test_a_pause_that_lapses_mid_checkpoint_skips_that_checkpoint_and_the_next_one_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chief stalled between ``pause_at`` and ``state`` (its session silent) gets no torn cut, and no crash."""
+    with running_ps(1, heartbeat_timeout_s=30.0, pause_lease_s=LEASE_S) as ps:
+        chief, worker = start(ps, 2, mode="async")
+        try:
+            pushes: list[Future[StepResult]] = []
+
+            def stall_until_the_pause_lapses(name: str) -> None:
+                pushes.append(in_thread(lambda: worker.push_pull(grads(1.0))))
+                wait_until(lambda: held(ps) == 1)  # a push waits on the pause
+                assert chief.heartbeat is not None
+                chief.heartbeat.stop()  # the chief's session goes silent mid-checkpoint
+                wait_until(lambda: not ps.servers[0].pause.held)  # the lease ran out; the push was applied
+
+            monkeypatch.setattr(client_module, "failpoint", stall_until_the_pause_lapses)
+            version = int(chief.status()["version"])
+            with pytest.raises(CheckpointAbandoned, match="the checkpoint pause ended"):
+                chief.checkpoint_state()
+            assert pushes[0].result(timeout=20).global_step == version + 1
+
+            monkeypatch.setattr(client_module, "failpoint", lambda name: None)
+            state = chief.checkpoint_state()  # the next checkpoint, when due: a consistent cut
+            assert state.global_step == version + 1
+            assert not ps.servers[0].pause.held and held(ps) == 0
         finally:
             chief.close()
             worker.close()

@@ -730,7 +730,7 @@ class ParameterServer:
         log.warning("%s: %s; the checkpoint pause at version %s ends, training goes on", self.name, why,
                     self.pause.version)  # fmt: skip
         for peer, rid in self.pause.end():
-            self._error(peer, rid, f"the checkpoint pause ended: {why}", "failed")
+            self._error(peer, rid, f"the checkpoint pause ended: {why}", "not_paused")
         self._release_held()
 
     def _on_state(self, peer: bytes, message: Message, worker: int | None) -> None:
@@ -739,7 +739,10 @@ class ParameterServer:
             raise ProtocolError("only the chief (worker 0) reads the state")
         self._require_init()
         if not self._paused() and not self.done:
-            raise ProtocolError("pause the shard (pause_at) before reading its state")
+            # kind "not_paused": the chief's pause lapsed (or was never held); it skips this checkpoint
+            self._error(peer, message.rid, "the shard is not paused (pause_at first, within ps.pause_lease_s)",
+                        "not_paused")  # fmt: skip
+            return
         slots = self.store.slots()
         fields = {
             **self._layout(),
