@@ -35,6 +35,7 @@ from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
 from psdk.errors import CheckpointAbandoned, ConfigError, PeerDeadError, PeerRestartedError, PsdkError
 from psdk.jobspec import JobSpec
+from psdk.optim import UpdateRule
 from psdk.plugins import backend_for
 from psdk.recovery import latest_or_none
 from psdk.security import CurveKeys
@@ -226,14 +227,32 @@ class DistributedOptimizer:
     chief's choice is the one the ps uses. ``zero_grad()`` is passed through.
     ``step()`` reads the gradients your backward pass left in the model,
     pushes them, and writes the fresh parameters back into the model.
+
+    Or name the rule itself and pass no optimizer:
+    ``DistributedOptimizer(None, model, session, backend=backend, rule=SGD(lr=0.1))``.
+    That is the path for a framework whose optimizers cannot be inspected,
+    and it skips building one (a ``torch.optim`` optimizer costs a worker
+    about a second of start-up: its first one imports ``torch._dynamo``).
     """
 
-    def __init__(self, optimizer: Any, model: Any, session: WorkerSession, backend: Backend | None = None):
+    def __init__(
+        self,
+        optimizer: Any,
+        model: Any,
+        session: WorkerSession,
+        backend: Backend | None = None,
+        *,
+        rule: UpdateRule | None = None,
+    ):
+        if optimizer is None and (rule is None or backend is None):
+            raise PsdkError("DistributedOptimizer needs a framework optimizer, or a rule= and a backend=")
+        if optimizer is not None and rule is not None:
+            raise PsdkError("give DistributedOptimizer a framework optimizer or a rule=, not both")
         self.optimizer = optimizer
         self.model = model
         self.session = session
         self.backend = backend or backend_for(optimizer)
-        self.rule = self.backend.optimizer_rule(optimizer)
+        self.rule = rule if rule is not None else self.backend.optimizer_rule(optimizer)
 
     def broadcast_parameters(self, resume: Checkpoint | None = None) -> int:
         """Chief: put the model's weights on the ps. Others: wait for them and take them.

@@ -81,3 +81,59 @@ def test_a_failed_download_says_why_and_where_to_put_the_files(tmp_path: Path) -
 def test_downloading_off_is_respected(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data\.download=false"):
         mnist.resolve_dir(None, str(tmp_path), allow_download=False)
+
+
+# ------------------------------------------------------------------ the decoded cache
+def copy_of(mnist_dir: Path, folder: Path) -> Path:
+    folder.mkdir()
+    for path in mnist_dir.glob("*.gz"):
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+def test_decoded_arrays_are_cached_and_used_until_a_file_changes(
+    mnist_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    first = mnist.load(files, cache_dir=cache)
+    (entry,) = cache.glob("decoded-*")
+    decoded: list[Path] = []
+    real_decode = mnist._decode
+    monkeypatch.setattr(mnist, "_decode", lambda folder: decoded.append(folder) or real_decode(folder))
+    again = mnist.load(files, cache_dir=cache)
+    assert decoded == []  # from the cache
+    for name in mnist.DECODED_ARRAYS:
+        np.testing.assert_array_equal(getattr(again, name), getattr(first, name))
+    # A file that changes is checked again: a corrupt one is refused, never served from the cache.
+    raw = bytearray(gzip.decompress((files / "t10k-labels-idx1-ubyte.gz").read_bytes()))
+    raw[100] ^= 0xFF
+    (files / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(raw)))
+    with pytest.raises(DataError, match="corrupt"):
+        mnist.load(files, cache_dir=cache)
+    assert decoded == [files] and entry.exists()
+
+
+def test_a_damaged_cache_entry_is_ignored_and_written_anew(
+    mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    truth = mnist.load(files, cache_dir=cache)
+    (entry,) = cache.glob("decoded-*")
+    for damage in (
+        lambda: (entry / "train_x.npy").write_bytes((entry / "train_x.npy").read_bytes()[:1000]),  # truncated
+        lambda: np.save(entry / "test_y.npy", np.full(10000, 42, np.int64)),  # labels out of range
+        lambda: (entry / "train_y.npy").unlink(),
+    ):
+        damage()
+        caplog.clear()
+        np.testing.assert_array_equal(mnist.load(files, cache_dir=cache).test_y, truth.test_y)
+        assert "ignoring the decoded-MNIST cache" in caplog.text
+    monkeypatch.setattr(mnist, "_decode", lambda folder: pytest.fail("decoded again: the entry was not rewritten"))
+    np.testing.assert_array_equal(mnist.load(files, cache_dir=cache).train_x, truth.train_x)
+
+
+def test_the_cache_keeps_only_the_newest_entries(mnist_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    for copy in range(mnist.DECODED_KEPT + 1):
+        mnist.load(copy_of(mnist_dir, tmp_path / f"files{copy}"), cache_dir=cache)
+    assert len(list(cache.glob("decoded-*"))) == mnist.DECODED_KEPT

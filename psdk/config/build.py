@@ -10,7 +10,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from psdk import security
+from psdk import announce, security
 from psdk.client import ClientOptions
 from psdk.cluster import ClusterSpec, Topology
 from psdk.consistency import SyncSpec
@@ -42,6 +42,19 @@ def cluster_from(cfg: DictConfig) -> ClusterSpec:
             "(or use `python -m psdk run` to start the whole job here)",
         )
     return ClusterSpec({"ps": plain(cfg.ps_hosts), "worker": plain(cfg.worker_hosts)})
+
+
+def with_announced_ps(cfg: DictConfig, cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with the ps addresses the ps tasks announced in ``ps_hosts_from`` (if set), once they have.
+
+    ``run`` starts the workers together with the ps tasks, which bind free
+    ports: a worker waits for the addresses only once its own start-up is done.
+    """
+    folder = cfg.get("ps_hosts_from")
+    if not folder:
+        return cluster
+    addresses = announce.wait_for(Path(str(folder)), cluster.num_ps, float(cfg.transport.startup_timeout_s))
+    return ClusterSpec({"ps": addresses, "worker": cluster.as_dict()["worker"]})
 
 
 def worker_keys(cfg: DictConfig, cluster: ClusterSpec, task: int) -> CurveKeys | None:

@@ -215,6 +215,7 @@ class PsdkConfig:
     job_name: Any = None
     task_index: int = 0
     ps_hosts: Any = None
+    ps_hosts_from: Any = None
     worker_hosts: Any = None
     output_dir: Any = None
     resume: Any = None

@@ -118,7 +118,9 @@ class WorkerReport:
 
 def load_split(cfg: DictConfig, task: int, num_workers: int) -> mnist.Split:
     folder = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
-    return mnist.split(mnist.load(folder), task, num_workers, int(cfg.data.validation_size), with_test=task == 0)
+    cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else mnist.default_cache_dir()
+    data = mnist.load(folder, cache_dir=cache)
+    return mnist.split(data, task, num_workers, int(cfg.data.validation_size), with_test=task == 0)
 
 
 def run_worker(cfg: DictConfig) -> None:
@@ -139,8 +141,9 @@ def run_worker(cfg: DictConfig) -> None:
     data = load_split(cfg, task, cluster.num_workers)
     spec = build.model_spec(cfg)
     model = backend.build_model(spec, init_weights(spec, int(cfg.seed)))
-    framework_optimizer = backend.make_optimizer(model, build.update_rule(cfg))
+    rule = build.update_rule(cfg)  # named directly: no framework optimizer to build and inspect
     metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
+    cluster = build.with_announced_ps(cfg, cluster)
     try:
         with connect(
             cluster,
@@ -153,7 +156,7 @@ def run_worker(cfg: DictConfig) -> None:
             secure=bool(cfg.transport.secure),
             checkpoint_dir=cfg.checkpoint.dir if task == 0 else None,
         ) as session:
-            optimizer = DistributedOptimizer(framework_optimizer, model, session, backend=backend)
+            optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=rule)
             tune_compute_thread(cfg, cluster.local_rank(task))
             step = optimizer.broadcast_parameters(resume)
             if resume is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -20,18 +21,19 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from psdk import checkpoint, security
+from psdk import announce, checkpoint, security
 from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.data import mnist
-from psdk.errors import USAGE_EXIT, JobFailedError
+from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
+from psdk.launch.curves import CurvesInBackground
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
 from psdk.placement import RankPlacement, visible_gpus
@@ -98,6 +100,30 @@ class TaskProcess(Protocol):
     def kill(self) -> None: ...
 
 
+@contextlib.contextmanager
+def only_launcher_of(out: Path) -> Iterator[None]:
+    """Hold the run folder for this launcher alone, or fail at once.
+
+    Two runs started in the same second in one directory get the same
+    folder; the workers of one would read the addresses and keys of the
+    other's tasks. An exclusive lock on ``tasks/launcher.lock`` (released
+    by the kernel if this process dies) turns that into a clear error.
+    """
+    path = out / "tasks" / "launcher.lock"
+    with path.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JobFailedError(
+                f"another launcher is running a job in {out} (runs started in the same second share a "
+                "folder); start this one again, or give it its own folder with hydra.run.dir=..."
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @dataclass
 class Task:
     job: str
@@ -133,7 +159,8 @@ class LocalLauncher:
         self.max_restarts = 0  # recovery.max_restarts when recovery is on
         self.restarts: Counter[str] = Counter()
         self.monitor: ProgressMonitor | None = None
-        self.plot = True  # report.plot: curves.png when the job ends
+        self.curves: CurvesInBackground | None = None  # report.plot: curves.png when the job ends
+        self.out = Path()  # the run's folder
 
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
@@ -153,11 +180,15 @@ class LocalLauncher:
     def launch(self, cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         start = time.time()
         self.validate(cfg)
-        self.max_restarts = int(cfg.recovery.max_restarts) if cfg.recovery.enabled else 0
-        self.plot = bool(cfg.get("report", {}).get("plot", True))
-        topology = build.topology(cfg)
-        out = Path(cfg.output_dir).resolve()
+        out = self.out = Path(cfg.output_dir).resolve()
         (out / "tasks").mkdir(parents=True, exist_ok=True)
+        with only_launcher_of(out):
+            return self._launch(cfg, overrides, out, start)
+
+    def _launch(self, cfg: DictConfig, overrides: Sequence[str], out: Path, start: float) -> dict[str, Any]:
+        self.max_restarts = int(cfg.recovery.max_restarts) if cfg.recovery.enabled else 0
+        topology = build.topology(cfg)
+        self.curves = CurvesInBackground(out) if cfg.get("report", {}).get("plot", True) else None
         data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
         if cfg.transport.secure is None or bool(cfg.transport.secure):
@@ -177,9 +208,13 @@ class LocalLauncher:
         try:
             if self.monitor is not None:
                 self.monitor.start()
+            if self.curves is not None:
+                self.curves.start()
             self._start_tasks(cfg, out, common)
             self._supervise()
         except BaseException:
+            if self.curves is not None:
+                self.curves.cancel()
             self._stop_all()
             raise
         finally:
@@ -219,14 +254,21 @@ class LocalLauncher:
         return process
 
     def _start_tasks(self, cfg: DictConfig, out: Path, common: list[str]) -> None:
-        """Start every ps (each binds a free port and announces it), then every worker."""
+        """Start every ps and every worker at once; the workers learn the ps addresses from files.
+
+        Each ps binds a free port and announces it (:mod:`psdk.announce`);
+        meanwhile the workers import their framework and read their data,
+        then wait for the announcements.
+        """
         topology = build.topology(cfg)
         workers = ",".join([topology.host] * topology.num_workers)
         placeholders = ",".join([f"{topology.host}:0"] * topology.num_ps)
+        folder = out / "tasks"
         for index in range(topology.num_ps):
             # A run folder used before holds the last run's addresses: read, they would send the workers
             # to a port nobody listens on any more.
-            (out / "tasks" / f"ps{index}.json").unlink(missing_ok=True)
+            announce.file_for(folder, index).unlink(missing_ok=True)
+        for index in range(topology.num_ps):
             self._start(
                 "ps",
                 index,
@@ -235,25 +277,24 @@ class LocalLauncher:
                     *common,
                     f"ps_hosts='{placeholders}'",
                     f"worker_hosts='{workers}'",
-                    f"ps.announce_file={out / 'tasks' / f'ps{index}.json'}",
+                    f"ps.announce_file={announce.file_for(folder, index)}",
                     f"ps.progress_file={ps_progress_path(out, index)}",
                 ],
             )
-        addresses = self._wait_for_ps(out, topology.num_ps)
-        self.ps_addresses = addresses
-        log.info("launcher: ps tasks listening at %s", ", ".join(addresses))
         placement = RankPlacement(str(cfg.placement.device))
         gpus = visible_gpus()
-        cluster = ClusterSpec({"ps": addresses, "worker": workers})
+        cluster = ClusterSpec({"ps": placeholders, "worker": workers})
         for index in range(topology.num_workers):
             env = placement.isolation_env(cluster, index, gpus) if cfg.placement.isolate_gpus else {}
             self._start(
                 "worker",
                 index,
                 out,
-                [*common, f"ps_hosts='{','.join(addresses)}'", f"worker_hosts='{workers}'"],
+                [*common, f"ps_hosts='{placeholders}'", f"ps_hosts_from={folder}", f"worker_hosts='{workers}'"],
                 env,
             )
+        self.ps_addresses = self._wait_for_ps(out, topology.num_ps)
+        log.info("launcher: ps tasks listening at %s", ", ".join(self.ps_addresses))
 
     def _collect(self, out: Path) -> None:
         """Bring the chief's results into ``out`` (here they are there already)."""
@@ -290,29 +331,29 @@ class LocalLauncher:
         self.tasks.append(Task(job, index, process, command, env=env))
 
     def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
-        deadline = time.monotonic() + self.ready_timeout_s
-        files = [out / "tasks" / f"ps{i}.json" for i in range(num_ps)]
-        while not all(f.exists() for f in files):
+        def every_task_alive() -> None:
             for task in self.tasks:
                 if task.process.poll() is not None:
                     raise JobFailedError(
-                        f"{task.name} {task.describe_exit()} before it was listening; see its "
+                        f"{task.name} {task.describe_exit()} before the ps tasks were listening; see its "
                         f"log above or in {out / 'tasks' / f'{task.job}{task.index}'}"
                     )
-            if time.monotonic() > deadline:
-                waiting = [f"ps {i}" for i, f in enumerate(files) if not f.exists()]
-                raise JobFailedError(
-                    f"{', '.join(waiting)} did not start listening within {self.ready_timeout_s:.0f} s "
-                    "(raise launcher.ready_timeout_s if this machine is slow)"
-                )
-            time.sleep(POLL_S)
-        return [json.loads(f.read_text())["address"] for f in files]
+
+        try:
+            return announce.wait_for(out / "tasks", num_ps, self.ready_timeout_s, every_task_alive)
+        except JobFailedError:
+            raise
+        except PsdkError as exc:
+            raise JobFailedError(f"{exc} (raise launcher.ready_timeout_s if this machine is slow)") from exc
 
     def _supervise(self) -> None:
         """Wait for the chief; restart lost tasks (recovery on) or stop the job; report other deaths."""
         chief = next(t for t in self.tasks if t.job == "worker" and t.index == 0)
         reported: set[str] = set()
+        results = self.out / "summary.json"
         while chief.process.poll() != 0:
+            if self.curves is not None and results.exists():
+                self.curves.draw()  # every worker's points are in: drawn while the tasks exit
             for task in self.tasks:
                 code = task.process.poll()
                 if code is None or code == 0 or task.name in reported:
@@ -395,20 +436,6 @@ class LocalLauncher:
                 task.process.kill()
                 task.process.wait(timeout=10)
 
-    def _write_curves(self, out: Path) -> None:
-        """``curves.png`` (report.plot): a figure is a convenience, so failing to draw it only warns."""
-        if not self.plot:
-            return
-        try:
-            from psdk.report.plot import plot_curves
-            from psdk.report.runs import load_run
-
-            log.info("launcher: training curves in %s", plot_curves(load_run(out), out / "curves.png"))
-        except Exception as exc:
-            log.warning(
-                "launcher: could not draw the training curves (%s); `python -m psdk report %s` retries", exc, out
-            )
-
     def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
         path = out / "summary.json"
         if not path.exists():
@@ -424,6 +451,7 @@ class LocalLauncher:
         summary["chief_wall_s"] = summary.get("wall_s")
         summary["wall_s"] = time.time() - start
         write_json_atomic(path, summary)
-        self._write_curves(out)
+        if self.curves is not None:
+            self.curves.finish()
         print(summary_line(summary), flush=True)
         return summary

@@ -9,14 +9,13 @@ interface unless told to (``ps.bind=0.0.0.0``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from psdk import security
+from psdk import announce, security
 from psdk.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.config import build
 from psdk.errors import BindError, ConfigError, TransportError
@@ -25,14 +24,6 @@ from psdk.ps.server import ParameterServer
 from psdk.zmq_transport import ZmqTransport
 
 log = logging.getLogger(__name__)
-
-
-def announce(path: Path, address: str) -> None:
-    """Tell the launcher where this ps listens (written atomically)."""
-    host_port = address.split("://", 1)[-1]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"address": host_port, "pid": os.getpid()}))
-    os.replace(tmp, path)
 
 
 def bind_address(bind: object, advertised: str) -> str:
@@ -94,7 +85,7 @@ def run_ps(cfg: DictConfig) -> int:
             reason = str(exc).split(": ", 1)[-1].split(" (addr=")[0]  # "No such device (addr=...)"
             raise BindError(bind, f"ps {task}", reason, explicit=bind != advertised) from None
         if cfg.ps.announce_file:
-            announce(Path(cfg.ps.announce_file), endpoint.address)
+            announce.announce(Path(cfg.ps.announce_file), endpoint.address)
         server = ParameterServer(endpoint, task, build.server_options(cfg))
         progress = Path(cfg.ps.progress_file) if cfg.ps.progress_file else None
         with progress_file(server, progress, float(cfg.progress.every_s)):

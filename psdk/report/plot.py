@@ -17,13 +17,19 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def _figure(rows: int, cols: int, size: tuple[float, float]) -> Figure:
+def prepare() -> None:
+    """Import matplotlib with the Agg backend (over half a second): done ahead, drawing later is quick."""
     import logging
 
     import matplotlib
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first run's font-cache notes are no news
     matplotlib.use("Agg", force=True)
+    import matplotlib.figure
+
+
+def _figure(rows: int, cols: int, size: tuple[float, float]) -> Figure:
+    prepare()
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=size, layout="constrained")
