@@ -18,18 +18,11 @@ for trying it out; it keeps every socket on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import logging
 import math
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,15 +33,12 @@ from psdk import security
 from psdk.cluster import Topology
 from psdk.config import build
 from psdk.errors import ConfigError, JobFailedError, PsdkError
-from psdk.launch.local import TASK_ENV, LocalLauncher, Task, task_args
+from psdk.launch.local import LocalLauncher, Task, task_args
+from psdk.launch.ray_actors import POLL_S, RPC_TIMEOUT_S, RemoteProcess, TaskRunner
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'psdk[ray]'"
-POLL_S = 0.2  # how often the launcher asks an actor whether its task ended
-RPC_TIMEOUT_S = 30.0  # every call to an actor is bounded
-TAIL_LINES = 20
-RESULTS = ("summary.json", "params.npz", "metrics.jsonl")
 
 
 def import_ray() -> ModuleType:
@@ -61,148 +51,6 @@ def import_ray() -> ModuleType:
             "launcher", f"launcher=ray needs Ray, which is not installed ({exc}); {INSTALL_HINT}"
         ) from None
     return ray
-
-
-# ------------------------------------------------------------------ on the node
-def _pdeathsig() -> Callable[[], None]:
-    """A ``preexec_fn`` that has the child killed when the actor dies (libc resolved before the fork)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: ray.kill still ends the actor
-        return lambda: None
-    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class TaskRunner:
-    """A Ray actor that runs one psdk task as a subprocess on its node.
-
-    Its methods return at once (Ray runs them one at a time on the actor's
-    main thread, which is also the subprocess's parent, as
-    ``PR_SET_PDEATHSIG`` needs). The task's output goes to the actor's
-    stdout, which Ray forwards to the launcher prefixed with the task's name;
-    the last lines are kept for error messages.
-    """
-
-    def __init__(self, name: str):
-        self.name = name
-        self.process: subprocess.Popen[str] | None = None
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-
-    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
-        return self.name.replace(" ", "")
-
-    def where(self) -> tuple[str, str]:
-        """The IP and Ray node id of the node this task landed on."""
-        import ray
-
-        return str(ray.util.get_node_ip_address()), str(ray.get_runtime_context().get_node_id())
-
-    def start(self, args: list[str], env: dict[str, str]) -> int:
-        full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # the launcher gives the cluster
-        full_env.update(TASK_ENV)
-        full_env.update(env)
-        for arg in args:  # a run folder used before holds the last run's address: never read it
-            if arg.startswith("ps.announce_file="):
-                Path(arg.split("=", 1)[1]).unlink(missing_ok=True)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "psdk", *args],
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=_pdeathsig(),
-        )
-        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
-        return self.process.pid
-
-    def _pump(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            self.tail.append(line.rstrip("\n"))
-            print(line, end="", flush=True)
-
-    def poll(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def announced(self, path: str) -> str | None:
-        """The address a ps announced in ``path`` on this node, once it has."""
-        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-            return str(json.loads(Path(path).read_text())["address"])
-        return None
-
-    def last_lines(self) -> list[str]:
-        return list(self.tail)
-
-    def signal(self, kill: bool) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        if kill:
-            self.process.kill()
-        else:
-            self.process.terminate()
-
-    def write_files(self, folder: str, files: dict[str, bytes]) -> None:
-        """Put ``files`` (CURVE keys) under ``folder`` on this node, readable by their owner only."""
-        root = Path(folder)
-        for name, data in files.items():
-            path = root / name
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path.write_bytes(data)
-            path.chmod(0o600)
-
-    def read_results(self, folder: str) -> dict[str, bytes]:
-        """The chief's results in ``folder`` on this node, for a launcher on another machine."""
-        root = Path(folder)
-        paths = [root / name for name in RESULTS] + sorted((root / "checkpoints").glob("*.npz"))
-        return {str(p.relative_to(root)): p.read_bytes() for p in paths if p.is_file()}
-
-
-# ------------------------------------------------------------- on the launcher
-class RemoteProcess:
-    """A task's subprocess on a Ray node, seen through its actor and shaped like ``Popen``."""
-
-    def __init__(self, ray: Any, actor: Any):
-        self._ray, self.actor = ray, actor
-        self.returncode: int | None = None
-        self.lost: str | None = None
-        self._polled = 0.0
-
-    def poll(self) -> int | None:
-        now = time.monotonic()
-        if self.returncode is None and now - self._polled >= POLL_S:
-            self._polled = now
-            try:
-                self.returncode = self._ray.get(self.actor.poll.remote(), timeout=RPC_TIMEOUT_S)
-            except self._ray.exceptions.GetTimeoutError:
-                pass
-            except self._ray.exceptions.RayError as exc:  # the actor, or its node, died
-                self.lost = f"was lost with its Ray actor ({type(exc).__name__}; did its node die?)"
-                self.returncode = -signal.SIGKILL
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired("psdk task on Ray", timeout or 0.0)
-            time.sleep(POLL_S / 4)
-        return code
-
-    def terminate(self) -> None:
-        self._signal(kill=False)
-
-    def kill(self) -> None:
-        self._signal(kill=True)
-
-    def _signal(self, kill: bool) -> None:
-        with contextlib.suppress(self._ray.exceptions.RayError):
-            self._ray.get(self.actor.signal.remote(kill), timeout=RPC_TIMEOUT_S)
-
-    def last_lines(self) -> list[str]:
-        try:
-            return list(self._ray.get(self.actor.last_lines.remote(), timeout=RPC_TIMEOUT_S))
-        except self._ray.exceptions.RayError:
-            return []
 
 
 class RayLauncher(LocalLauncher):
@@ -379,7 +227,7 @@ class RayLauncher(LocalLauncher):
                     places[index] = self._ray.get(ref, timeout=RPC_TIMEOUT_S)
                 except self._ray.exceptions.RayError as exc:
                     job, i = names[index]
-                    raise JobFailedError(f"Ray could not start {job} {i}: {exc}") from None
+                    raise JobFailedError(f"Ray could not start {job} {i}: {exc}") from exc
             if pending and time.monotonic() > deadline:
                 waiting = ", ".join(f"{names[i][0]} {names[i][1]}" for i in sorted(pending.values()))
                 asked = {names[i][0]: self._resources(names[i][0]) for i in pending.values()}
@@ -429,8 +277,7 @@ class RayLauncher(LocalLauncher):
         with contextlib.suppress(Exception):
             self._ray.kill(self.actors[slot])  # whatever is left of it (nothing, if its node died)
         job, index = task.job, task.index
-        self.actors[slot] = self._ray.remote(TaskRunner).options(**self._resources(job)).remote(f"{job} {index}")
-        ((ip, node),) = self._placed([(job, index)], [slot])
+        ip, node = self._new_actor(slot, job, index, old_name)
         if job == "ps" and ip != task.host and not self.local_cluster:
             raise JobFailedError(
                 f"{old_name} could only be restarted on node {ip}, but the workers reach it at {task.host}: "
@@ -457,7 +304,26 @@ class RayLauncher(LocalLauncher):
         if ip != task.host:
             task.host = ip
             self.restarts[task.name] = self.restarts.pop(old_name)
-        log.info("launcher: %s started again on Ray node %s", task.name, ip)
+        log.info("launcher: %s started again on Ray node %s", old_name, ip)
+
+    def _new_actor(self, slot: int, job: str, index: int, name: str) -> tuple[str, str]:
+        """A new actor for ``slot`` on a live node: its (IP, node id).
+
+        Ray learns that a node died from missed health checks, seconds after
+        the launcher saw its actor go. Until then it may place the new actor
+        on the dead node, where it dies before it runs: that one is placed
+        again, until ``launcher.ready_timeout_s``.
+        """
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            self.actors[slot] = self._ray.remote(TaskRunner).options(**self._resources(job)).remote(f"{job} {index}")
+            try:
+                ((ip, node),) = self._placed([(job, index)], [slot])
+                return ip, node
+            except JobFailedError as exc:
+                if not isinstance(exc.__cause__, self._ray.exceptions.RayActorError) or time.monotonic() > deadline:
+                    raise
+                log.warning("launcher: %s's new actor died before it ran (its node is gone); placing it again", name)
 
     def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
         deadline = time.monotonic() + self.ready_timeout_s
