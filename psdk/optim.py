@@ -9,10 +9,15 @@ gradient they are given: it may be a read-only view of a received frame.
 Semantics follow ``torch.optim`` (tested against it). Where TensorFlow
 differs, the difference is a documented option:
 
-* **Learning-rate decay.** Every rule takes ``decay_rate`` and ``decay_steps``
-  and uses ``lr * decay_rate ** (t / decay_steps)`` at its t-th update, as
+* **Learning-rate decay.** Every rule takes ``decay``, ``decay_rate`` and
+  ``decay_steps``; ``decay_rate`` is the factor the rate has fallen by after
+  ``decay_steps`` updates. ``decay="exponential"`` (default) uses
+  ``lr * decay_rate ** (t / decay_steps)`` at the t-th update, as
   ``tf.train.exponential_decay`` did with the global step (``decay_rate=1``:
-  constant). torch expresses this with an LR scheduler, which is not mapped.
+  constant); ``decay="cosine"`` follows half a cosine from ``lr`` down to
+  ``lr * decay_rate`` at ``decay_steps`` and stays there, as
+  ``tf.train.cosine_decay`` with ``alpha=decay_rate``. torch expresses these
+  with LR schedulers, which are not mapped.
 * **Adam epsilon.** torch adds ``eps`` to the bias-corrected root,
   ``p -= lr * m_hat / (sqrt(v_hat) + eps)``; TensorFlow/Keras adds it to the
   uncorrected root, ``p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``
@@ -36,6 +41,9 @@ from psdk.numerics import SAFE_MAGNITUDE, all_finite
 Bounds = tuple[float, dict[str, float]]
 """Upper bounds on ``|x|`` for a shard's parameters and for each of its slots, by name."""
 
+
+DECAYS = ("exponential", "cosine")
+"""The learning-rate schedules a rule follows over its updates (see the module docstring)."""
 
 ROUNDING = 1 + 1e-5
 """float32 rounds each operation by up to 2^-24 of its result; an update makes a handful, hence this slack."""
@@ -74,6 +82,7 @@ class UpdateRule(ABC):
     lr: float
     decay_rate: float = 1.0
     decay_steps: int = 1000
+    decay: str = "exponential"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -82,8 +91,12 @@ class UpdateRule(ABC):
                 raise ConfigError(f"optimizer.{f.name}", f"must be finite, got {value}")
         if self.lr <= 0:
             raise ConfigError("optimizer.lr", f"must be positive, got {self.lr}")
-        if not 0.0 < self.decay_rate <= 1.0:
-            raise ConfigError("optimizer.decay_rate", f"must be in (0, 1], got {self.decay_rate}")
+        if self.decay not in DECAYS:
+            raise ConfigError("optimizer.decay", f"must be one of {', '.join(DECAYS)}, got {self.decay!r}")
+        low = 0.0 if self.decay == "cosine" else math.ulp(0.0)  # a cosine may fall to 0; exponential never can
+        if not low <= self.decay_rate <= 1.0:
+            interval = "[0, 1]" if self.decay == "cosine" else "(0, 1]"
+            raise ConfigError("optimizer.decay_rate", f"must be in {interval} for {self.decay}, got {self.decay_rate}")
         if self.decay_steps < 1:
             raise ConfigError("optimizer.decay_steps", f"must be >= 1, got {self.decay_steps}")
 
@@ -91,6 +104,9 @@ class UpdateRule(ABC):
         """The learning rate of the update that follows ``step`` earlier ones."""
         if self.decay_rate == 1.0:
             return self.lr
+        if self.decay == "cosine":
+            done = min(step, self.decay_steps) / self.decay_steps
+            return self.lr * (self.decay_rate + (1.0 - self.decay_rate) * 0.5 * (1.0 + math.cos(math.pi * done)))
         return self.lr * self.decay_rate ** (step / self.decay_steps)
 
     @abstractmethod

@@ -67,6 +67,14 @@ def test_exponential_decay_lowers_the_learning_rate() -> None:
     np.testing.assert_allclose(run(rule, [g, g], np.zeros(1, np.float32)), [-(1.0 + 0.5**0.5)], rtol=1e-6)
 
 
+def test_cosine_decay_falls_by_half_a_cosine_to_its_floor_and_stays() -> None:
+    rule = SGD(lr=1.0, decay="cosine", decay_rate=0.2, decay_steps=4)
+    assert [rule.lr_at(t) for t in (0, 2, 4, 9)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
+    assert SGD(lr=1.0, decay="cosine", decay_rate=0.0, decay_steps=4).lr_at(4) == 0.0  # a cosine may end at 0
+    g = np.ones(1, np.float32)  # the rule's own updates follow it: 1.0, then 0.2 + 0.8 * (1 + cos(pi/4)) / 2
+    np.testing.assert_allclose(run(rule, [g, g], np.zeros(1, np.float32)), [-(1.0 + 0.6 + 0.4 * 0.5**0.5)], rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "rule",
     [
@@ -102,6 +110,9 @@ def test_rules_survive_the_trip_to_the_ps(name: str) -> None:
         ({"name": "adam", "lr": 0.1, "epsilon_mode": "keras"}, "optimizer.epsilon_mode"),
         ({"name": "sgd", "lr": 0.1, "nesterov": True}, "optimizer.nesterov"),
         ({"name": "sgd", "lr": 0.1, "decay_rate": 2.0}, "optimizer.decay_rate"),
+        ({"name": "sgd", "lr": 0.1, "decay_rate": 0.0}, "optimizer.decay_rate"),  # exponential never reaches 0
+        ({"name": "sgd", "lr": 0.1, "decay": "linear"}, "optimizer.decay"),
+        ({"name": "sgd", "lr": 0.1, "decay": ["cosine"]}, "optimizer.decay"),
     ],
 )
 def test_bad_rules_are_refused_with_the_key(data: dict[str, object], key: str) -> None:

@@ -35,6 +35,7 @@ class SGDConfig:
     weight_decay: float = 0.0
     decay_rate: float = 1.0
     decay_steps: int = 1000
+    decay: str = "exponential"
 
 
 @dataclass
@@ -48,6 +49,7 @@ class AdamConfig:
     epsilon_mode: str = "torch"
     decay_rate: float = 1.0
     decay_steps: int = 1000
+    decay: str = "exponential"
 
 
 @dataclass
@@ -59,6 +61,7 @@ class AdagradConfig:
     weight_decay: float = 0.0
     decay_rate: float = 1.0
     decay_steps: int = 1000
+    decay: str = "exponential"
 
 
 @dataclass
@@ -72,6 +75,7 @@ class RMSPropConfig:
     weight_decay: float = 0.0
     decay_rate: float = 1.0
     decay_steps: int = 1000
+    decay: str = "exponential"
 
 
 @dataclass

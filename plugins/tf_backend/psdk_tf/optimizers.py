@@ -13,8 +13,9 @@ differences, each handled here:
 * **weight_decay** is decoupled in Keras (AdamW style) but an L2 term on the
   gradient in psdk, so a Keras optimizer with ``weight_decay`` is refused.
 * **Learning-rate decay**: ``keras.optimizers.schedules.ExponentialDecay``
-  (not staircase) is psdk's ``decay_rate``/``decay_steps``; other schedules
-  are refused.
+  (not staircase) is psdk's ``decay_rate``/``decay_steps``, and ``CosineDecay``
+  (no warm-up) its ``decay="cosine"`` with ``alpha`` as ``decay_rate``; other
+  schedules are refused.
 
 An optimizer made by :func:`make_optimizer` carries its exact psdk rule
 (``psdk_rule``), so options Keras cannot express (L2 ``weight_decay``,
@@ -52,7 +53,9 @@ PSDK_ONLY = frozenset({"weight_decay", "epsilon_mode"})
 def make_optimizer(rule: UpdateRule) -> Any:
     """The Keras optimizer a TensorFlow user would write for ``rule``, carrying the rule itself."""
     lr: Any = rule.lr
-    if rule.decay_rate != 1.0:
+    if rule.decay_rate != 1.0 and rule.decay == "cosine":
+        lr = keras.optimizers.schedules.CosineDecay(rule.lr, rule.decay_steps, alpha=rule.decay_rate)
+    elif rule.decay_rate != 1.0:
         lr = keras.optimizers.schedules.ExponentialDecay(rule.lr, rule.decay_steps, rule.decay_rate)
     optimizer: Any
     if isinstance(rule, SGD):
@@ -149,11 +152,19 @@ def _learning_rate(value: Any) -> dict[str, Any]:
         # Keras holds the rate in a float32 variable: 0.05 comes back as 0.05000000074505806.
         return {"lr": float(str(np.float32(value)))}
     schedule, config = value.get("class_name"), value.get("config", {})
+    if schedule == "CosineDecay" and not config.get("warmup_steps"):
+        return {
+            "lr": float(config["initial_learning_rate"]),
+            "decay": "cosine",
+            "decay_rate": float(config["alpha"]),
+            "decay_steps": int(config["decay_steps"]),
+        }
     if schedule != "ExponentialDecay" or config.get("staircase"):
+        detail = " (staircase)" if config.get("staircase") else " (warm-up)" if config.get("warmup_steps") else ""
         raise ConfigError(
             "optimizer.learning_rate",
-            f"the schedule {schedule}{' (staircase)' if config.get('staircase') else ''} has no ps "
-            "equivalent; use a constant or ExponentialDecay(staircase=False)",
+            f"the schedule {schedule}{detail} has no ps equivalent; use a constant, "
+            "ExponentialDecay(staircase=False) or CosineDecay without warm-up",
         )
     return {
         "lr": float(config["initial_learning_rate"]),

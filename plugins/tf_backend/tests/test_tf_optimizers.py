@@ -18,6 +18,7 @@ ROUND_TRIP = [
     SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
     Adam(lr=1e-3),  # epsilon_mode="torch": Keras cannot say it, the kept rule does
     Adam(lr=1e-3, eps=1e-7, epsilon_mode="tf", decay_rate=0.5, decay_steps=100),
+    SGD(lr=0.1, momentum=0.9, weight_decay=1e-4, decay="cosine", decay_rate=0.0, decay_steps=6000),
     Adagrad(lr=0.1, initial_accumulator_value=0.1),
     RMSProp(lr=0.01, alpha=0.9, momentum=0.5, centered=True),
 ]
@@ -38,7 +39,19 @@ KERAS: list[tuple[Any, UpdateRule]] = [
         keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.5)),
         SGD(lr=0.1, decay_rate=0.5, decay_steps=100),
     ),
+    (
+        keras.optimizers.SGD(keras.optimizers.schedules.CosineDecay(0.1, 100, alpha=0.25)),
+        SGD(lr=0.1, decay="cosine", decay_rate=0.25, decay_steps=100),
+    ),
 ]
+
+
+def test_the_cosine_decay_is_keras_cosine_decay() -> None:
+    """The ps's rate at each update is the one Keras's schedule gives at that step."""
+    rule = SGD(lr=0.1, decay="cosine", decay_rate=0.25, decay_steps=100)
+    schedule = keras.optimizers.schedules.CosineDecay(0.1, 100, alpha=0.25)
+    for step in (0, 1, 30, 50, 99, 100, 250):
+        assert rule.lr_at(step) == pytest.approx(float(schedule(step)), rel=1e-5)
 
 
 @pytest.mark.parametrize("optimizer, rule", KERAS, ids=lambda o: type(o).__name__)

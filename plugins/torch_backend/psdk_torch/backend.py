@@ -272,7 +272,7 @@ def _with_psdk_only_options(rule: UpdateRule, kept: UpdateRule | None) -> Update
     """
     if kept is None or type(kept) is not type(rule):
         return rule
-    psdk_only = {"decay_rate", "decay_steps", "epsilon_mode"}
+    psdk_only = {"decay", "decay_rate", "decay_steps", "epsilon_mode"}
     same = all(
         getattr(kept, f.name) == getattr(rule, f.name) for f in dataclasses.fields(rule) if f.name not in psdk_only
     )
