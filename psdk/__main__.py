@@ -2,6 +2,9 @@
 
 import sys
 
-from psdk.cli import main
+from psdk.cli import main, task_exit
 
-sys.exit(main())
+code = main()
+if len(sys.argv) > 1 and sys.argv[1] in ("ps", "worker", "task"):
+    task_exit(code)
+sys.exit(code)

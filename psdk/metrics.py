@@ -78,6 +78,11 @@ def _by_backend(summary: Mapping[str, Any]) -> str:
     return " (" + ", ".join(f"{name} {acc:.4f}" for name, acc in sorted(by_backend.items())) + ")"
 
 
+def _training(summary: Mapping[str, Any]) -> str:
+    training = summary.get("training_s")
+    return f" (training {float(training):.1f} s)" if training is not None else ""
+
+
 def summary_line(summary: Mapping[str, Any]) -> str:
     """The one line a run ends with."""
     sync = summary.get("sync", {})
@@ -92,7 +97,7 @@ def summary_line(summary: Mapping[str, Any]) -> str:
         f"global step {summary.get('global_step')}",
         (f"test accuracy {acc:.4f}" if acc is not None else "test accuracy n/a") + _by_backend(summary),
         f"{rate:.0f} global steps/s" if rate else "global steps/s n/a",
-        f"wall {float(summary.get('wall_s') or 0):.1f} s",
+        f"wall {float(summary.get('wall_s') or 0):.1f} s" + _training(summary),
         f"gradients applied {summary.get('gradients_applied')}, dropped {summary.get('gradients_dropped')}",
     ]
     return " | ".join(parts)

@@ -32,6 +32,7 @@ SUMMARY_KEYS = {
     "gradients_dropped",
     "gradients_refused",
     "global_steps_per_s",
+    "training_s",
     "wall_s",
     "workers",
 }
@@ -42,6 +43,8 @@ def check_run(out: Path, result: subprocess.CompletedProcess[str], steps: int) -
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= SUMMARY_KEYS
     assert summary["global_step"] == steps
+    assert 0 < summary["training_s"] < summary["wall_s"]  # the ps's first update to its last
+    assert f"(training {summary['training_s']:.1f} s)" in result.stdout.strip().splitlines()[-1]
     # The chief's figure is the accuracy of the final parameters, recomputed here independently.
     assert summary["test_accuracy"] == pytest.approx(test_accuracy(out / "params.npz"), abs=1e-4)
     assert result.stdout.strip().splitlines()[-1].startswith("psdk done:")

@@ -80,6 +80,9 @@ def build_summary(
         "gradients_dropped": stats["dropped"],
         "gradients_refused": stats.get("refused", 0),
         "global_steps_per_s": rate,
+        # Training time as the ps saw it: its first applied update to its last (start-up and wrap-up excluded).
+        "training_s": last - first if first is not None and last is not None else None,
+        "training_began": first,  # wall-clock time of that first update
         "wall_s": wall_s,
         "workers": per_worker,
         "recoveries": per_worker.get("0", {}).get("recoveries", []),
