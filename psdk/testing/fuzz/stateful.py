@@ -68,7 +68,7 @@ REPLY_OPS = frozenset(
     {"ok", "already", "layout", "params", "error", "pong", "status", "stats"}
     | {"attached", "refused", "paused", "passed", "state", "resync"}
 )
-ERROR_KINDS = frozenset({"protocol", "rejected", "failed", "internal"})
+ERROR_KINDS = frozenset({"protocol", "rejected", "failed", "internal", "not_paused"})
 CHIEF_ONLY = ("init", "pause_at", "state", "resume", "stop_at", "restore", "shutdown", "abort")
 ODD: list[Any] = [-1, 0, 1, 7, 2**31, 2**63 - 1, -(2**63), 1.5, True, False, None, "", "x" * 300, [], [1], {}, {"a": 1}]
 FIRST_FAILURES: list[str] = []
