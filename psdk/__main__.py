@@ -4,7 +4,9 @@ import sys
 
 from psdk.cli import main, task_exit
 
+command = sys.argv[1] if len(sys.argv) > 1 else ""  # read first: running Hydra rewrites sys.argv
 code = main()
-if len(sys.argv) > 1 and sys.argv[1] in ("ps", "worker", "task"):
+# A task, or a local launcher whose tasks are all reaped (Ray's own exit handlers must run): no teardown.
+if command in ("ps", "worker", "task") or (command == "run" and "ray" not in sys.modules):
     task_exit(code)
 sys.exit(code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -17,9 +17,11 @@ from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PsdkError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
-from psdk.ps.server import ServerOptions
 from psdk.security import CurveKeys
 from psdk.zmq_transport import ZmqOptions
+
+if TYPE_CHECKING:
+    from psdk.ps.server import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,8 @@ def client_options(cfg: DictConfig) -> ClientOptions:
 
 
 def server_options(cfg: DictConfig) -> ServerOptions:
+    from psdk.ps.server import ServerOptions  # a ps's only: a worker does not pay for importing the server
+
     idle = cfg.ps.idle_timeout_s
     if idle is not None and float(idle) <= 0:
         raise ConfigError("ps.idle_timeout_s", f"must be a positive number of seconds or null (never), got {idle}")

@@ -345,7 +345,9 @@ def _write_decoded(data: Mnist, path: Path) -> None:
 
 
 def to_float(images: np.ndarray) -> np.ndarray:
-    return images.astype(np.float32) / np.float32(255.0)
+    scaled = images.astype(np.float32)
+    np.divide(scaled, np.float32(255.0), out=scaled)  # in place: one array, not two (half the page faults)
+    return scaled
 
 
 def split(data: Mnist, worker: int, num_workers: int, validation_size: int = 5000, with_test: bool = True) -> Split:

@@ -45,10 +45,10 @@ class CurvesInBackground:
     def _run(self) -> None:
         try:
             lower_thread_priority(IDLE_NICE)
-            from psdk.report.plot import plot_curves, prepare
+            from psdk.report.plot import plot_curves, warm_up
             from psdk.report.runs import load_run
 
-            prepare()
+            warm_up()
             self._draw.wait()
             if not self._cancelled:
                 self.path = plot_curves(load_run(self.out), self.out / "curves.png")
