@@ -53,7 +53,7 @@ def fails_with(tmp_path: Path, args: list[str], fragments: list[str], code: int 
         (["run", "optimizer.learning_rate=0.1"], ["optimizer.learning_rate", "did you mean optimizer.lr?"]),
         (["run", "max_steps=100"], ["did you mean train.steps?"]),
         # A value of the wrong type.
-        (["run", "train.steps=abc"], ["train.steps: must be a whole number, got 'abc'", "e.g. train.steps=6000"]),
+        (["run", "train.steps=abc"], ["train.steps: must be a whole number, got 'abc'", "e.g. train.steps=12000"]),
         # A command that is not psdk's, or none at all.
         (["train", "backend=numpy"], ["unknown command 'train'", "did you mean `python -m psdk run`?"]),
         (["backend=numpy"], ["is not a command", "python -m psdk run backend=numpy"]),
