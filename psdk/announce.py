@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from psdk.errors import PsdkError
+from psdk.metrics import write_json_atomic
 
 POLL_S = 0.02
 
@@ -26,10 +27,7 @@ def file_for(folder: Path, index: int) -> Path:
 
 def announce(path: Path, address: str) -> None:
     """Write where this ps listens (``host:port``), atomically: a reader never sees half a file."""
-    host_port = address.split("://", 1)[-1]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"address": host_port, "pid": os.getpid()}))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"address": address.split("://", 1)[-1], "pid": os.getpid()})
 
 
 def wait_for(

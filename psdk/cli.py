@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from psdk import tf_config
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
+from psdk.launch import LAUNCHED_ENV
 from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
@@ -37,7 +38,6 @@ COMMAND_ALIASES = {"train": "run", "start": "run", "launch": "run", "download": 
 DEFAULT_GROUPS = ("model", "optimizer", "sync", "topology", "launcher", "experiment")
 TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
 HOST_KEYS = ("ps_hosts", "worker_hosts")
-LAUNCHED_ENV = "PSDK_LAUNCHED"
 # Runs of this process's multirun that failed: the sweep goes on, and its exit status says so at the end.
 FAILED_RUNS: list[Path] = []
 

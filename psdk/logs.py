@@ -13,10 +13,6 @@ def set_task_label(label: str) -> None:
     _task_label = label
 
 
-def task_label() -> str:
-    return _task_label
-
-
 class TaskFilter(logging.Filter):
     """Adds ``%(task)s`` to every record; referenced from conf/hydra/job_logging/psdk.yaml."""
 

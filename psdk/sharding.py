@@ -10,7 +10,7 @@ keep the global step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,13 +72,3 @@ def flat_size(specs: Sequence[VarSpec]) -> int:
 def views(flat: np.ndarray, specs: Sequence[VarSpec]) -> dict[str, np.ndarray]:
     """Named views into ``flat``; writing a view writes the buffer."""
     return {s.name: flat[s.offset : s.offset + s.size].reshape(s.shape) for s in specs}
-
-
-def split_by_shard(
-    variables: Mapping[str, np.ndarray], placement: Mapping[str, int], num_ps: int
-) -> list[dict[str, np.ndarray]]:
-    """The variables of each shard, in creation order."""
-    shards: list[dict[str, np.ndarray]] = [{} for _ in range(num_ps)]
-    for name, value in variables.items():
-        shards[placement[name]][name] = value
-    return shards

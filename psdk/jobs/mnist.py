@@ -29,6 +29,7 @@ from psdk.config import build
 from psdk.data import mnist
 from psdk.failpoints import TRAINED, failpoint
 from psdk.jobs.summary import build_summary, save_params
+from psdk.launch import LAUNCHED_ENV
 from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.models import init_weights
 from psdk.placement import (
@@ -42,8 +43,6 @@ from psdk.plugins import check_framework, load_backend
 from psdk.report.tensorboard import TensorBoardSink
 
 log = logging.getLogger(__name__)
-
-LAUNCHED_ENV = "PSDK_LAUNCHED"
 
 
 class Batches:

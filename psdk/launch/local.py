@@ -33,6 +33,7 @@ from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.data import mnist
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
+from psdk.launch import LAUNCHED_ENV
 from psdk.launch.curves import CurvesInBackground
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
@@ -76,7 +77,7 @@ def passed_on(overrides: Sequence[str]) -> list[str]:
 
 
 # Every task a launcher starts: unbuffered logs, one intra-op thread, and no summary line of its own.
-TASK_ENV = {"PYTHONUNBUFFERED": "1", "PSDK_LAUNCHED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TASK_ENV = {"PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def task_args(job: str, index: int, out: Path, args: Sequence[str]) -> list[str]:
@@ -315,7 +316,7 @@ class LocalLauncher:
             "hydra.job.name=evaluate",
         ]
         log.info("launcher: evaluating the final parameters with the %s backend", backend)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PSDK_LAUNCHED="1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1"}
         done = subprocess.run(command, env=env, timeout=600, preexec_fn=_die_with_parent, check=False)
         if done.returncode != 0:
             raise JobFailedError(f"evaluating the final parameters with the {backend} backend failed")

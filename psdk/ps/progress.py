@@ -11,14 +11,13 @@ them without a lock can only be a fraction of a second stale.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from psdk.metrics import write_json_atomic
 from psdk.ps.server import ParameterServer
 
 INTERVAL_S = 0.5
@@ -40,9 +39,7 @@ def snapshot(server: ParameterServer) -> dict[str, Any]:
 
 
 def write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
 
 
 @contextlib.contextmanager
