@@ -11,17 +11,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from psdk import announce, security
-from psdk.client import ClientOptions
 from psdk.cluster import ClusterSpec, Topology
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PsdkError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
 from psdk.security import CurveKeys
-from psdk.zmq_transport import ZmqOptions
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: a launcher checks a config without loading the transport
+    from psdk.client import ClientOptions
     from psdk.ps.server import ServerOptions
+    from psdk.zmq_transport import ZmqOptions
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,8 @@ def check_training(cfg: DictConfig, num_workers: int, warn: bool = True) -> None
 
 
 def client_options(cfg: DictConfig) -> ClientOptions:
+    from psdk.client import ClientOptions
+
     t = cfg.transport
     return ClientOptions(
         heartbeat_interval_s=float(t.heartbeat_interval_s),
@@ -184,6 +186,8 @@ def server_options(cfg: DictConfig) -> ServerOptions:
 
 
 def zmq_options(cfg: DictConfig) -> ZmqOptions:
+    from psdk.zmq_transport import ZmqOptions
+
     t = cfg.transport
     return ZmqOptions(
         io_threads=int(t.io_threads),
