@@ -15,8 +15,9 @@ def psdk_run(out: Path, *args: str) -> tuple[dict, str]:
 
 def test_the_default_job_reaches_the_accuracy_bar(tmp_path: Path) -> None:
     summary, stdout = psdk_run(tmp_path)
-    assert summary["test_accuracy"] >= 0.97
-    assert summary["global_step"] == 6000 and summary["workers"]["1"]["backend"] == "tf"
+    # The default recipe (cosine lr, 12,000 steps) sits near 0.980; the bar leaves room for async noise.
+    assert summary["test_accuracy"] >= 0.975
+    assert summary["global_step"] == 12000 and summary["workers"]["1"]["backend"] == "tf"
     assert_every_worker_contributed(summary, tmp_path / "metrics.jsonl")
     assert stdout.strip().splitlines()[-1].startswith("psdk done: backend=tf model=mlp sync=async")
 
