@@ -137,3 +137,10 @@ def test_the_cache_keeps_only_the_newest_entries(mnist_dir: Path, tmp_path: Path
     for copy in range(mnist.DECODED_KEPT + 1):
         mnist.load(copy_of(mnist_dir, tmp_path / f"files{copy}"), cache_dir=cache)
     assert len(list(cache.glob("decoded-*"))) == mnist.DECODED_KEPT
+
+
+def test_a_folder_missing_a_file_is_explained_with_the_cache_on_too(mnist_dir: Path, tmp_path: Path) -> None:
+    files = copy_of(mnist_dir, tmp_path / "files")
+    (files / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError, match=r"MNIST files missing in .*t10k-labels-idx1-ubyte\.gz"):
+        mnist.load(files, cache_dir=tmp_path / "cache")

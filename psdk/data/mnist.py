@@ -67,6 +67,11 @@ class Split:
     test_y: np.ndarray
 
 
+def cache_folder(cache_dir: str | None) -> Path:
+    """``data.cache_dir``, or psdk's default: where downloads and decoded arrays go."""
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "psdk" / "mnist"
@@ -227,7 +232,7 @@ def resolve_dir(
         if missing:
             raise DataError(_missing_message(folder, missing, *_why_missing(folder)))
         return folder
-    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    folder = cache_folder(cache_dir)
     missing = [k for k, (stem, _) in FILES.items() if _find(folder, stem) is None]
     if missing:
         if not allow_download:
@@ -287,12 +292,13 @@ def _decode(folder: Path) -> Mnist:
 
 def _fingerprint(folder: Path) -> str:
     digest = hashlib.sha256()
-    for stem, md5 in FILES.values():
-        path = _find(folder, stem)
-        if path is None:
-            raise DataError(_missing_message(folder, [stem], ""))
-        info = path.resolve().stat()
-        digest.update(f"{path.resolve()}\0{info.st_size}\0{info.st_mtime_ns}\0{md5}\n".encode())
+    for key, (stem, md5) in FILES.items():
+        found = _find(folder, stem)
+        if found is None:
+            raise DataError(_missing_message(folder, [key], ""))
+        path = found.resolve()
+        info = path.stat()
+        digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0{md5}\n".encode())
     return digest.hexdigest()[:32]
 
 

@@ -117,8 +117,7 @@ class WorkerReport:
 
 def load_split(cfg: DictConfig, task: int, num_workers: int) -> mnist.Split:
     folder = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
-    cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else mnist.default_cache_dir()
-    data = mnist.load(folder, cache_dir=cache)
+    data = mnist.load(folder, cache_dir=mnist.cache_folder(cfg.data.cache_dir))
     return mnist.split(data, task, num_workers, int(cfg.data.validation_size), with_test=task == 0)
 
 
