@@ -268,7 +268,7 @@ def test_worker_ids_beyond_the_limit_are_refused_before_and_after_init() -> None
     for worker in (4, 10**12):
         server.handle(Incoming(b"s", Message("wait_init", {"worker": worker}, rid=1)))
         assert endpoint.sent[-1][1].op == "error" and "beyond the 4 workers" in endpoint.sent[-1][1].fields["error"]
-    assert not server.sessions and not server.membership.workers
+    assert not server.sessions.by_worker and not server.membership.workers
     job = JobSpec(SyncSpec("async").resolved(5), 10, 5).to_json()
     init = Message(
         "init", {"worker": 0, "job": job, "rule": SGD().to_json(), "names": ["w"]}, [np.zeros(4, np.float32)], 2

@@ -27,7 +27,7 @@ def pause(chief: ParameterClient) -> int:
 
 
 def held(ps: PsCluster) -> int:
-    return len(ps.servers[0]._held)
+    return len(ps.servers[0].pause.pushes)
 
 
 def test_a_pause_whose_chief_went_silent_ends_by_itself_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:

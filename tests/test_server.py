@@ -232,9 +232,9 @@ def test_workers_wait_for_the_chief_with_a_bounded_wait(ps_cluster: PsCluster) -
         assert "chief (worker 0)" in str(info.value) and "ps 0" in str(info.value)
         # Now a patient wait, parked at the ps (measured, not slept for) when the chief initialises.
         c1.options = dataclasses.replace(impatient, init_timeout_s=20.0)
-        parked = len(ps_cluster.servers[0]._init_waiters)
+        parked = len(ps_cluster.servers[0].shard.init_waiters)
         waiting = in_thread(lambda: c1.wait_initialized() or StepResult(0, False, ""))
-        wait_until(lambda: len(ps_cluster.servers[0]._init_waiters) > parked)
+        wait_until(lambda: len(ps_cluster.servers[0].shard.init_waiters) > parked)
         c0 = ParameterClient(ps_cluster.transport, ps_cluster.cluster(2), 0, FAST)
         try:
             c0.initialize(INIT, JobSpec(SyncSpec().resolved(2), 10, 2), SGD(lr=1.0))

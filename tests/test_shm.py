@@ -155,26 +155,26 @@ def _train(
 @pytest.mark.parametrize("copy", [False, True], ids=["in-place", "outbox"])
 def test_training_through_shared_memory_matches_training_through_frames(copy: bool) -> None:
     def knocked_and_rung() -> None:
-        attached = server._shared[0]
+        attached = server.shared.by_worker[0]
         assert attached.bell >= 0 and attached.knock >= 0 and attached._last_knock > 0
 
     with ps_over_tcp(shared_memory=True) as (server, address):
         shared_params, shared = _train(address, shared_memory=True, copy=copy, before_close=knocked_and_rung)
         assert shared
         deadline = time.monotonic() + 10  # the closed worker's knock pipe hung up: the ps lets its memory go
-        while server._shared and time.monotonic() < deadline:
+        while server.shared.by_worker and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not server._shared
+        assert not server.shared.by_worker
     with ps_over_tcp(shared_memory=True) as (server, address):
         framed_params, framed_shared = _train(address, shared_memory=False, copy=copy)
-        assert not framed_shared and not server._shared
+        assert not framed_shared and not server.shared.by_worker
     np.testing.assert_array_equal(shared_params, framed_params)
     assert not np.array_equal(shared_params, np.linspace(-1, 1, SIZE, dtype=np.float32))
 
 
 def test_without_doorbells_the_parameters_still_come_through_shared_memory() -> None:
     def no_pipes() -> None:  # pushes and replies were header-only ZeroMQ messages
-        assert server._shared[0].bell == -1 and server._shared[0].knock == -1
+        assert server.shared.by_worker[0].bell == -1 and server.shared.by_worker[0].knock == -1
 
     with ps_over_tcp(shared_memory=True) as (server, address):
         params, shared = _train(address, shared_memory=True, copy=False, doorbells=False, before_close=no_pipes)
@@ -187,7 +187,7 @@ def test_without_doorbells_the_parameters_still_come_through_shared_memory() -> 
 def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
     with ps_over_tcp(shared_memory=False) as (server, address):
         params, shared = _train(address, shared_memory=True, copy=False)
-        assert not shared and not server._shared
+        assert not shared and not server.shared.by_worker
         assert server.stats.rejected == 0  # a refusal is not a rejected request
         assert server.store.version == 10
     assert np.isfinite(params).all()
@@ -238,11 +238,11 @@ def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_t
     worker = shm.WorkerBuffers(SIZE)
     server, endpoint = _attached_ps(worker.offer(bell=False), session=b"wNEW")
     assert endpoint.sent[-1][1].op == "attached"
-    server._reply_params(b"wOLD", 2, "applied", 0)  # e.g. a parked push of the worker's previous process
+    server.shard.reply_params(b"wOLD", 2, "applied", 0)  # e.g. a parked push of the worker's previous process
     assert endpoint.sent[-1][1].arrays and not endpoint.sent[-1][1].fields.get("shm")
     with pytest.raises(PsdkError, match="belong to request 0"):
         worker.read_params(np.zeros(SIZE, np.float32), rid=2)
-    server._reply_params(b"wNEW", 3, "applied", 0)
+    server.shard.reply_params(b"wNEW", 3, "applied", 0)
     assert endpoint.sent[-1][1].fields["shm"] and not endpoint.sent[-1][1].arrays
     into = np.zeros(SIZE, np.float32)
     worker.read_params(into, rid=3)
@@ -256,7 +256,7 @@ def test_a_reply_through_shared_memory_rings_the_doorbell_instead_of_sending_a_m
     assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is True
     assert worker.take_reply() is None  # nothing written yet
     sent = len(endpoint.sent)
-    server._reply_params(b"w", 3, "applied", 0)
+    server.shard.reply_params(b"w", 3, "applied", 0)
     assert len(endpoint.sent) == sent  # no message: the doorbell rang
     reply = worker.take_reply()
     assert reply is not None and reply.rid == 3 and reply.op == "params"
@@ -267,7 +267,7 @@ def test_a_reply_through_shared_memory_rings_the_doorbell_instead_of_sending_a_m
     with pytest.raises(BlockingIOError):  # take_reply drained the doorbell
         os.read(worker.bell, 1)
     server.handle(Incoming(b"w", Message("finish", {"worker": 0}, rid=4)))
-    assert not server._shared  # the finished worker's doorbell is closed with its mapping
+    assert not server.shared.by_worker  # the finished worker's doorbell is closed with its mapping
     worker.close()
 
 
@@ -298,7 +298,7 @@ def test_a_doorbell_that_is_not_a_pipe_is_never_written() -> None:
     with tempfile.TemporaryFile() as plain:
         server, endpoint = _attached_ps({**worker.offer(), "bell": plain.fileno()})
         assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is False
-        server._reply_params(b"w", 3, "applied", 0)
+        server.shard.reply_params(b"w", 3, "applied", 0)
         assert endpoint.sent[-1][1].fields["shm"]  # replied with a message instead
         assert os.fstat(plain.fileno()).st_size == 0
     worker.close()
@@ -328,7 +328,7 @@ def test_a_worker_that_pushes_in_frames_is_answered_in_frames_not_through_its_do
     server.handle(Incoming(b"w", push))
     reply = endpoint.sent[-1][1]
     assert reply.op == "params" and reply.rid == 3 and len(reply.arrays) == 1 and not reply.fields.get("shm")
-    assert not server._shared and worker.take_reply() is None
+    assert not server.shared.by_worker and worker.take_reply() is None
     worker.close()
 
 
@@ -355,7 +355,7 @@ def test_a_knock_is_handled_as_the_push_it_stands_for() -> None:
     os.write(worker._knock_write, b"\x01")  # a second knock for request 3 is not a second push
     assert take() is None
     worker.close()  # the worker's knock pipe hangs up: the ps lets its memory go
-    assert take() is None and not server._shared and knock_fd not in endpoint.listening
+    assert take() is None and not server.shared.by_worker and knock_fd not in endpoint.listening
 
 
 def test_a_torn_or_bad_knock_is_not_applied() -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from psdk.consistency import Push
+
 
 @dataclass
 class PauseLease:
@@ -27,6 +29,8 @@ class PauseLease:
     expires: float = 0.0
     waiters: list[tuple[bytes, int]] = field(default_factory=list)
     """The chief's ``pause_at`` requests waiting for the shard to reach ``version`` (peer, rid)."""
+    pushes: list[Push] = field(default_factory=list)
+    """Pushes that arrived while paused, applied when the pause ends (each holds a copy of its gradient)."""
 
     @property
     def held(self) -> bool:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from psdk import security, shm
+from psdk import protocol, security, shm
 from psdk.consistency import SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.numerics import all_finite
@@ -64,12 +64,14 @@ log = logging.getLogger(__name__)
 WORKERS = 3
 SIZE = 24
 SETTLE_S = 10.0
-REPLY_OPS = frozenset(
-    {"ok", "already", "layout", "params", "error", "pong", "status", "stats"}
-    | {"attached", "refused", "paused", "passed", "state", "resync"}
-)
-ERROR_KINDS = frozenset({"protocol", "rejected", "failed", "internal", "not_paused"})
-CHIEF_ONLY = ("init", "pause_at", "state", "resume", "stop_at", "restore", "shutdown", "abort")
+# What the ps may answer, and who may ask what, come from the protocol's declaration.
+REPLY_OPS = frozenset(protocol.REPLIES)
+ERROR_KINDS = frozenset(protocol.ERROR_KINDS)
+CHIEF_ONLY = tuple(sorted(protocol.CHIEF_ONLY))
+MUTATED_OPS = sorted(name for name, op in protocol.OPS.items() if op.fields and name not in ("abort", "shutdown"))
+"""Operations with fields of their own, each sent with one of them (or the worker id, or an unknown key) odd;
+the ops that end the job have a rule of their own (``end``), which expects the ps to exit."""
+MUTATED_KEYS = sorted({"worker", "x"} | {f.name for op in protocol.OPS.values() for f in op.fields})
 ODD: list[Any] = [-1, 0, 1, 7, 2**31, 2**63 - 1, -(2**63), 1.5, True, False, None, "", "x" * 300, [], [1], {}, {"a": 1}]
 FIRST_FAILURES: list[str] = []
 """Every violation as first seen, before hypothesis replays and shrinks it (timing may not replay)."""
@@ -164,9 +166,7 @@ class LivePs:
 
     def parked(self) -> int:
         """Requests the ps holds for a later answer (read while it is idle)."""
-        server = self.server
-        policy = len(server.policy.parked()) if server.policy is not None else 0
-        return len(server._init_waiters) + len(server.pause.waiters) + len(server._held) + policy
+        return self.server.parked()
 
     def close(self) -> None:
         self._stop.set()
@@ -360,6 +360,9 @@ class PsMachine(RuleBasedStateMachine):
         if sent is None:
             self._violation(f"a reply ({reply.op}) to worker {actor.worker}'s request {reply.rid}, not waiting for one")
             return
+        undeclared = reply.fields.keys() - set(protocol.REPLIES[reply.op].fields)
+        if undeclared:
+            self._violation(f"{reply.op} carries fields the protocol does not declare: {sorted(undeclared)}")
         if reply.op == "error" and reply.fields.get("kind") not in ERROR_KINDS:
             self._violation(f"an error of unknown kind {reply.fields.get('kind')!r}")
         if sent.must_fail and reply.op != "error":
@@ -592,8 +595,8 @@ class PsMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ps.serving)
     @rule(
         who=st.integers(0, WORKERS),
-        op=st.sampled_from(["init", "pull", "push_pull", "attach", "finish", "pause_at", "restore", "stop_at"]),
-        key=st.sampled_from(["worker", "version", "seq", "epoch", "names", "job", "rule", "restore", "shm", "x"]),
+        op=st.sampled_from(MUTATED_OPS),
+        key=st.sampled_from(MUTATED_KEYS),
         value=st.sampled_from(ODD),
         arrays=st.sampled_from(["keep", "drop", "extra", "f64", "shape", "empty"]),
     )
@@ -625,7 +628,7 @@ class PsMachine(RuleBasedStateMachine):
             return  # a valid init in disguise: the init rule covers it, and the model would not follow
         if op == "restore" and actor.worker == 0 and key != "worker":
             return  # a chief's restore with one odd field may still be valid: the restore rule covers that
-        self._send(actor, Message(op, fields, grads, actor.rid()))
+        self._send(actor, Message(op, fields, grads, actor.rid()), must_fail=_ill_typed(op, key, value))
 
     @precondition(lambda self: self.ps.serving)
     @rule(
@@ -723,6 +726,16 @@ class PsMachine(RuleBasedStateMachine):
                 actor.close()
             self.ps.close()
             self._tmp.cleanup()
+
+
+def _ill_typed(op: str, key: str, value: Any) -> bool:
+    """Whether ``value`` breaks the type the protocol declares for ``op``'s field ``key`` (then it must be refused)."""
+    if key == "worker":
+        return not protocol.WORKER_FIELD.type.accepts(value)
+    declared = {f.name: f for f in protocol.OPS[op].fields}.get(key)
+    if declared is None:
+        return False
+    return not (value is None and declared.nullable) and not declared.type.accepts(value)
 
 
 def machine(mode: Mode) -> type[PsMachine]:

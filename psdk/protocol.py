@@ -1,0 +1,294 @@
+"""The ps protocol, declared once: every operation, its fields and their types, who may send it, its replies.
+
+The ps checks each request against this declaration before a handler sees
+it (:func:`sender_of`, :func:`admit`), the client builds its requests from it
+(:func:`request`), the stateful fuzzer draws its operations and its
+mutations from it, and ``docs/protocol.md`` describes it (a test keeps the
+page and this module in step). A handler therefore starts from fields of
+the declared types; what it still checks is what depends on the shard's
+state (a version ahead of the store, a gradient of the wrong size).
+
+Fields not declared are ignored, so a newer worker may send more than an
+older ps knows. Every request carries ``worker``, the sender's task index:
+the ps binds it to the connection that first used it (see
+:mod:`psdk.ps.sessions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from psdk.errors import ProtocolError
+from psdk.wire import Message
+
+CHIEF = 0
+
+
+class Sender(Enum):
+    """Who may send an operation."""
+
+    WORKER = "any worker of the job"
+    CHIEF = "the chief (worker 0)"
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list)
+
+
+def _object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class FieldType:
+    """A JSON type a field must have, with the words a refusal and the docs use for it."""
+
+    name: str
+    accepts: Callable[[Any], bool]
+
+
+NATURAL = FieldType("integer >= 0", _natural)
+INTEGER = FieldType("integer", _integer)
+LIST = FieldType("list", _names)
+OBJECT = FieldType("object", _object)
+ANY = FieldType("any JSON value", _anything)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: FieldType
+    doc: str
+    required: bool = True
+    nullable: bool = False
+    """``null`` stands for "not given" (an optional field only)."""
+    label: str = ""
+    """How a refusal names the field ("bad <label> <value>"); the name itself when empty."""
+
+    def check(self, fields: Mapping[str, Any]) -> None:
+        if self.name not in fields:
+            if self.required:
+                raise ProtocolError(f"{self.name} is missing ({self.type.name} expected)")
+            return
+        value = fields[self.name]
+        if value is None and self.nullable:
+            return
+        if not self.type.accepts(value):
+            raise ProtocolError(f"bad {self.label or self.name} {_short(value)} ({self.type.name} expected)")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation a worker sends the ps."""
+
+    name: str
+    doc: str
+    sender: Sender
+    fields: tuple[Field, ...]
+    arrays: str
+    """What its array frames hold, in words."""
+    replies: tuple[str, ...]
+    """The replies it can get besides ``error`` (which any request can get)."""
+    action: str = ""
+    """What only the chief does, for the refusal "only the chief (worker 0) <action>"."""
+    parks: str = ""
+    """When the ps answers later rather than at once (a sync round, a pause): the request waits, bounded."""
+
+    @property
+    def field_names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.fields)
+
+
+@dataclass(frozen=True)
+class Reply:
+    name: str
+    doc: str
+    fields: tuple[str, ...]
+    arrays: str = "none"
+
+
+WORKER_FIELD = Field("worker", NATURAL, "the sender's worker task index", label="worker id")
+VERSION = Field("version", NATURAL, "the shard version the gradient was computed from")
+LAYOUT_FIELDS = ("version", "done", "epoch", "boot", "job", "names", "shapes")
+
+OPS: dict[str, Op] = {
+    op.name: op
+    for op in (
+        Op("ping", "Liveness: a worker's heartbeat socket sends it every heartbeat interval.", Sender.WORKER,
+           (), "none", ("pong",)),
+        Op(
+            "init",
+            "Place the job on this shard: its variables, update rule and job spec (or the state to resume from).",
+            Sender.CHIEF,
+            (
+                Field("job", OBJECT, "the job spec: sync mode, target step, number of workers (psdk.jobspec)"),
+                Field("rule", OBJECT, "the update rule the ps applies (psdk.optim), e.g. {'name': 'sgd', 'lr': 0.1}",
+                      required=False, nullable=True),
+                Field("names", LIST, "this shard's variable names, unique non-empty strings, in frame order"),
+                Field("epoch", NATURAL, "the job's restore epoch (0 for a new job)", required=False),
+                Field("restore", OBJECT, "{version, rule_step, slots}: start from a checkpoint", required=False,
+                      nullable=True),
+            ),
+            "one float32 array per variable; when restoring, then one per slot and variable (slot-major)",
+            ("ok", "already"),
+            action="initialises the store",
+        ),
+        Op("wait_init", "A worker other than the chief waits until the chief has initialised the shard.",
+           Sender.WORKER, (), "none", ("layout",), parks="until the chief's init (at most 2 per worker)"),
+        Op("pull", "The shard's current parameters.", Sender.WORKER, (), "none", ("params", "resync")),
+        Op(
+            "push_pull",
+            "Apply one gradient (as the sync mode says) and answer with the fresh parameters.",
+            Sender.WORKER,
+            (
+                VERSION,
+                Field("seq", INTEGER, "this worker process's push counter: a repeat is refused",
+                      label="sequence number"),
+                Field("epoch", NATURAL, "the restore epoch the gradient belongs to (else: resync)", required=False),
+                Field("shm", ANY, "the shared-memory region holding the gradient (grads or outbox) instead of a frame",
+                      required=False),
+            ),
+            "one flat float32 gradient of the shard's size, unless shm names where it lies",
+            ("params", "resync"),
+            parks="in a sync round, behind the staleness bound (ssp), or while a checkpoint pause holds it",
+        ),
+        Op(
+            "attach",
+            "Offer the worker's shared-memory buffers (same host only); a refusal leaves it on frames.",
+            Sender.WORKER,
+            (
+                Field("pid", ANY, "the worker's process id"),
+                Field("fd", ANY, "the memory file's descriptor in that process"),
+                Field("token", ANY, "random hex the file starts with: proves it is this worker's"),
+                Field("bytes", ANY, "the file's size"),
+                Field("bell", ANY, "the doorbell pipe's write end, when the worker takes replies that way",
+                      required=False),
+                Field("knock", ANY, "the knock pipe's read end, when the worker knocks for its pushes",
+                      required=False),
+            ),
+            "none",
+            ("attached", "refused"),
+        ),
+        Op("finish", "The worker is done training; to shard 0 it sends its report for the chief's summary.",
+           Sender.WORKER, (Field("report", ANY, "a small object (kept if at most 16 KiB)", required=False),),
+           "none", ("ok",)),
+        Op("status", "Version, liveness of every worker, failure if any.", Sender.WORKER, (), "none", ("status",)),
+        Op("stats", "The shard's counters, for the summary and benchmarks.", Sender.WORKER, (), "none", ("stats",)),
+        Op("shutdown", "End the job: the ps exits with code 0.", Sender.CHIEF, (), "none", ("ok",),
+           action="shuts the job down"),
+        Op("abort", "Fail the job: waiting requests get the reason, the ps exits with code 1.", Sender.CHIEF,
+           (Field("reason", ANY, "why, in words", required=False),), "none", ("ok",), action="aborts the job"),
+        Op("pause_at", "Stop applying pushes once the shard reaches version (a checkpoint's consistent cut).",
+           Sender.CHIEF, (Field("version", NATURAL, "the version to pause at", label="pause version"),), "none",
+           ("paused", "passed"), action="pauses the store", parks="until the shard reaches the version"),
+        Op("state", "The shard's variables, slots and rule step, while paused.", Sender.CHIEF, (), "none",
+           ("state",), action="reads the state"),
+        Op("resume", "End the checkpoint pause: held pushes are applied.", Sender.CHIEF, (), "none", ("ok",),
+           action="resumes the store"),
+        Op("stop_at", "End training early: the job is done once the shard reaches version.", Sender.CHIEF,
+           (Field("version", NATURAL, "the last global step", label="stop version"),), "none", ("ok",),
+           action="stops the job"),
+        Op(
+            "restore",
+            "Roll the shard back to a checkpoint after another shard was lost; every waiting push gets resync.",
+            Sender.CHIEF,
+            (
+                Field("names", LIST, "this shard's variable names, as it holds them"),
+                Field("restore", OBJECT, "{version, rule_step, slots}"),
+                Field("epoch", NATURAL, "the new restore epoch"),
+            ),
+            "one float32 array per variable, then one per slot and variable (slot-major)",
+            ("ok",),
+            action="restores the store",
+        ),
+    )
+}  # fmt: skip
+
+REPLIES: dict[str, Reply] = {
+    r.name: r
+    for r in (
+        Reply("pong", "to ping", ("version", "done", "boot", "epoch")),
+        Reply("ok", "done; init and restore add the shard's layout, stop_at the new target", (*LAYOUT_FIELDS, "steps")),
+        Reply("already", "init of a shard already initialised (a restarted chief): its layout", LAYOUT_FIELDS),
+        Reply("layout", "to wait_init: the shard's layout", LAYOUT_FIELDS),
+        Reply("params", "the parameters after a pull or push_pull", ("version", "done", "outcome", "slowest", "shm"),
+              "one flat float32 array, or none when shm says they lie in the worker's shared memory"),
+        Reply("resync", "the push belongs to an abandoned timeline: wait for the chief's restore, pull again",
+              ("why", "initialized", "epoch", "boot", "version")),
+        Reply("attached", "shared memory mapped", ("bell", "knock")),
+        Reply("refused", "shared memory not taken: the worker stays on frames", ("error",)),
+        Reply("status", "to status", ("version", "done", "initialized", "epoch", "boot", "failure", "workers")),
+        Reply("stats", "to stats", ("task", "version", "size", "variables", "stats", "workers", "reports", "job",
+                                    "process")),
+        Reply("paused", "the shard stands at the pause version", ("version",)),
+        Reply("passed", "the shard is already past the pause version (or done before it)", ("version",)),
+        Reply("state", "a paused shard's state", (*LAYOUT_FIELDS, "slots", "rule_step", "rule"),
+              "the flat variables, then one flat array per slot"),
+        Reply("error", "a refusal or failure, any request", ("error", "kind")),
+    )
+}  # fmt: skip
+
+ERROR_KINDS: dict[str, str] = {
+    "protocol": "the message could not be decoded",
+    "rejected": "the request broke the protocol or the shard's rules (nothing changed)",
+    "failed": "the job has failed: the reason follows",
+    "internal": "a bug in the ps (logged there); the ps goes on",
+    "not_paused": "state without a held pause: the chief skips that checkpoint",
+}
+
+CHIEF_ONLY = frozenset(name for name, op in OPS.items() if op.sender is Sender.CHIEF)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "…"
+
+
+def sender_of(message: Message) -> tuple[Op, int]:
+    """The declared op and the worker id the request claims to come from (not yet checked against the job).
+
+    Raises :class:`~psdk.errors.ProtocolError` (answered as a refusal) for
+    an unknown op or a missing or ill-typed worker id. Whether the id
+    belongs to the job and to this connection is the session's check.
+    """
+    op = OPS.get(message.op)
+    if op is None:
+        raise ProtocolError(f"unknown op {message.op!r}")
+    if message.fields.get("worker") is None:  # nothing at all for a connection that is none of the job's workers
+        raise ProtocolError(f"{op.name} needs the id of one of the job's workers")
+    WORKER_FIELD.check(message.fields)
+    return op, message.fields["worker"]
+
+
+def admit(op: Op, worker: int, fields: Mapping[str, Any]) -> None:
+    """Refuse a chief-only op from another worker, or a declared field that is missing or of the wrong type."""
+    if op.sender is Sender.CHIEF and worker != CHIEF:
+        raise ProtocolError(f"only the chief (worker {CHIEF}) {op.action}")
+    for field in op.fields:
+        field.check(fields)
+
+
+def request(op: str, worker: int, arrays: list[np.ndarray] | None = None, **fields: Any) -> Message:
+    """A request as the protocol declares it (a field it does not declare is a bug on this side)."""
+    declared = OPS[op]
+    unknown = fields.keys() - declared.field_names
+    if unknown:
+        raise ValueError(f"{op} declares no field {sorted(unknown)}")
+    return Message(op, {"worker": worker, **fields}, arrays if arrays is not None else [])

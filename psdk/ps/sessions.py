@@ -1,0 +1,65 @@
+"""Which connection speaks for each worker id, and which workers are alive.
+
+A worker's sockets carry a random routing id (its heartbeat socket the same
+one plus ``/hb``). The ps binds each worker id to the connection that first
+used it and refuses the id from any other, so a request that claims to come
+from a worker but arrives on another connection, such as a replayed or
+forged one, is refused before it can touch the store. A worker that died
+may come back on a new connection: :meth:`Sessions.bind` says so, and the ps
+forgets what belonged to the old process (its push counter, its shared
+memory, a pause its chief held).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from psdk.errors import ProtocolError
+from psdk.ps.membership import Membership
+from psdk.wire import HEARTBEAT_SUFFIX
+
+log = logging.getLogger("psdk.ps.server")
+
+
+def session_of(peer: bytes) -> bytes:
+    """The worker connection a peer id belongs to (its heartbeat socket's id names the same session)."""
+    return peer.removesuffix(HEARTBEAT_SUFFIX)
+
+
+class Sessions:
+    def __init__(self, name: str, membership: Membership, max_workers: int):
+        self.name = name
+        self.membership = membership
+        self.max_workers = max_workers
+        """Worker ids this ps accepts, before and after init (a per-task ps: the length of worker_hosts)."""
+        self.by_worker: dict[int, bytes] = {}
+
+    def check_id(self, worker: int, num_workers: int | None) -> None:
+        """Refuse an id outside the job (once known) or beyond what this ps serves."""
+        if num_workers is not None and worker >= num_workers:
+            raise ProtocolError(f"worker {worker} is not in this job ({num_workers} workers)")
+        if worker >= self.max_workers:
+            raise ProtocolError(f"worker {worker} is beyond the {self.max_workers} workers this ps serves")
+
+    def bind(self, worker: int, peer: bytes, now: float) -> bool:
+        """Accept ``peer`` as ``worker``'s connection; ``True`` when it is a new process of a worker that died."""
+        session = session_of(peer)
+        known = self.by_worker.get(worker)
+        if known == session:
+            return False
+        if known is not None and not self.membership.gone(worker, now):
+            raise ProtocolError(f"worker {worker} is already connected from another session: not accepted")
+        self.by_worker[worker] = session
+        if known is not None:
+            log.info("%s: worker %d is back on a new connection", self.name, worker)
+        return known is not None
+
+    def current(self, worker: int, peer: bytes) -> bool:
+        """Whether ``peer`` is the connection of ``worker``'s current process."""
+        return self.by_worker.get(worker) == session_of(peer)
+
+    def forget_beyond(self, num_workers: int) -> None:
+        """Ids claimed before the chief said how many workers the job has."""
+        for stray in [w for w in self.by_worker if w >= num_workers]:
+            del self.by_worker[stray]
+            self.membership.forget(stray)
