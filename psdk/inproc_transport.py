@@ -44,7 +44,7 @@ import numpy as np
 from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, TransportError
 from psdk.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
+from psdk.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,12 @@ class Mailbox(Generic[T]):
             self._items.clear()
 
 
-def frames_of(message: Message, max_header_bytes: int | None = None) -> Frames:
+def frames_of(message: Message, max_header_bytes: int = MAX_HEADER_BYTES) -> Frames:
     """``message`` as it would cross a socket: the header, then a private copy of each array's bytes.
 
     Raises :class:`~psdk.errors.ProtocolError` (nothing sent) if it cannot go on the wire.
     """
-    head, *arrays = encode(message) if max_header_bytes is None else encode(message, max_header_bytes)
+    head, *arrays = encode(message, max_header_bytes)
     return [head, *(np.asarray(a).tobytes() for a in arrays)]
 
 
