@@ -71,7 +71,8 @@ def _dtype_code(array: np.ndarray) -> str:
 
 def encode(message: Message, max_header_bytes: int = MAX_HEADER_BYTES) -> list[Any]:
     """Frames for ``message``: the header bytes, then each array (C-contiguous)."""
-    arrays = [np.ascontiguousarray(a) for a in message.arrays]
+    # Not np.ascontiguousarray alone: it makes a 0-d array 1-d, and the shape must cross as it was.
+    arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in map(np.asarray, message.arrays)]
     header = {
         "op": message.op,
         "rid": message.rid,

@@ -21,6 +21,8 @@ def test_round_trip_keeps_fields_dtypes_and_shapes() -> None:
         np.arange(6, dtype=np.float32).reshape(2, 3),
         np.array([1, 2], np.int64),
         np.zeros((0,), np.float64),
+        np.array(2.5, np.float64),  # 0-d: stays 0-d
+        np.zeros((2, 0, 3), np.int32),
     ]
     message = Message("push_pull", {"worker": 1, "names": ["a", "b"]}, arrays, rid=7)
     back = decode(frames_of(message))

@@ -1,4 +1,4 @@
-"""Testing helpers for backend authors: the conformance suite and a ps to train against.
+"""Testing helpers for backend and transport authors: conformance suites and a ps to train against.
 
 ::
 
@@ -6,6 +6,9 @@
 
     class TestMyBackend(BackendConformance):
         backend_name = "mybackend"
+
+A transport's tests subclass :class:`TransportConformance` and override its
+``transport_factory`` fixture (see :mod:`psdk.testing.transport_conformance`).
 
 Attributes are looked up lazily, so the pytest plugin (:mod:`psdk.testing.pytest_plugin`,
 loaded in every pytest session where psdk is installed) costs nothing until used.
@@ -18,17 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "BackendConformance": "psdk.testing.conformance",
+    "TransportConformance": "psdk.testing.transport_conformance",
     "running_ps": "psdk.testing.ps",
     "run_job": "psdk.testing.jobs",
     "assert_every_worker_contributed": "psdk.testing.jobs",
 }
 
-__all__ = ["BackendConformance", "assert_every_worker_contributed", "run_job", "running_ps"]
+__all__ = ["BackendConformance", "TransportConformance", "assert_every_worker_contributed", "run_job", "running_ps"]
 
 if TYPE_CHECKING:
     from psdk.testing.conformance import BackendConformance
     from psdk.testing.jobs import assert_every_worker_contributed, run_job
     from psdk.testing.ps import running_ps
+    from psdk.testing.transport_conformance import TransportConformance
 
 
 def __getattr__(name: str) -> Any:
