@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from psdk import checkpoint
 from psdk.checkpoint import Checkpoint
+from psdk.client.shards import StepResult
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
 from psdk.wire import Message
 
-if TYPE_CHECKING:
-    from psdk.client import ParameterClient, StepResult
+if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
+    from psdk.client.client import ParameterClient
     from psdk.transport import Pending
 
 log = logging.getLogger(__name__)
@@ -33,8 +36,6 @@ POLL_S = 0.2
 
 def recover(client: ParameterClient, why: str) -> StepResult:
     """Wait out the loss, restore (the chief) or follow (the others), then pull."""
-    from psdk.client import StepResult
-
     timeout = client.options.recovery_timeout_s or 0.0
     deadline = time.monotonic() + timeout
     log.warning("worker %d: %s; recovering (at most %.0f s)", client.task_index, why, timeout)
@@ -87,7 +88,7 @@ def after_timeout(
         wait_s,
     )
     try:
-        return client._collect(pending, "a push-and-pull (after a timeout)", timeout_s=wait_s)
+        return client.collect(pending, "a push-and-pull (after a timeout)", timeout_s=wait_s)
     except (PeerDeadError, PeerRestartedError) as exc:
         return client.recover(str(exc))
     except PeerTimeoutError as again:
@@ -117,7 +118,7 @@ def statuses(client: ParameterClient, deadline: float, what: str) -> dict[int, d
             if index in found:
                 continue
             try:
-                reply = client._request({index: Message("status", client._fields())}, what, timeout_s=1.0, watch=False)
+                reply = client.request({index: client.message("status")}, what, timeout_s=1.0, watch=False)
                 found[index] = reply[index].fields
                 client.heard_from(index, found[index].get("boot"))
             except TransportError:
@@ -134,7 +135,7 @@ def lead(client: ParameterClient, deadline: float) -> int:
     """The chief: restore every shard from the latest checkpoint into a new epoch; returns steps lost."""
     shards = statuses(client, deadline, "a lost ps to come back")
     state = client.recovery_source() if client.recovery_source is not None else None
-    state = state or client._fallback
+    state = state or client.fallback
     if state is None:
         raise PsdkError("a ps was lost but the chief has no state to restore it from")
     epoch = max(int(s["epoch"]) for s in shards.values()) + 1
@@ -147,24 +148,24 @@ def lead(client: ParameterClient, deadline: float) -> int:
         arrays = [np.ascontiguousarray(state.variables[n], np.float32) for n in names]
         slot_names = list(state.slots)
         arrays += [np.ascontiguousarray(state.slots[s][n], np.float32) for s in slot_names for n in names]
-        fields = client._fields(
-            names=names,
-            epoch=epoch,
-            restore={"version": state.global_step, "rule_step": state.rule_step, "slots": slot_names},
-        )
+        fields: dict[str, Any] = {
+            "names": names,
+            "epoch": epoch,
+            "restore": {"version": state.global_step, "rule_step": state.rule_step, "slots": slot_names},
+        }
         if shards[index]["initialized"]:
-            messages[index] = Message("restore", fields, arrays)
+            messages[index] = client.message("restore", arrays, **fields)
         else:
             assert client.job is not None
             fields.update(job=client.job.to_json(), rule=client.rule_json)
-            messages[index] = Message("init", fields, arrays)
-    client._request(messages, "restoring the shards from the latest checkpoint")
+            messages[index] = client.message("init", arrays, **fields)
+    client.request(messages, "restoring the shards from the latest checkpoint")
     client.epoch = epoch
     log.warning(
         "worker 0: restored every shard to global step %d (epoch %d) from %s",
         state.global_step,
         epoch,
-        "the latest checkpoint" if state is not client._fallback else "the initial state",
+        "the latest checkpoint" if state is not client.fallback else "the initial state",
     )
     return max(0, reached - state.global_step)
 
@@ -186,8 +187,4 @@ def follow(client: ParameterClient, deadline: float) -> None:
 
 def latest_or_none(folder: Any) -> Checkpoint | None:
     """The newest valid checkpoint of ``folder`` to restore from; damaged ones are skipped, and logged."""
-    from pathlib import Path
-
-    from psdk import checkpoint
-
     return checkpoint.latest_valid(Path(folder))[0] if folder else None

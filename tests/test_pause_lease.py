@@ -8,8 +8,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from psdk import client as client_module
 from psdk.client import ParameterClient, StepResult
+from psdk.client import cut as client_module
 from psdk.errors import CheckpointAbandoned
 
 from .conftest import PsCluster, running_ps
@@ -21,7 +21,7 @@ LEASE_S = 0.5
 def pause(chief: ParameterClient) -> int:
     """The first half of a checkpoint: every shard stops at its current version (as ``checkpoint_state`` does)."""
     version = int(chief.status()["version"])
-    replies = chief._request(chief._all("pause_at", version=version), "a pause for a checkpoint")
+    replies = chief.request(chief.to_all("pause_at", version=version), "a pause for a checkpoint")
     assert all(r.op == "paused" for r in replies.values())
     return version
 
@@ -62,9 +62,9 @@ def test_a_chief_that_still_heartbeats_keeps_its_pause_past_the_lease() -> None:
             while time.monotonic() - began < 4 * LEASE_S:  # no request from the chief, only its heartbeats
                 assert ps.servers[0].pause.held and held(ps) == 1 and not push.done()
                 time.sleep(0.02)
-            state = chief._request(chief._all("state"), "the shards' state")[0]
+            state = chief.request(chief.to_all("state"), "the shards' state")[0]
             assert int(state.fields["version"]) == version  # still the consistent cut it paused at
-            chief._request(chief._all("resume"), "resuming")
+            chief.request(chief.to_all("resume"), "resuming")
             assert push.result(timeout=20).global_step == version + 1
         finally:
             chief.close()

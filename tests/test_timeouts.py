@@ -49,10 +49,10 @@ def test_a_timeout_from_a_slow_shard_is_waited_out_without_a_rollback(caplog: py
         chief, worker = chief_and_worker(ps, SHORT)
         try:
             version = int(chief.status()["version"])
-            chief._request(chief._all("pause_at", version=version), "a pause")  # the shard holds every push
+            chief.request(chief.to_all("pause_at", version=version), "a pause")  # the shard holds every push
             push = in_thread(lambda: worker.push_pull(grads(1.0)))
             wait_until(lambda: "slow, not lost, so nothing is rolled back" in caplog.text, timeout=20)
-            chief._request(chief._all("resume"), "resuming")
+            chief.request(chief.to_all("resume"), "resuming")
             result = push.result(timeout=20)
             assert result.global_step == version + 1 and result.outcome != "resync"
             assert worker.recoveries == []  # no rollback
@@ -66,7 +66,7 @@ def test_a_shard_slow_beyond_the_recovery_timeout_is_named_in_a_clear_error() ->
         chief, worker = chief_and_worker(ps, dataclasses.replace(SHORT, recovery_timeout_s=1.0))
         try:
             version = int(chief.status()["version"])
-            chief._request(chief._all("pause_at", version=version), "a pause")
+            chief.request(chief.to_all("pause_at", version=version), "a pause")
             with pytest.raises(PsdkError) as caught:
                 worker.push_pull(grads(1.0))
             text = str(caught.value)
@@ -74,7 +74,7 @@ def test_a_shard_slow_beyond_the_recovery_timeout_is_named_in_a_clear_error() ->
             assert "overloaded or stuck" in text and "nothing was rolled back" in text
             assert worker.recoveries == []
         finally:
-            chief._request(chief._all("resume"), "resuming")
+            chief.request(chief.to_all("resume"), "resuming")
             worker.close()
             chief.close()
 

@@ -10,10 +10,8 @@ request timeout, and the error names that ps.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,10 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from psdk import protocol, recovery
 from psdk.checkpoint import Checkpoint
+from psdk.client.cut import checkpoint_cut
+from psdk.client.heartbeat import Heartbeat
+from psdk.client.memory import new_buffers, offer_memory, release_buffers
+from psdk.client.shards import Basis, Shard, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.errors import (
-    CheckpointAbandoned,
     PeerDeadError,
     PeerRestartedError,
     PeerTimeoutError,
@@ -32,11 +34,9 @@ from psdk.errors import (
     RemoteError,
     TransportError,
 )
-from psdk.failpoints import CHECKPOINT_PAUSED, failpoint
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
-from psdk.sharding import VarSpec, assign_shards, flat_size, layout, views
-from psdk.shm import WorkerBuffers
+from psdk.sharding import assign_shards, flat_size, layout, views
 from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.wire import HEARTBEAT_SUFFIX, Message
 
@@ -51,100 +51,6 @@ class ClientOptions:
     init_timeout_s: float = 300.0
     recovery_timeout_s: float | None = None
     """When set, a lost ps or a restored job is waited out (this long at most) instead of failing."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one push-and-pull did, seen from shard 0 (which keeps the global step)."""
-
-    global_step: int
-    done: bool
-    outcome: str
-    slowest: int | None = None
-    """Async and ssp: iterations the slowest live worker had finished when this reply left."""
-
-
-@dataclass(frozen=True)
-class Basis:
-    """The parameters a gradient was computed from: the job's epoch and each shard's version.
-
-    A worker that computes its next gradient while the last push is still in
-    flight sends it with the basis it was computed from, not the newer
-    versions the reply brought in meanwhile, so the ps measures (and, with
-    ssp, bounds) its staleness truly.
-    """
-
-    epoch: int
-    versions: tuple[int, ...]
-
-
-class Heartbeat(threading.Thread):
-    """Pings every shard from its own sockets, and remembers when each last answered."""
-
-    def __init__(
-        self,
-        transport: Transport,
-        addresses: list[str],
-        names: list[str],
-        worker: int,
-        interval_s: float,
-        identity: bytes | None = None,
-    ):
-        super().__init__(name=f"psdk-heartbeat-{worker}", daemon=True)
-        self.transport, self.addresses, self.names = transport, addresses, names
-        self.worker, self.interval_s, self.identity = worker, interval_s, identity
-        self.last_heard: list[float | None] = [None] * len(addresses)
-        self.boot: list[str | None] = [None] * len(addresses)
-        self._stop_event = threading.Event()
-        self._ready = threading.Event()
-
-    def run(self) -> None:
-        endpoint = self.transport.connect(self.addresses, self.names, self.identity)
-        self._ready.set()
-        try:
-            while not self._stop_event.is_set():
-                for index in range(len(self.addresses)):
-                    ping = Message("ping", {"worker": self.worker}, rid=endpoint.new_rid())
-                    # No connection or a full queue: the ps's silence tells the rest. Never wait here,
-                    # or stop() would find this thread stuck on a socket about to be closed.
-                    with contextlib.suppress(TransportError):
-                        endpoint.send(index, ping, wait_s=0.0)
-                deadline = time.monotonic() + self.interval_s
-                while not self._stop_event.is_set() and (left := deadline - time.monotonic()) > 0:
-                    for index, pong in endpoint.receive(min(left, 0.1)):
-                        self.last_heard[index] = time.monotonic()
-                        self.boot[index] = pong.fields.get("boot")
-        finally:
-            endpoint.close()
-
-    def silence(self, index: int) -> float | None:
-        heard = self.last_heard[index]
-        return None if heard is None else time.monotonic() - heard
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=5.0)
-
-
-@dataclass
-class Shard:
-    """The client's copy of one shard: layout, version, and its two flat buffers."""
-
-    specs: list[VarSpec]
-    version: int
-    params: np.ndarray
-    grads: np.ndarray
-    buffers: WorkerBuffers | None = None
-    """The gradient (and a reply region) in memory a ps on this host can map; ``grads`` lives there."""
-    shared: bool = False
-    """The ps has mapped :attr:`buffers`: arrays go through them, messages carry only headers."""
-    knocks: bool = False
-    """The ps listens for knocks on :attr:`buffers`: a push is a knock, not a message."""
-
-    @property
-    def size(self) -> int:
-        return int(self.params.size)
 
 
 class ParameterClient:
@@ -177,7 +83,8 @@ class ParameterClient:
         """Each shard's boot id as of the last layout: a different one means it restarted."""
         self._retired: list[set[str]] = [set() for _ in range(cluster.num_ps)]
         self.rule_json: dict[str, Any] = {}
-        self._fallback: Checkpoint | None = None
+        self.fallback: Checkpoint | None = None
+        """What a recovery restores when the chief has no checkpoint yet: the job's initial state."""
         self.recoveries: list[dict[str, Any]] = []
         self.recovery_source: Callable[[], Checkpoint | None] | None = None
         """The chief's state to restore a lost shard from (its latest checkpoint), if any."""
@@ -195,22 +102,32 @@ class ParameterClient:
             self.heartbeat._ready.wait(timeout=5.0)
 
     # -------------------------------------------------------------- requests
-    def _fields(self, **extra: Any) -> dict[str, Any]:
-        return {"worker": self.task_index, **extra}
+    def message(self, op: str, arrays: list[np.ndarray] | None = None, **fields: Any) -> Message:
+        """A request of this worker, as :mod:`psdk.protocol` declares ``op``."""
+        return protocol.request(op, self.task_index, arrays, **fields)
 
-    def _request(
+    def to_all(self, op: str, **fields: Any) -> dict[int, Message]:
+        """The same request to every shard."""
+        return {i: self.message(op, **fields) for i in range(self.cluster.num_ps)}
+
+    def request(
         self,
         messages: Mapping[int, Message],
         what: str,
         timeout_s: float | None = None,
         watch: bool = True,
     ) -> dict[int, Message]:
-        return self._collect(self.endpoint.start_many(messages), what, timeout_s, watch)
+        """Send ``messages`` (shard index -> request) and wait for every reply (see :meth:`collect`)."""
+        return self.collect(self.endpoint.start_many(messages), what, timeout_s, watch)
 
-    def _collect(
+    def collect(
         self, pending: Pending, what: str, timeout_s: float | None = None, watch: bool = True
     ) -> dict[int, Message]:
-        """Wait for the replies; a refusal from a ps becomes :class:`RemoteError`."""
+        """Wait for the replies; a refusal from a ps becomes :class:`RemoteError`.
+
+        ``watch``: give up early on a ps whose heartbeats stopped or that
+        restarted (off while waiting for what may take long, e.g. the chief's init).
+        """
         silence = self.heartbeat.silence if (self.heartbeat is not None and watch) else None
         replies = pending.wait(
             timeout_s if timeout_s is not None else self.options.request_timeout_s,
@@ -241,9 +158,6 @@ class ParameterClient:
             self._retired[index].add(old)
         self.boots[index] = boot
 
-    def _all(self, op: str, **fields: Any) -> dict[int, Message]:
-        return {i: Message(op, self._fields(**fields)) for i in range(self.cluster.num_ps)}
-
     # ---------------------------------------------------------------- layout
     def initialize(
         self,
@@ -271,7 +185,7 @@ class ParameterClient:
         order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
         self._creation_order = [name for name, _ in order]
         self.rule_json = rule.to_json()
-        self._fallback = restore or Checkpoint(
+        self.fallback = restore or Checkpoint(
             global_step=0,
             variables={n: np.array(v, np.float32) for n, v in variables.items()},
             slots={s: {n: np.zeros(np.shape(v), np.float32) for n, v in variables.items()} for s in rule.slot_names()},
@@ -282,7 +196,7 @@ class ParameterClient:
         for index in range(self.cluster.num_ps):
             names = [name for name, _ in order if placement[name] == index]
             arrays = [np.ascontiguousarray(variables[n], dtype=np.float32) for n in names]
-            fields = self._fields(job=job.to_json(), rule=rule.to_json(), names=names)
+            fields: dict[str, Any] = {"job": job.to_json(), "rule": rule.to_json(), "names": names}
             if restore is not None:
                 slot_names = list(restore.slots)
                 fields["restore"] = {
@@ -293,9 +207,9 @@ class ParameterClient:
                 arrays += [
                     np.ascontiguousarray(restore.slots[s][n], dtype=np.float32) for s in slot_names for n in names
                 ]
-            messages[index] = Message("init", fields, arrays)
+            messages[index] = self.message("init", arrays, **fields)
         replies = self._rejoining(
-            lambda: self._request(messages, "initialising the variables", self.options.init_timeout_s)
+            lambda: self.request(messages, "initialising the variables", self.options.init_timeout_s)
         )
         fresh = {reply.op == "ok" for reply in replies.values()}
         if len(fresh) > 1:
@@ -309,8 +223,8 @@ class ParameterClient:
     def wait_initialized(self) -> None:
         """Non-chief workers: wait (bounded) until the chief has initialised every shard."""
         replies = self._rejoining(
-            lambda: self._request(
-                self._all("wait_init"),
+            lambda: self.request(
+                self.to_all("wait_init"),
                 "the chief (worker 0) to initialise the variables",
                 self.options.init_timeout_s,
                 watch=False,
@@ -335,14 +249,14 @@ class ParameterClient:
                 time.sleep(0.5)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
-        self._release_buffers()
+        release_buffers(self.endpoint, self.shards)
         self.shards, self._params, self._grads = [], {}, {}
         jobs = set()
         for index in range(self.cluster.num_ps):
             fields = replies[index].fields
             specs = layout([(n, tuple(s)) for n, s in zip(fields["names"], fields["shapes"], strict=True)])
             size = flat_size(specs)
-            buffers = self._new_buffers(size)
+            buffers = new_buffers(self.endpoint, size, self.task_index)
             grads = buffers.grads if buffers is not None else np.zeros(size, np.float32)
             shard = Shard(specs, int(fields["version"]), np.zeros(size, np.float32), grads, buffers)
             self.shards.append(shard)
@@ -363,58 +277,9 @@ class ParameterClient:
             )
         self.share_memory()
 
-    def _new_buffers(self, size: int) -> WorkerBuffers | None:
-        if not (self.endpoint.shares_memory and size):
-            return None
-        try:
-            return WorkerBuffers(size)
-        except OSError as exc:  # e.g. a memfd limit: plain frames work as well, only slower
-            log.info("worker %d: no shared memory for a shard (%s); its arrays go over ZeroMQ", self.task_index, exc)
-            return None
-
     def share_memory(self) -> None:
-        """Offer every ps the shard buffers it can map (it must be on this host); the rest use frames.
-
-        Called again after a recovery: a restarted ps has to map them anew.
-        """
-        bell = self.endpoint.doorbells
-        offers = {
-            i: Message("attach", self._fields(**shard.buffers.offer(bell)))
-            for i, shard in enumerate(self.shards)
-            if shard.buffers is not None and shard.size
-        }
-        if not offers:
-            return
-        try:
-            replies = self._collect(self.endpoint.start_many(offers), "sharing memory with the ps")
-        except RemoteError as exc:  # e.g. a ps of an older psdk that does not know the request
-            log.info("worker %d: no shared memory (%s); arrays go over ZeroMQ", self.task_index, exc)
-            replies = {}
-        for index in offers:
-            self.shards[index].shared = self.shards[index].knocks = False
-            self.endpoint.ring_off(index)
-        for index, reply in replies.items():
-            shard = self.shards[index]
-            shard.shared = reply.op == "attached"
-            if shard.shared and bell and reply.fields.get("bell") and shard.buffers is not None:
-                self.endpoint.ring_on(index, shard.buffers.bell, shard.buffers.take_reply)
-                shard.knocks = bool(reply.fields.get("knock"))
-                if shard.knocks:
-                    shard.buffers.knocks_heard()
-            if not shard.shared:
-                log.info(
-                    "worker %d: %s does not share memory (%s); arrays go over ZeroMQ",
-                    self.task_index,
-                    self.names[index],
-                    reply.fields.get("error"),
-                )
-
-    def _release_buffers(self) -> None:
-        for index, shard in enumerate(self.shards):
-            if shard.buffers is not None:
-                self.endpoint.ring_off(index)
-                shard.buffers.close()
-                shard.shared = shard.knocks = False
+        """Offer every ps on this host this worker's shard buffers (again after a recovery: see psdk.client.memory)."""
+        offer_memory(self, self.endpoint, self.shards)
 
     @property
     def initialized(self) -> bool:
@@ -443,8 +308,8 @@ class ParameterClient:
     # ----------------------------------------------------------------- steps
     def pull(self) -> int:
         """Fetch every shard's parameters; returns the global step."""
-        messages = {i: Message("pull", self._fields()) for i in self._live()}
-        for index, reply in self._request(messages, "pulling the parameters").items():
+        messages = {i: self.message("pull") for i in self._live()}
+        for index, reply in self.request(messages, "pulling the parameters").items():
             self._take_params(index, reply)
         return self.global_step
 
@@ -480,7 +345,7 @@ class ParameterClient:
         messages, knocked = {}, {}
         for i in self._live():
             shard = self.shards[i]
-            fields = self._fields(version=basis.versions[i], seq=self._seq, epoch=basis.epoch)
+            fields: dict[str, Any] = {"version": basis.versions[i], "seq": self._seq, "epoch": basis.epoch}
             if shard.shared and shard.buffers is not None:
                 slot = "outbox" if copy else "grads"
                 if copy:
@@ -491,9 +356,10 @@ class ParameterClient:
                         knocked[i] = rid
                         continue
                 fields["shm"] = slot
-                messages[i] = Message("push_pull", fields)
+                messages[i] = self.message("push_pull", **fields)
             else:
-                messages[i] = Message("push_pull", fields, [shard.grads], stable=not copy, volatile=copy)
+                messages[i] = self.message("push_pull", [shard.grads], **fields)
+                messages[i].stable, messages[i].volatile = not copy, copy
         pending = self.endpoint.start_many(messages)
         pending.expected.update(knocked)
         return pending
@@ -506,7 +372,7 @@ class ParameterClient:
         for it, and every worker pulls the restored parameters.
         """
         try:
-            replies = self._collect(pending, "a push-and-pull")
+            replies = self.collect(pending, "a push-and-pull")
         except (PeerDeadError, PeerRestartedError) as exc:
             if self.options.recovery_timeout_s is None:
                 raise
@@ -514,9 +380,7 @@ class ParameterClient:
         except PeerTimeoutError as exc:
             if self.options.recovery_timeout_s is None:
                 raise
-            from psdk.recovery import after_timeout
-
-            outcome = after_timeout(self, pending, exc)
+            outcome = recovery.after_timeout(self, pending, exc)
             if isinstance(outcome, StepResult):
                 return outcome
             replies = outcome
@@ -549,24 +413,21 @@ class ParameterClient:
 
     def recover(self, why: str) -> StepResult:
         """Get back onto the job after a ps was lost or the chief restored it."""
-        from psdk.recovery import recover
-
-        return recover(self, why)
+        return recovery.recover(self, why)
 
     # -------------------------------------------------------------- the end
     def finish(self, report: Mapping[str, Any]) -> None:
         """Tell every shard this worker is done (and, to shard 0, how it went)."""
         messages = {
-            i: Message("finish", self._fields(report=dict(report) if i == 0 else None))
-            for i in range(self.cluster.num_ps)
+            i: self.message("finish", report=dict(report) if i == 0 else None) for i in range(self.cluster.num_ps)
         }
-        self._request(messages, "acknowledging the end of training")
+        self.request(messages, "acknowledging the end of training")
 
     def status(self) -> dict[str, Any]:
-        return self._request({0: Message("status", self._fields())}, "status")[0].fields
+        return self.request({0: self.message("status")}, "status")[0].fields
 
     def stats(self) -> list[dict[str, Any]]:
-        replies = self._request(self._all("stats"), "ps statistics")
+        replies = self.request(self.to_all("stats"), "ps statistics")
         return [replies[i].fields for i in range(self.cluster.num_ps)]
 
     def wait_for_workers(self, timeout_s: float) -> dict[str, dict[str, str]]:
@@ -586,84 +447,23 @@ class ParameterClient:
             time.sleep(0.05)
 
     def checkpoint_state(self, max_rounds: int = 50) -> Checkpoint:
-        """Chief: a consistent cut of every shard at one global step, collected over the transport.
-
-        Every shard is asked to stop applying pushes once it reaches the
-        highest version any shard has (pushes beyond it wait on the ps); a
-        shard already past it raises the target. Once all stand at the same
-        version their variables and slots are read and the shards resume.
-        """
-        versions = self._request(self._all("status"), "shard versions for a checkpoint")
-        target = max(int(r.fields["version"]) for r in versions.values())
-        failed = True
-        try:
-            for _ in range(max_rounds):
-                replies = self._request(
-                    self._all("pause_at", version=target),
-                    f"every shard to reach version {target} for a checkpoint",
-                )
-                passed = [int(r.fields["version"]) for r in replies.values() if r.op == "passed"]
-                if not passed:
-                    break
-                target = max(passed)
-            else:
-                raise PsdkError(f"the shards did not settle on one version in {max_rounds} rounds")
-            failpoint(CHECKPOINT_PAUSED)
-            states = self._request(self._all("state"), "the shards' state for a checkpoint")
-            failed = False
-        except RemoteError as exc:
-            if exc.kind != "not_paused":
-                raise
-            raise CheckpointAbandoned(f"the checkpoint pause ended before every state was read: {exc}") from exc
-        finally:
-            try:
-                self._request(self._all("resume"), "resuming after a checkpoint")
-            except TransportError:
-                if not failed:
-                    raise  # else the first error says more
-        return self._assemble(states, target)
-
-    def _assemble(self, states: Mapping[int, Message], version: int) -> Checkpoint:
-        variables: dict[str, np.ndarray] = {}
-        slots: dict[str, dict[str, np.ndarray]] = {}
-        rule: dict[str, Any] = {}
-        rule_step = 0
-        for index in range(self.cluster.num_ps):
-            reply = states[index]
-            if int(reply.fields["version"]) != version:  # a pause lapsed between the reads
-                raise CheckpointAbandoned(
-                    f"{self.names[index]} was at version {reply.fields['version']}, not {version}, "
-                    "when its state was read: the checkpoint would not be a consistent cut"
-                )
-            specs = self.shards[index].specs
-            variables.update({n: v.copy() for n, v in views(reply.arrays[0], specs).items()})
-            for slot, flat in zip(reply.fields["slots"], reply.arrays[1:], strict=True):
-                slots.setdefault(slot, {}).update({n: v.copy() for n, v in views(flat, specs).items()})
-            if index == 0:
-                rule, rule_step = dict(reply.fields["rule"]), int(reply.fields["rule_step"])
-        order = self._creation_order or [s.name for shard in self.shards for s in shard.specs]
-        return Checkpoint(
-            global_step=version,
-            variables={n: variables[n] for n in order},
-            slots={s: {n: by_name[n] for n in order} for s, by_name in slots.items()},
-            rule=rule,
-            rule_step=rule_step,
-        )
+        """Chief: a consistent cut of every shard at one global step (see :mod:`psdk.client.cut`)."""
+        return checkpoint_cut(self, self.shards, self._creation_order, max_rounds)
 
     def stop_at(self, version: int) -> int:
         """Chief: end training at ``version`` (or now, if past it); returns the new target step."""
-        replies = self._request(self._all("stop_at", version=int(version)), "stopping the job early")
+        replies = self.request(self.to_all("stop_at", version=int(version)), "stopping the job early")
         return int(replies[0].fields["steps"])
 
     def shutdown(self) -> None:
         """Chief: end the job; every ps task exits."""
-        self._request(self._all("shutdown"), "shutting the ps tasks down", timeout_s=10.0)
+        self.request(self.to_all("shutdown"), "shutting the ps tasks down", timeout_s=10.0)
 
     def abort(self, reason: str) -> None:
         """Chief: stop the job after a failure; best effort, never raises."""
         reason = reason if len(reason) <= 2000 else reason[:2000] + "…"  # a request header has its limits
         try:
-            self._request(self._all("abort", reason=reason), "aborting the job", timeout_s=5.0)
+            self.request(self.to_all("abort", reason=reason), "aborting the job", timeout_s=5.0)
         except PsdkError as exc:
             log.warning("worker %d: could not abort every ps: %s", self.task_index, exc)
 
@@ -671,4 +471,4 @@ class ParameterClient:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.endpoint.close()
-        self._release_buffers()
+        release_buffers(self.endpoint, self.shards)

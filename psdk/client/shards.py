@@ -1,0 +1,78 @@
+"""What a worker knows of each ps shard, and what a step or a recovery tells it.
+
+Kept apart from :mod:`psdk.client.client` so the parts of the client (its
+checkpoint cut, its shared memory, :mod:`psdk.recovery`) share these types
+without importing the client itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from psdk.sharding import VarSpec
+from psdk.shm import WorkerBuffers
+from psdk.wire import Message
+
+
+class Requests(Protocol):
+    """How the client's parts ask every shard something and wait for the replies (see ParameterClient)."""
+
+    names: list[str]
+    task_index: int
+
+    def message(self, op: str, arrays: list[np.ndarray] | None = None, **fields: Any) -> Message: ...
+
+    def to_all(self, op: str, **fields: Any) -> dict[int, Message]: ...
+
+    def request(
+        self, messages: Mapping[int, Message], what: str, timeout_s: float | None = None, watch: bool = True
+    ) -> dict[int, Message]: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one push-and-pull did, seen from shard 0 (which keeps the global step)."""
+
+    global_step: int
+    done: bool
+    outcome: str
+    slowest: int | None = None
+    """Async and ssp: iterations the slowest live worker had finished when this reply left."""
+
+
+@dataclass(frozen=True)
+class Basis:
+    """The parameters a gradient was computed from: the job's epoch and each shard's version.
+
+    A worker that computes its next gradient while the last push is still in
+    flight sends it with the basis it was computed from, not the newer
+    versions the reply brought in meanwhile, so the ps measures (and, with
+    ssp, bounds) its staleness truly.
+    """
+
+    epoch: int
+    versions: tuple[int, ...]
+
+
+@dataclass
+class Shard:
+    """The client's copy of one shard: layout, version, and its two flat buffers."""
+
+    specs: list[VarSpec]
+    version: int
+    params: np.ndarray
+    grads: np.ndarray
+    buffers: WorkerBuffers | None = None
+    """The gradient (and a reply region) in memory a ps on this host can map; ``grads`` lives there."""
+    shared: bool = False
+    """The ps has mapped :attr:`buffers`: arrays go through them, messages carry only headers."""
+    knocks: bool = False
+    """The ps listens for knocks on :attr:`buffers`: a push is a knock, not a message."""
+
+    @property
+    def size(self) -> int:
+        return int(self.params.size)
