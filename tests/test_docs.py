@@ -137,3 +137,21 @@ def test_anchors_follow_githubs_rules() -> None:
     assert slug("`TF_CONFIG`: a Kubeflow TFJob") == "tf_config-a-kubeflow-tfjob"
     assert slug("1. One command per host, as in TensorFlow 1.x") == "1-one-command-per-host-as-in-tensorflow-1x"
     assert slug("python -m psdk report") == "python--m-psdk-report"
+
+
+def test_the_protocol_page_describes_every_declared_op_field_reply_and_error_kind() -> None:
+    from psdk import protocol
+
+    page = (REPO / "docs" / "protocol.md").read_text()
+    for op in protocol.OPS.values():
+        section = page.split(f"### `{op.name}`\n", 1)
+        assert len(section) == 2, f"docs/protocol.md has no section for {op.name}"
+        body = section[1].split("\n### ", 1)[0]
+        for field in op.fields:
+            assert f"| `{field.name}` | {field.type.name}" in body, f"{op.name}.{field.name} is not described"
+        assert op.sender.value in body
+    for reply in protocol.REPLIES.values():
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{reply.name}` |")), None)
+        assert row is not None and all(f"`{name}`" in row for name in reply.fields), reply.name
+    for kind in protocol.ERROR_KINDS:
+        assert f"| `{kind}` |" in page

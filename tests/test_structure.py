@@ -1,0 +1,95 @@
+"""The shape of the code, checked: no import cycles among psdk's modules, no oversized ps or client module.
+
+Imports are read from the source (``ast``), at any depth: one inside a
+function counts too, since it is the same dependency loaded later. Only
+imports under ``if TYPE_CHECKING:`` are left out: they exist for
+annotations and never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+PACKAGE = Path(__file__).resolve().parents[1] / "psdk"
+MAX_LINES = 500
+SIZE_CHECKED = ("ps", "client", "protocol.py", "transport.py", "zmq_transport.py", "inproc_transport.py", "recovery.py")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The psdk modules ``path`` imports when it runs."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            skip.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    # A package's __init__ is not a dependency of its submodules here: psdk's are lazy or empty.
+    return {name: _imports(path, modules) - {name} for name, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, once each (as the path from its smallest module round to it)."""
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        stack: list[tuple[str, list[str]]] = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    found.append(path)
+                elif nxt > start and nxt not in path:
+                    stack.append((nxt, [*path, nxt]))
+    return found
+
+
+def test_no_module_of_psdk_imports_one_that_imports_it_back() -> None:
+    graph = import_graph()
+    assert "psdk.ps.server" in graph and "psdk.ps.shard" in graph["psdk.ps.server"]
+    found = [c for c in cycles(graph) if not all(m == "psdk" for m in c)]
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found[:10])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_ps_the_client_and_the_transport_are_made_of_modules_of_at_most_500_lines() -> None:
+    checked = [
+        p
+        for name in SIZE_CHECKED
+        for p in ([PACKAGE / name] if name.endswith(".py") else (PACKAGE / name).rglob("*.py"))
+    ]
+    assert len(checked) > 10
+    large = {str(p.relative_to(PACKAGE)): n for p in checked if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not large, f"modules over {MAX_LINES} lines: {large}"
