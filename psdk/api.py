@@ -313,7 +313,7 @@ class DistributedOptimizer:
         (:meth:`ParameterClient.basis`) when that gradient was computed.
         """
         client = self.session.client
-        if overlap and self.session.job.sync.mode == "sync":
+        if overlap and not self.session.job.sync.allows_overlap:
             raise PsdkError(
                 "overlap works in async and ssp mode only: in sync mode a gradient computed while the last "
                 "push is in flight is a round stale, and the ps would drop it"

@@ -118,7 +118,7 @@ def check_training(cfg: DictConfig, num_workers: int, warn: bool = True) -> None
     for key in ("log_every", "validate_every"):
         if int(train[key]) < 0:
             raise ConfigError(f"train.{key}", f"must be 0 (never) or more local steps, got {train[key]}")
-    if bool(train.overlap) and str(cfg.sync.mode) == "sync":
+    if bool(train.overlap) and not sync_spec(cfg).allows_overlap:
         raise ConfigError(
             "train.overlap",
             "works with sync=async or sync=ssp only: in sync mode the gradient computed while the last push "

@@ -399,7 +399,7 @@ class ParameterServer:
     def _reply_params(self, peer: bytes, rid: int, outcome: str, worker: int) -> None:
         """The parameters, to a worker's session only (a stranger's request never gets this far)."""
         fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
-        if self.policy is not None and self.job is not None and self.job.sync.mode != "sync":
+        if self.policy is not None and self.job is not None and not self.job.sync.waits_for_rounds:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
         shared = self._shared.get(worker)
         # Written into the worker's own memory, the reply only a header; never for a request of an earlier
