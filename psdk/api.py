@@ -173,6 +173,10 @@ def connect(
     encrypt its traffic, as every ps expects unless it was started with
     ``transport.secure=false``; then pass ``secure=False`` here too. A
     ``transport`` of your own (e.g. in-process, for tests) brings its own.
+    ``options`` holds this worker's timeouts and the settings of the
+    transport made for it: shared memory, doorbells, I/O threads
+    (``transport.*`` in the config tree; the MNIST job passes them all,
+    :meth:`psdk.config.options.TaskOptions.client`).
     With ``options.recovery_timeout_s`` set, the chief restores a lost ps
     from the latest checkpoint in ``checkpoint_dir`` (or the initial state)
     and the other workers wait for it.
@@ -184,9 +188,12 @@ def connect(
     if transport is None:
         own = transport = ZmqTransport(
             ZmqOptions(
+                io_threads=options.io_threads,
                 heartbeat_interval_s=options.heartbeat_interval_s,
                 heartbeat_timeout_s=options.heartbeat_timeout_s,
                 curve=_worker_keys(keys, secure, cluster, task_index),
+                shared_memory=options.shared_memory,
+                doorbells=options.doorbells,
             )
         )
     try:
@@ -313,7 +320,7 @@ class DistributedOptimizer:
         (:meth:`ParameterClient.basis`) when that gradient was computed.
         """
         client = self.session.client
-        if overlap and self.session.job.sync.mode == "sync":
+        if overlap and not self.session.job.sync.allows_overlap:
             raise PsdkError(
                 "overlap works in async and ssp mode only: in sync mode a gradient computed while the last "
                 "push is in flight is a round stale, and the ps would drop it"

@@ -31,7 +31,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class SyncSpec:
     def resolved(self, num_workers: int) -> SyncSpec:
         """This spec with ``replicas_to_aggregate`` filled in and checked."""
         replicas = self.replicas_to_aggregate or num_workers
-        if self.mode == "sync" and replicas > num_workers:
+        if self.waits_for_rounds and replicas > num_workers:
             raise ConfigError(
                 "sync.replicas_to_aggregate",
                 f"is {replicas} but the job has only {num_workers} workers, so a step would never gather "
@@ -75,6 +75,22 @@ class SyncSpec:
                 f"workers makes the rest backup workers), or topology.num_workers={replicas}",
             )
         return SyncSpec(self.mode, replicas, self.staleness)
+
+    @staticmethod
+    def mode_waits_for_rounds(mode: object) -> bool:
+        """Whether mode ``mode`` (a name, as a summary records it) gathers gradients into rounds; False if unknown."""
+        policy = POLICIES.get(str(mode))
+        return policy is not None and policy.waits_for_rounds
+
+    @property
+    def waits_for_rounds(self) -> bool:
+        """Gradients are gathered into one update per version (``sync``); see ConsistencyPolicy.waits_for_rounds."""
+        return self.mode_waits_for_rounds(self.mode)
+
+    @property
+    def allows_overlap(self) -> bool:
+        """Whether a worker may compute its next gradient while its last push is in flight."""
+        return not self.waits_for_rounds
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -118,6 +134,11 @@ class Decision:
 
 
 class ConsistencyPolicy(ABC):
+    waits_for_rounds: ClassVar[bool] = False
+    """True where gradients are gathered into rounds, one update per version, and a gradient computed from an
+    older version is dropped: a worker cannot compute while its push is in flight (its gradient would be a round
+    stale), ``replicas_to_aggregate`` means something, and there is no slowest worker to report."""
+
     def __init__(self, store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset):
         self.store = store
         self.spec = spec
@@ -196,6 +217,8 @@ class SSPPolicy(AsyncPolicy):
 class SyncPolicy(ConsistencyPolicy):
     """Aggregates ``replicas_to_aggregate`` gradients per version, in a float32 accumulator."""
 
+    waits_for_rounds = True
+
     def __init__(self, store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset):
         super().__init__(store, spec, live)
         assert spec.replicas_to_aggregate is not None, "resolve the spec first"
@@ -264,9 +287,13 @@ class SyncPolicy(ConsistencyPolicy):
         )
 
 
+POLICIES: dict[str, type[ConsistencyPolicy]] = {"async": AsyncPolicy, "sync": SyncPolicy, "ssp": SSPPolicy}
+"""Each mode's policy; its class attributes say what depends on the mode."""
+assert tuple(POLICIES) == MODES
+
+
 def make_policy(
     store: ParameterStore, spec: SyncSpec, live: Callable[[], Collection[int]] = frozenset
 ) -> ConsistencyPolicy:
     """The policy of ``spec.mode``; ``live`` tells it which workers may still push."""
-    policies: dict[str, type[ConsistencyPolicy]] = {"sync": SyncPolicy, "ssp": SSPPolicy, "async": AsyncPolicy}
-    return policies[spec.mode](store, spec, live)
+    return POLICIES[spec.mode](store, spec, live)

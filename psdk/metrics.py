@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from psdk.consistency import SyncSpec
+
 
 class RecordSink(Protocol):
     """Somewhere else a logged point goes (TensorBoard event files, ...)."""
@@ -87,7 +89,7 @@ def summary_line(summary: Mapping[str, Any]) -> str:
     """The one line a run ends with."""
     sync = summary.get("sync", {})
     mode = str(sync.get("mode", "?"))
-    if mode == "sync":
+    if SyncSpec.mode_waits_for_rounds(mode):
         mode += f"(replicas_to_aggregate={sync.get('replicas_to_aggregate')})"
     acc = summary.get("test_accuracy")
     rate = summary.get("global_steps_per_s")

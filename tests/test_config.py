@@ -14,12 +14,14 @@ from omegaconf import DictConfig
 
 from psdk.cluster import Topology
 from psdk.config import config_dir, prepare_hydra
-from psdk.config.build import cluster_from, model_spec, server_options, sync_spec, update_rule
+from psdk.config.build import cluster_from, model_spec, sync_spec, update_rule
+from psdk.config.options import options_from
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
 from psdk.launch.local import LocalLauncher
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
+from psdk.ps.server import ServerOptions
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
@@ -121,13 +123,19 @@ def test_the_data_dir_defaults_to_psdk_data_dir(monkeypatch: pytest.MonkeyPatch,
     assert compose("config").data.dir is None
 
 
+def server_options(cfg: DictConfig) -> ServerOptions:
+    """A ps's serving options as a per-task ps builds them (a chief only where worker_hosts is given)."""
+    cluster = cluster_from(cfg) if cfg.worker_hosts is not None and cfg.ps_hosts is not None else None
+    return options_from(cfg).server(cluster)
+
+
 def test_the_ps_idle_timeout_is_seconds_or_null_and_names_the_chief() -> None:
-    hosts = ["ps_hosts=10.0.0.1:2222", "worker_hosts='10.0.0.2,10.0.0.3'"]
+    hosts = ["ps_hosts=10.0.0.1:2222", "worker_hosts='10.0.0.2,10.0.0.3'", "output_dir=/tmp/psdk-test"]
     options = server_options(compose("config", overrides=[*hosts, "ps.idle_timeout_s=5"]))
     assert (options.idle_timeout_s, options.chief_host) == (5.0, "10.0.0.2")
-    assert server_options(compose("config", overrides=["ps.idle_timeout_s=null"])).idle_timeout_s is None
+    assert server_options(compose("config", overrides=[*hosts, "ps.idle_timeout_s=null"])).idle_timeout_s is None
     with pytest.raises(ConfigError, match=r"ps\.idle_timeout_s.*null"):
-        server_options(compose("config", overrides=["ps.idle_timeout_s=0"]))
+        server_options(compose("config", overrides=[*hosts, "ps.idle_timeout_s=0"]))
 
 
 def test_periodic_checkpoints_and_a_pause_lease_are_on_by_default() -> None:

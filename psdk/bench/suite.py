@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from psdk.bench import flood, load, transport
+from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
 from psdk.metrics import write_json_atomic
 
@@ -317,7 +318,7 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
     for backend in cfg.backends:
         for mode in cfg.modes:
             plan[f"psdk-{backend}-{mode}"] = functools.partial(run_psdk, cfg, backend, mode)
-            if cfg.overlap and mode != "sync":
+            if cfg.overlap and SyncSpec(mode).allows_overlap:
                 plan[f"psdk-{backend}-{mode}-overlap"] = functools.partial(run_psdk, cfg, backend, mode, overlap=True)
         if cfg.frames:
             plan[f"psdk-{backend}-async-frames"] = functools.partial(run_psdk, cfg, backend, "async", frames=True)
@@ -325,8 +326,8 @@ def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
             plan[f"psdk-{backend}-async-curve-off"] = functools.partial(run_psdk, cfg, backend, "async", secure=False)
     for peer in cfg.peers:
         for mode in cfg.modes:
-            if peer == "torch_ddp" and mode == "async":
-                continue  # allreduce has no asynchronous mode
+            if peer == "torch_ddp" and not SyncSpec(mode).waits_for_rounds:
+                continue  # allreduce has rounds only: no async, no bounded staleness
             plan[f"{peer}-{mode}"] = functools.partial(run_script, cfg, peer, mode, isolate=isolate)
     runs = interleave(plan, int(cfg.reps))
     singles = {key.removeprefix("single-"): summarise(r, {}) for key, r in runs.items() if key.startswith("single-")}

@@ -45,12 +45,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ClientOptions:
+    """A worker's settings: its timeouts, and those of the transport :func:`psdk.connect` makes for it.
+
+    The last three are ``transport.*`` keys of the config tree, as the MNIST job passes them; they shape the
+    ZeroMQ transport ``connect`` opens (a transport passed to ``connect`` brings its own settings).
+    """
+
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     request_timeout_s: float = 300.0
     init_timeout_s: float = 300.0
     recovery_timeout_s: float | None = None
     """When set, a lost ps or a restored job is waited out (this long at most) instead of failing."""
+    shared_memory: bool = True
+    """Offer a ps on this host shared memory for the arrays (it may turn the offer down); False: ZeroMQ frames."""
+    doorbells: bool = True
+    """With shared memory, pushes and replies ring pipes instead of crossing ZeroMQ (see psdk.shm)."""
+    io_threads: int = 1
+    """ZeroMQ I/O threads of this worker's transport."""
 
 
 class ParameterClient:

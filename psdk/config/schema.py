@@ -6,15 +6,76 @@ Hydra's ConfigStore as ``base_<name>`` in that group) and carry a
 code uses. Every option of the ``sync`` group shares one schema, so a sweep
 such as ``-m sync=sync,async sync.replicas_to_aggregate=2`` never fails on
 one of them.
+
+Where the code already has a dataclass for a group, the schema is derived
+from it (:func:`schema_of`) rather than copied: the update rules of
+:mod:`psdk.optim` (one schema per rule), :class:`~psdk.consistency.SyncSpec`,
+and the typed options of :mod:`psdk.config.options`. A field added there is
+a key here, with its type and default, and no key here lacks a field there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from psdk.config.options import (
+    CheckpointOptions,
+    PlacementOptions,
+    PsOptions,
+    RecoveryOptions,
+    TrainOptions,
+    TransportOptions,
+)
+from psdk.consistency import SyncSpec
+from psdk.optim import RULES, NoOp
+
+
+def schema_of(cls: type, name: str, target: bool = False) -> type:
+    """A (mutable) schema dataclass with the init fields, types and defaults of dataclass ``cls``.
+
+    ``target``: with a ``_target_`` naming ``cls``, for :func:`hydra.utils.instantiate`. A field
+    without a default is ``???`` (required). The schema is a module attribute named ``name``, so a
+    config that refers to it can be pickled.
+    """
+    hints = typing.get_type_hints(cls)
+    specs: list[tuple[str, Any, Any]] = []
+    if target:
+        specs.append(("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}")))
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = field(default_factory=f.default_factory)
+        else:
+            default = field(default=MISSING)
+        specs.append((f.name, hints[f.name], default))
+    schema = dataclasses.make_dataclass(name, specs)
+    schema.__module__ = __name__
+    schema.__doc__ = f"The schema of {cls.__module__}.{cls.__qualname__}'s fields (derived, never edited)."
+    globals()[name] = schema
+    return schema
+
+
+OPTIMIZER_SCHEMAS = {
+    f"base_{rule.name}": schema_of(rule, f"{rule.__name__}Config", target=True)
+    for rule in RULES.values()
+    if rule is not NoOp  # the ps's internal no-op rule, not an optimizer to pick
+}
+SyncConfig = schema_of(SyncSpec, "SyncConfig", target=True)
+TransportConfig = schema_of(TransportOptions, "TransportConfig")
+PsConfig = schema_of(PsOptions, "PsConfig")
+TrainConfig = schema_of(TrainOptions, "TrainConfig")
+CheckpointConfig = schema_of(CheckpointOptions, "CheckpointConfig")
+RecoveryConfig = schema_of(RecoveryOptions, "RecoveryConfig")
+PlacementConfig = schema_of(PlacementOptions, "PlacementConfig")
 
 
 @dataclass
@@ -24,66 +85,6 @@ class ModelConfig:
     hidden: list[int] = field(default_factory=list)
     input_dim: int = 784
     num_classes: int = 10
-
-
-@dataclass
-class SGDConfig:
-    _target_: str = "psdk.optim.SGD"
-    lr: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    decay_rate: float = 1.0
-    decay_steps: int = 1000
-    decay: str = "exponential"
-
-
-@dataclass
-class AdamConfig:
-    _target_: str = "psdk.optim.Adam"
-    lr: float = 0.001
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    epsilon_mode: str = "torch"
-    decay_rate: float = 1.0
-    decay_steps: int = 1000
-    decay: str = "exponential"
-
-
-@dataclass
-class AdagradConfig:
-    _target_: str = "psdk.optim.Adagrad"
-    lr: float = 0.01
-    initial_accumulator_value: float = 0.0
-    eps: float = 1e-10
-    weight_decay: float = 0.0
-    decay_rate: float = 1.0
-    decay_steps: int = 1000
-    decay: str = "exponential"
-
-
-@dataclass
-class RMSPropConfig:
-    _target_: str = "psdk.optim.RMSProp"
-    lr: float = 0.01
-    alpha: float = 0.99
-    eps: float = 1e-8
-    momentum: float = 0.0
-    centered: bool = False
-    weight_decay: float = 0.0
-    decay_rate: float = 1.0
-    decay_steps: int = 1000
-    decay: str = "exponential"
-
-
-@dataclass
-class SyncConfig:
-    _target_: str = "psdk.consistency.SyncSpec"
-    mode: str = "async"
-    replicas_to_aggregate: Any = None  # int, or null for "all workers"
-    staleness: int = 0
 
 
 @dataclass
@@ -116,33 +117,6 @@ class RayLauncherConfig:
 
 
 @dataclass
-class TrainConfig:
-    steps: int = 6000
-    batch_size: int = 100
-    validate_every: int = 500
-    log_every: int = 100
-    threads: int = 1
-    overlap: bool = False
-    final_wait_s: float = 120.0
-
-
-@dataclass
-class RecoveryConfig:
-    enabled: bool = True
-    max_restarts: int = 3
-    timeout_s: float = 120.0
-
-
-@dataclass
-class CheckpointConfig:
-    dir: str = "checkpoints"
-    every_steps: int = 0
-    every_seconds: float = 60.0
-    keep: int = 5
-    final: bool = True
-
-
-@dataclass
 class DataConfig:
     dir: Any = None
     cache_dir: Any = None
@@ -154,42 +128,6 @@ class DataConfig:
             "https://storage.googleapis.com/cvdf-datasets/mnist/",
         ]
     )
-
-
-@dataclass
-class TransportConfig:
-    secure: bool = True
-    keys_dir: Any = None
-    shared_memory: bool = True
-    doorbells: bool = True
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
-    request_timeout_s: float = 300.0
-    init_timeout_s: float = 300.0
-    startup_timeout_s: float = 600.0
-    max_message_bytes: int = 1 << 30
-    io_threads: int = 1
-
-
-@dataclass
-class PsConfig:
-    bind: Any = None
-    announce_file: Any = None
-    io_threads: Any = None
-    log_every_s: float = 10.0
-    idle_timeout_s: Any = 60.0  # seconds, or null: never
-    progress_file: Any = None
-    max_connections: Any = None  # null: 4 per worker + 16
-    pause_lease_s: Any = None  # null: 3 heartbeat intervals
-
-
-@dataclass
-class PlacementConfig:
-    device: str = "auto"
-    gpu_memory_fraction: Any = None
-    isolate_gpus: bool = True
-    pin_cpus: bool = False
-    compute_nice: int = 0
 
 
 @dataclass
@@ -224,25 +162,20 @@ class PsdkConfig:
     output_dir: Any = None
     resume: Any = None
     weights: Any = None
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    recovery: Any = field(default_factory=RecoveryConfig)  # derived: typed by the instance
+    checkpoint: Any = field(default_factory=CheckpointConfig)  # derived: typed by the instance
+    train: Any = field(default_factory=TrainConfig)  # derived: typed by the instance
     data: DataConfig = field(default_factory=DataConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    ps: PsConfig = field(default_factory=PsConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    transport: Any = field(default_factory=TransportConfig)  # derived: typed by the instance
+    ps: Any = field(default_factory=PsConfig)  # derived: typed by the instance
+    placement: Any = field(default_factory=PlacementConfig)  # derived: typed by the instance
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"base_model": ModelConfig},
-    "optimizer": {
-        "base_sgd": SGDConfig,
-        "base_adam": AdamConfig,
-        "base_adagrad": AdagradConfig,
-        "base_rmsprop": RMSPropConfig,
-    },
+    "optimizer": OPTIMIZER_SCHEMAS,
     "sync": {"base_sync": SyncConfig},
     "topology": {"base_topology": TopologyConfig},
     "launcher": {"base_local": LocalLauncherConfig, "base_ray": RayLauncherConfig},

@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 
 from psdk import checkpoint
 from psdk.config import build
+from psdk.config.options import options_from
 from psdk.data import mnist
 from psdk.errors import ConfigError
 from psdk.metrics import write_json_atomic
-from psdk.placement import check_memory_fraction
 from psdk.plugins import load_backend
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
     if shapes != expected:
         raise ConfigError("model", f"{cfg.weights} holds {shapes}, not the variables of model={spec.name}")
     backend = load_backend(str(cfg.backend))
-    backend.setup("cpu", int(cfg.train.threads), check_memory_fraction(cfg.placement.gpu_memory_fraction))
+    options = options_from(cfg)
+    backend.setup("cpu", options.train.threads, options.placement.gpu_memory_fraction)
     folder = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
     data = mnist.load(folder)
     model = backend.build_model(spec, weights)

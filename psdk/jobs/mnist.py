@@ -26,6 +26,7 @@ from psdk import checkpoint
 from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
 from psdk.client import StepResult
 from psdk.config import build
+from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
 from psdk.failpoints import TRAINED, failpoint
 from psdk.jobs.summary import build_summary, save_params
@@ -34,7 +35,6 @@ from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.models import init_weights
 from psdk.placement import (
     RankPlacement,
-    check_memory_fraction,
     lower_thread_priority,
     pin_to_cpu,
     visible_gpus,
@@ -124,15 +124,17 @@ def load_split(cfg: DictConfig, task: int, num_workers: int) -> mnist.Split:
 def run_worker(cfg: DictConfig) -> None:
     """One worker task of the MNIST job; raises :class:`~psdk.errors.PsdkError` on failure."""
     start = time.time()
+    options = options_from(cfg)
     task = int(cfg.task_index)
     cluster = build.cluster_from(cfg)
     cluster.check_task("worker", task)
-    build.check_training(cfg, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
+    build.check_training(cfg, options, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
     backend_name = build.topology(cfg).backend_of(task, str(cfg.backend))
     check_framework(backend_name)
     backend = load_backend(backend_name)
-    device = RankPlacement(str(cfg.placement.device)).devices(cluster, task, visible_gpus())[0]
-    backend.setup(device, int(cfg.train.threads), check_memory_fraction(cfg.placement.gpu_memory_fraction))
+    placement = options.placement
+    device = RankPlacement(placement.device).devices(cluster, task, visible_gpus())[0]
+    backend.setup(device, options.train.threads, placement.gpu_memory_fraction)
     log.info("worker %d: backend %s on %s, %d ps task(s)", task, backend.name, backend.device, cluster.num_ps)
 
     resume = checkpoint.load(cfg.resume) if cfg.resume and task == 0 else None
@@ -141,27 +143,27 @@ def run_worker(cfg: DictConfig) -> None:
     model = backend.build_model(spec, init_weights(spec, int(cfg.seed)))
     rule = build.update_rule(cfg)  # named directly: no framework optimizer to build and inspect
     metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
-    cluster = build.with_announced_ps(cfg, cluster)
+    cluster = build.with_announced_ps(cfg, cluster, options.transport)
     try:
         with connect(
             cluster,
             task,
-            steps=int(cfg.train.steps),
+            steps=options.train.steps,
             sync=build.sync_spec(cfg),
             sharding=str(cfg.topology.sharding),
-            options=build.client_options(cfg),
-            keys=build.worker_keys(cfg, cluster, task),
-            secure=bool(cfg.transport.secure),
-            checkpoint_dir=cfg.checkpoint.dir if task == 0 else None,
+            options=options.client(),  # every transport.* key a worker uses, and the recovery wait
+            keys=build.worker_keys(options.transport, cluster, task),
+            secure=options.transport.secure,
+            checkpoint_dir=options.checkpoint.dir if task == 0 else None,
         ) as session:
             optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=rule)
-            tune_compute_thread(cfg, cluster.local_rank(task))
+            tune_compute_thread(placement, cluster.local_rank(task))
             step = optimizer.broadcast_parameters(resume)
             if resume is not None:
                 log.info("worker 0: resumed from %s at global step %d", cfg.resume, step)
-            job = WorkerJob(cfg, session, optimizer, data, metrics)
+            job = WorkerJob(cfg, options, session, optimizer, data, metrics)
             job.train()
-            workers = session.finish(job.report.to_json(), float(cfg.train.final_wait_s))
+            workers = session.finish(job.report.to_json(), options.train.final_wait_s)
             if session.is_chief:
                 failpoint(TRAINED)
                 job.finalize(workers, start)
@@ -178,12 +180,12 @@ def record_sinks(cfg: DictConfig, task: int) -> list[RecordSink]:
     return [TensorBoardSink(folder)]
 
 
-def tune_compute_thread(cfg: DictConfig, local_rank: int) -> None:
+def tune_compute_thread(placement: PlacementOptions, local_rank: int) -> None:
     """Pin the training thread and lower its priority (after the I/O threads exist)."""
-    if cfg.placement.pin_cpus:
+    if placement.pin_cpus:
         cpu = pin_to_cpu(local_rank)
         log.info("worker: training thread pinned to CPU %s", cpu)
-    lower_thread_priority(int(cfg.placement.compute_nice))
+    lower_thread_priority(placement.compute_nice)
 
 
 class WorkerJob:
@@ -192,6 +194,7 @@ class WorkerJob:
     def __init__(
         self,
         cfg: DictConfig,
+        options: TaskOptions,
         session: WorkerSession,
         optimizer: DistributedOptimizer,
         data: mnist.Split,
@@ -204,11 +207,12 @@ class WorkerJob:
             data,
             metrics,
         )
+        self.train_options, self.checkpoints = options.train, options.checkpoint
         self.backend, self.model = optimizer.backend, optimizer.model
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
-        self.every_steps = int(cfg.checkpoint.every_steps) if session.is_chief else 0
-        self.every_seconds = float(cfg.checkpoint.every_seconds) if session.is_chief else 0.0
+        self.every_steps = self.checkpoints.every_steps if session.is_chief else 0
+        self.every_seconds = self.checkpoints.every_seconds if session.is_chief else 0.0
         self.next_checkpoint = self._next_multiple(session.global_step)
         self.last_checkpoint_time = time.monotonic()
 
@@ -216,16 +220,14 @@ class WorkerJob:
         return (step // self.every_steps + 1) * self.every_steps if self.every_steps > 0 else None
 
     def train(self) -> None:
-        cfg = self.cfg
-        batches = Batches(
-            self.data.train_x, self.data.train_y, int(cfg.train.batch_size), int(cfg.seed) * 1000 + self.task
-        )
-        log_every, validate_every = int(cfg.train.log_every), int(cfg.train.validate_every)
+        train = self.train_options
+        batches = Batches(self.data.train_x, self.data.train_y, train.batch_size, int(self.cfg.seed) * 1000 + self.task)
+        log_every, validate_every = train.log_every, train.validate_every
         began = window_start = time.time()
         window_steps = 0
         upcoming = iter(batches)
         x, y = next(upcoming)
-        overlap = bool(cfg.train.overlap)
+        overlap = train.overlap
         client = self.session.client
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
@@ -320,11 +322,11 @@ class WorkerJob:
 
     def save_checkpoint(self) -> Path | None:
         config = OmegaConf.to_yaml(self.cfg, resolve=True)
-        folder = Path(self.cfg.checkpoint.dir)
+        folder = Path(self.checkpoints.dir)
         path = self.session.save_checkpoint(folder, config=config, backend=self.backend.name)
         self.next_checkpoint = self._next_multiple(self.session.global_step)
         self.last_checkpoint_time = time.monotonic()
-        checkpoint.prune(folder, int(self.cfg.checkpoint.keep))
+        checkpoint.prune(folder, self.checkpoints.keep)
         return path
 
     def finalize(self, workers: dict[str, Any], start: float) -> dict[str, Any]:
@@ -337,7 +339,7 @@ class WorkerJob:
         test_accuracy = self.backend.accuracy(self.model, self.data.test_x, self.data.test_y)
         out = Path(cfg.output_dir)
         save_params(out / "params.npz", client.params)
-        if cfg.checkpoint.final:
+        if self.checkpoints.final:
             self.save_checkpoint()
         summary = build_summary(cfg, client.stats(), workers, test_accuracy, time.time() - start, self.backend.name)
         write_json_atomic(out / "summary.json", summary)

@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from psdk import announce, checkpoint, security
 from psdk.cluster import ClusterSpec
 from psdk.config import build
+from psdk.config.options import TaskOptions, options_from
 from psdk.data import mnist
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
 from psdk.launch import LAUNCHED_ENV
@@ -162,18 +163,19 @@ class LocalLauncher:
         self.monitor: ProgressMonitor | None = None
         self.curves: CurvesInBackground | None = None  # report.plot: curves.png when the job ends
         self.out = Path()  # the run's folder
+        self.options = TaskOptions()  # the job's typed options, once validate() has built them
 
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
         """Fail before starting anything, naming the key and the valid choices."""
+        self.options = options_from(cfg)
         topology = build.topology(cfg)
         for name in sorted({topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)}):
             check_framework(name)
         build.sync_spec(cfg).resolved(topology.num_workers)
         build.model_spec(cfg)
         build.update_rule(cfg)
-        build.check_training(cfg, topology.num_workers)
-        RankPlacement(str(cfg.placement.device))
+        build.check_training(cfg, self.options, topology.num_workers)
         if cfg.resume:
             checkpoint.load(cfg.resume)  # a path that is no checkpoint fails here, not in a restarted chief
 
@@ -187,13 +189,14 @@ class LocalLauncher:
             return self._launch(cfg, overrides, out, start)
 
     def _launch(self, cfg: DictConfig, overrides: Sequence[str], out: Path, start: float) -> dict[str, Any]:
-        self.max_restarts = int(cfg.recovery.max_restarts) if cfg.recovery.enabled else 0
+        self.max_restarts = self.options.recovery.restarts
         topology = build.topology(cfg)
         self.curves = CurvesInBackground(out) if cfg.get("report", {}).get("plot", True) else None
         data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
-        if cfg.transport.secure is None or bool(cfg.transport.secure):
-            keys = Path(cfg.transport.keys_dir) if cfg.transport.keys_dir else None
+        transport = self.options.transport
+        if transport.secure:
+            keys = Path(transport.keys_dir) if transport.keys_dir else None
             # A fresh set for every run, also when a run folder is used again.
             keys = keys or security.generate(out / "keys", topology.num_workers, topology.num_ps, overwrite=True)
             log.info("launcher: CURVE on, keys in %s", keys)
@@ -235,7 +238,7 @@ class LocalLauncher:
             return None
         progress = cfg.get("progress") or {}
         mode, every_s = str(progress.get("mode", "auto")), float(progress.get("every_s", 10.0))
-        return make_monitor(mode, every_s, out, num_workers, num_ps, int(cfg.train.steps))
+        return make_monitor(mode, every_s, out, num_workers, num_ps, self.options.train.steps)
 
     def _popen(self, command: list[str], env: dict[str, str] | None) -> subprocess.Popen[Any]:
         """Start a task's process; under a live display its output goes through the display."""
@@ -282,11 +285,11 @@ class LocalLauncher:
                     f"ps.progress_file={ps_progress_path(out, index)}",
                 ],
             )
-        placement = RankPlacement(str(cfg.placement.device))
+        placement = RankPlacement(self.options.placement.device)
         gpus = visible_gpus()
         cluster = ClusterSpec({"ps": placeholders, "worker": workers})
         for index in range(topology.num_workers):
-            env = placement.isolation_env(cluster, index, gpus) if cfg.placement.isolate_gpus else {}
+            env = placement.isolation_env(cluster, index, gpus) if self.options.placement.isolate_gpus else {}
             self._start(
                 "worker",
                 index,

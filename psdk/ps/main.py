@@ -8,9 +8,7 @@ interface unless told to (``ps.bind=0.0.0.0``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -18,6 +16,7 @@ from omegaconf import DictConfig
 from psdk import announce, security
 from psdk.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.config import build
+from psdk.config.options import options_from
 from psdk.errors import BindError, ConfigError, TransportError
 from psdk.ps.progress import progress_file
 from psdk.ps.server import ParameterServer
@@ -46,6 +45,7 @@ def bind_address(bind: object, advertised: str) -> str:
 
 def run_ps(cfg: DictConfig) -> int:
     """Serve ps task ``task_index``; returns the process exit code."""
+    options = options_from(cfg)
     task = int(cfg.task_index)
     ps_hosts = parse_hosts(build.plain(cfg.ps_hosts), "ps_hosts")
     if not ps_hosts:
@@ -53,27 +53,14 @@ def run_ps(cfg: DictConfig) -> int:
     if not 0 <= task < len(ps_hosts):
         raise ConfigError("task_index", task_out_of_range(task, len(ps_hosts), "ps_hosts"))
     advertised = ps_hosts[task]
-    bind = bind_address(cfg.ps.bind, advertised)
+    bind = bind_address(options.ps.bind, advertised)
     if bind != advertised:
         log.info("ps %d: binding %s; the others reach it at %s", task, bind, advertised)
     workers = parse_hosts(build.plain(cfg.worker_hosts), "worker_hosts", require_port=False)
-    # One ZeroMQ I/O thread per worker (up to the cores) moves their messages in parallel.
-    io_threads = int(cfg.ps.io_threads or min(max(1, len(workers)), os.cpu_count() or 1))
     cluster = ClusterSpec({"ps": ps_hosts, "worker": workers or ["localhost"]})
-    curve = build.server_keys(cfg, task)
-    max_connections = cfg.ps.max_connections
-    if max_connections is None:
-        max_connections = 4 * cluster.num_workers + 16
-    elif int(max_connections) < 2 * cluster.num_workers:
-        raise ConfigError(
-            "ps.max_connections",
-            f"is {max_connections} but each of the {cluster.num_workers} workers makes two connections; "
-            f"use ps.max_connections={4 * cluster.num_workers + 16} or null",
-        )
-    options = build.zmq_options(cfg)
-    transport = ZmqTransport(
-        dataclasses.replace(options, io_threads=io_threads, curve=curve, max_connections=int(max_connections))
-    )
+    curve = build.server_keys(options.transport, task)
+    # ps.io_threads wins over transport.io_threads here: by default one I/O thread per worker, up to the cores.
+    transport = ZmqTransport(options.ps_transport(cluster.num_workers, curve))
     if curve is not None:
         log.info("ps %d: CURVE on: %d worker key(s) accepted, traffic encrypted", task, len(curve.allowed))
     else:
@@ -84,10 +71,10 @@ def run_ps(cfg: DictConfig) -> int:
         except TransportError as exc:
             reason = str(exc).split(": ", 1)[-1].split(" (addr=")[0]  # "No such device (addr=...)"
             raise BindError(bind, f"ps {task}", reason, explicit=bind != advertised) from None
-        if cfg.ps.announce_file:
-            announce.announce(Path(cfg.ps.announce_file), endpoint.address)
-        server = ParameterServer(endpoint, task, build.server_options(cfg))
-        progress = Path(cfg.ps.progress_file) if cfg.ps.progress_file else None
+        if options.ps.announce_file:
+            announce.announce(Path(options.ps.announce_file), endpoint.address)
+        server = ParameterServer(endpoint, task, options.server(cluster if workers else None))
+        progress = Path(options.ps.progress_file) if options.ps.progress_file else None
         with progress_file(server, progress, float(cfg.progress.every_s)):
             return server.serve()
     finally:

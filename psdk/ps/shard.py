@@ -136,7 +136,7 @@ class ServedShard:
     def reply_params(self, peer: bytes, rid: int, outcome: str, worker: int) -> None:
         """The parameters, to a worker's session only (a stranger's request never gets this far)."""
         fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
-        if self.policy is not None and self.job is not None and self.job.sync.mode != "sync":
+        if self.policy is not None and self.job is not None and not self.job.sync.waits_for_rounds:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
         if self.shared.send_params(worker, peer, self.store.params(), rid, fields):
             return

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from psdk.consistency import SyncSpec
 from psdk.report.runs import Run, find_runs, load_run
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def row(run: Run, root: Path, target: float) -> dict[str, Any]:
     reached = run.time_to_accuracy(target)
     sync = run.setting("sync") or {}
     mode = sync.get("mode")
-    if mode == "sync" and sync.get("replicas_to_aggregate") is not None:
+    if SyncSpec.mode_waits_for_rounds(mode) and sync.get("replicas_to_aggregate") is not None:
         mode = f"sync({sync['replicas_to_aggregate']})"
     name = run.folder.relative_to(root).as_posix() if run.folder != root else run.folder.name
     return {

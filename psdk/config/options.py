@@ -1,0 +1,308 @@
+"""The typed options every task runs with, built in one place from the composed config.
+
+Hydra's schemas check a config's keys and types when it is composed, but the
+tasks used to read the raw ``DictConfig`` here and there, and settings got
+lost on the way (a worker never saw ``transport.shared_memory``). Now each
+task calls :func:`options_from` once and reads only the frozen dataclasses it
+returns, one per config group; each checks its values and names the key it
+refuses (:class:`~psdk.errors.ConfigError`). The schemas of these groups are
+derived from these classes (:mod:`psdk.config.schema`), so a field added here
+is a key of the config tree, and a key of the tree cannot miss a field here.
+
+Where two keys could say the same thing, one wins, here and in
+``docs/configuration.md``: on a ps ``ps.io_threads`` wins over
+``transport.io_threads`` (which the workers use); ``recovery.enabled=false``
+wins over ``recovery.timeout_s``; a null ``ps.pause_lease_s`` is three
+``transport.heartbeat_interval_s``. The conversions into the objects of the
+transport, the client and the server import those modules only when called,
+so a launcher checks a config without loading them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from psdk.errors import ConfigError
+from psdk.placement import DEVICE_CHOICES, check_memory_fraction
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from psdk.client import ClientOptions
+    from psdk.cluster import ClusterSpec
+    from psdk.ps.server import ServerOptions
+    from psdk.security import CurveKeys
+    from psdk.zmq_transport import ZmqOptions
+
+
+class _Group:
+    """Checks shared by the groups; ``GROUP`` prefixes the key an error names."""
+
+    GROUP: ClassVar[str]
+
+    def _fail(self, name: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.GROUP}.{name}", message)
+
+    def _at_least(self, low: float, *names: str, null: bool = False) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is None and null:
+                continue
+            if value is None or not value >= low or (isinstance(value, float) and not math.isfinite(value)):
+                also = " or null" if null else ""
+                raise self._fail(name, f"must be a number >= {low:g}{also}, got {value}")
+
+    def _positive(self, *names: str, null: bool = False) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is None and null:
+                continue
+            if value is None or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+                also = " or null" if null else ""
+                raise self._fail(name, f"must be a positive number{also}, got {value}")
+
+
+@dataclass(frozen=True)
+class TransportOptions(_Group):
+    """``transport.*``: how every task talks; a worker passes all of it to :func:`psdk.connect`."""
+
+    GROUP: ClassVar[str] = "transport"
+    secure: bool = True
+    keys_dir: str | None = None
+    shared_memory: bool = True
+    doorbells: bool = True
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    request_timeout_s: float = 300.0
+    init_timeout_s: float = 300.0
+    startup_timeout_s: float = 600.0
+    max_message_bytes: int = 1 << 30
+    io_threads: int = 1
+
+    def __post_init__(self) -> None:
+        self._positive("heartbeat_interval_s", "request_timeout_s", "init_timeout_s", "startup_timeout_s")
+        self._at_least(1, "max_message_bytes", "io_threads")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise self._fail(
+                "heartbeat_timeout_s",
+                f"is {self.heartbeat_timeout_s} but must be longer than transport.heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or a live peer is taken for dead between two heartbeats",
+            )
+
+
+@dataclass(frozen=True)
+class PsOptions(_Group):
+    """``ps.*``: what only a ps task reads."""
+
+    GROUP: ClassVar[str] = "ps"
+    bind: str | None = None
+    announce_file: str | None = None
+    io_threads: int | None = None
+    log_every_s: float = 10.0
+    idle_timeout_s: float | None = 60.0
+    progress_file: str | None = None
+    max_connections: int | None = None
+    pause_lease_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self._at_least(1, "io_threads", "max_connections", null=True)
+        self._positive("log_every_s")
+        self._positive("idle_timeout_s", "pause_lease_s", null=True)
+
+
+@dataclass(frozen=True)
+class TrainOptions(_Group):
+    """``train.*``: a worker's training loop."""
+
+    GROUP: ClassVar[str] = "train"
+    steps: int = 12000
+    batch_size: int = 100
+    validate_every: int = 500
+    log_every: int = 100
+    threads: int = 1
+    overlap: bool = False
+    final_wait_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        self._at_least(1, "steps", "batch_size", "threads")
+        self._at_least(0, "validate_every", "log_every", "final_wait_s")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions(_Group):
+    """``checkpoint.*``: the chief's checkpoints."""
+
+    GROUP: ClassVar[str] = "checkpoint"
+    dir: str = "checkpoints"
+    every_steps: int = 0
+    every_seconds: float = 60.0
+    keep: int = 5
+    final: bool = True
+
+    def __post_init__(self) -> None:
+        self._at_least(0, "every_steps", "every_seconds", "keep")
+
+
+@dataclass(frozen=True)
+class RecoveryOptions(_Group):
+    """``recovery.*``: the launcher restarts lost tasks, the workers wait for a lost ps, the ps for its chief."""
+
+    GROUP: ClassVar[str] = "recovery"
+    enabled: bool = True
+    max_restarts: int = 3
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        self._at_least(0, "max_restarts")
+        self._positive("timeout_s")
+
+    @property
+    def wait_s(self) -> float | None:
+        """How long a worker waits out a lost ps: ``recovery.timeout_s``, or never with recovery off."""
+        return self.timeout_s if self.enabled else None
+
+    @property
+    def restarts(self) -> int:
+        """Restarts per task the launcher allows: ``recovery.max_restarts``, or none with recovery off."""
+        return self.max_restarts if self.enabled else 0
+
+
+@dataclass(frozen=True)
+class PlacementOptions(_Group):
+    """``placement.*``: where a worker computes (the launcher reads ``device`` and ``isolate_gpus`` too)."""
+
+    GROUP: ClassVar[str] = "placement"
+    device: str = "auto"
+    gpu_memory_fraction: float | None = None
+    isolate_gpus: bool = True
+    pin_cpus: bool = False
+    compute_nice: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ConfigError("placement.device", f"got {self.device!r}", DEVICE_CHOICES)
+        check_memory_fraction(self.gpu_memory_fraction)
+        if not 0 <= self.compute_nice <= 19:
+            raise self._fail(
+                "compute_nice",
+                f"must be in [0, 19], got {self.compute_nice}: a worker may lower its training thread's priority, "
+                "never raise it",
+            )
+
+
+GROUPS: dict[str, type[_Group]] = {
+    "transport": TransportOptions,
+    "ps": PsOptions,
+    "train": TrainOptions,
+    "checkpoint": CheckpointOptions,
+    "recovery": RecoveryOptions,
+    "placement": PlacementOptions,
+}
+"""The config groups read through typed options, and their classes (the schemas derive from these)."""
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """Every typed group of one task's config, and the objects of the transport, client and server built from them."""
+
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    ps: PsOptions = field(default_factory=PsOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
+    placement: PlacementOptions = field(default_factory=PlacementOptions)
+
+    def client(self) -> ClientOptions:
+        """A worker's options for :func:`psdk.connect`: every ``transport.*`` key it uses, and the recovery wait."""
+        from psdk.client import ClientOptions
+
+        t = self.transport
+        return ClientOptions(
+            heartbeat_interval_s=t.heartbeat_interval_s,
+            heartbeat_timeout_s=t.heartbeat_timeout_s,
+            request_timeout_s=t.request_timeout_s,
+            init_timeout_s=t.init_timeout_s,
+            recovery_timeout_s=self.recovery.wait_s,
+            shared_memory=t.shared_memory,
+            doorbells=t.doorbells,
+            io_threads=t.io_threads,
+        )
+
+    def ps_io_threads(self, num_workers: int) -> int:
+        """A ps's ZeroMQ I/O threads: ``ps.io_threads``, else one per worker up to the CPUs (never transport's)."""
+        if self.ps.io_threads is not None:
+            return self.ps.io_threads
+        return min(max(1, num_workers), os.cpu_count() or 1)
+
+    def ps_max_connections(self, num_workers: int) -> int:
+        """TCP connections a ps keeps: ``ps.max_connections``, else 4 per worker + 16; never fewer than 2 per worker."""
+        limit = self.ps.max_connections
+        if limit is None:
+            return 4 * num_workers + 16
+        if limit < 2 * num_workers:
+            raise ConfigError(
+                "ps.max_connections",
+                f"is {limit} but each of the {num_workers} workers makes two connections; "
+                f"use ps.max_connections={4 * num_workers + 16} or null",
+            )
+        return limit
+
+    def ps_transport(self, num_workers: int, curve: CurveKeys | None) -> ZmqOptions:
+        """A ps's socket settings: ``transport.*``, with ``ps.io_threads`` and ``ps.max_connections``."""
+        from psdk.zmq_transport import ZmqOptions
+
+        t = self.transport
+        return ZmqOptions(
+            io_threads=self.ps_io_threads(num_workers),
+            max_message_bytes=t.max_message_bytes,
+            max_connections=self.ps_max_connections(num_workers),
+            heartbeat_interval_s=t.heartbeat_interval_s,
+            heartbeat_timeout_s=t.heartbeat_timeout_s,
+            curve=curve,
+            shared_memory=t.shared_memory,
+            doorbells=t.doorbells,
+        )
+
+    def server(self, cluster: ClusterSpec | None) -> ServerOptions:
+        """A ps's serving options; ``cluster`` (a per-task run's) names its chief and bounds the worker ids."""
+        from psdk.ps.server import ServerOptions  # a ps's only: a worker does not pay for importing the server
+
+        lease = self.ps.pause_lease_s
+        return ServerOptions(
+            heartbeat_timeout_s=self.transport.heartbeat_timeout_s,
+            startup_timeout_s=self.transport.startup_timeout_s,
+            log_every_s=self.ps.log_every_s,
+            idle_timeout_s=self.ps.idle_timeout_s,
+            chief_host=cluster.worker_host(0) if cluster is not None else None,
+            recovery=self.recovery.enabled,
+            max_workers=cluster.num_workers if cluster is not None else ServerOptions.max_workers,
+            # A few heartbeats by default: the chief's heartbeats renew the lease while it writes the file.
+            pause_lease_s=lease if lease is not None else 3 * self.transport.heartbeat_interval_s,
+        )
+
+
+def _group(cls: type[_Group], node: Any) -> _Group:
+    """One group's options from its config node (typed by its schema already, so only values are checked)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+    except InterpolationResolutionError as exc:
+        raise ConfigError(f"{cls.GROUP}.{exc.key}", f"cannot be resolved: {str(exc).splitlines()[0]}") from None
+    assert isinstance(values, dict)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - names)
+    if unknown:  # a config composed without psdk's schemas
+        raise ConfigError(f"{cls.GROUP}.{unknown[0]}", "there is no such key", sorted(names))
+    return cls(**{str(k): v for k, v in values.items()})
+
+
+def options_from(cfg: DictConfig) -> TaskOptions:
+    """The typed options of every group in :data:`GROUPS`, checked; the one way a task reads those groups."""
+    groups = {name: _group(cls, cfg.get(name)) for name, cls in GROUPS.items()}
+    return TaskOptions(**groups)  # type: ignore[arg-type]
