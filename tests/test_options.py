@@ -265,7 +265,7 @@ def chief_paused(ps: PsCluster, cfg: DictConfig) -> ParameterClient:
     chief = ParameterClient(ps.transport, ps.cluster(3), 0, FAST)
     spec = build.model_spec(cfg)
     assert chief.initialize(init_weights(spec, 0), JobSpec(SyncSpec().resolved(3), 10**6, 3), SGD(lr=0.1))
-    chief._request(chief._all("pause_at", version=0), "a pause")
+    chief.request(chief.to_all("pause_at", version=0), "a pause")
     return chief
 
 
