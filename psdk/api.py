@@ -260,6 +260,8 @@ class DistributedOptimizer:
         self.session = session
         self.backend = backend or backend_for(optimizer)
         self.rule = rule if rule is not None else self.backend.optimizer_rule(optimizer)
+        self.restored_step: int | None = None
+        """The checkpoint step ``broadcast_parameters`` put on the ps, None when it restored nothing."""
 
     def broadcast_parameters(self, resume: Checkpoint | None = None) -> int:
         """Chief: put the model's weights on the ps. Others: wait for them and take them.
@@ -267,7 +269,8 @@ class DistributedOptimizer:
         With ``resume`` the chief puts that checkpoint's variables, optimizer
         slots and global step on the ps instead. A chief that finds the store
         already initialised (it restarted) takes the ps's weights instead of
-        overwriting them. Returns the global step.
+        overwriting them. Returns the global step, which in async mode may
+        already be past the checkpoint's (see ``restored_step``).
         """
         client = self.session.client
         if self.session.is_chief:
@@ -275,6 +278,8 @@ class DistributedOptimizer:
             fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding, resume)
             if not fresh:
                 log.warning("worker 0: the ps was already initialised; continuing from its weights")
+            elif resume is not None:
+                self.restored_step = resume.global_step  # the other workers may push before the pull below
         else:
             client.wait_initialized()
         self._check_variables(client.variable_shapes())

@@ -158,9 +158,9 @@ def run_worker(cfg: DictConfig) -> None:
         ) as session:
             optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=rule)
             tune_compute_thread(placement, cluster.local_rank(task))
-            step = optimizer.broadcast_parameters(resume)
-            if resume is not None:
-                log.info("worker 0: resumed from %s at global step %d", cfg.resume, step)
+            optimizer.broadcast_parameters(resume)
+            if optimizer.restored_step is not None:
+                log.info("worker 0: resumed from %s at global step %d", cfg.resume, optimizer.restored_step)
             job = WorkerJob(cfg, options, session, optimizer, data, metrics)
             job.train()
             workers = session.finish(job.report.to_json(), options.train.final_wait_s)
