@@ -44,7 +44,7 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _names(value: Any) -> bool:
+def _list(value: Any) -> bool:
     return isinstance(value, list)
 
 
@@ -66,7 +66,7 @@ class FieldType:
 
 NATURAL = FieldType("integer >= 0", _natural)
 INTEGER = FieldType("integer", _integer)
-LIST = FieldType("list", _names)
+LIST = FieldType("list", _list)
 OBJECT = FieldType("object", _object)
 ANY = FieldType("any JSON value", _anything)
 
