@@ -329,12 +329,15 @@ def run_fuzz(args: Sequence[str]) -> int:
         from psdk.testing.fuzz import stateful
     except ImportError as exc:
         raise ConfigError("fuzz", str(exc)) from None
+    from psdk.testing.fuzz.alongside import run_alongside
+    from psdk.testing.fuzz.harness import Mode
+
     seed, ok = int(options["seed"]), True
-    for mode in (stateful.Mode(False, False), stateful.Mode(False, True), stateful.Mode(True, True)):
+    for mode in (Mode(False, False), Mode(False, True), Mode(True, True)):
         result = stateful.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed)
         print(result.line(), flush=True)
         ok = ok and result.failure is None
-    alongside = stateful.run_alongside(steps=3000, seed=seed, curve=True)
+    alongside = run_alongside(steps=3000, seed=seed, curve=True)
     print(alongside.line(), flush=True)
     report = single.run(int(options["count"]), seed)
     print("single messages from a stranger: " + "\n".join(report.lines()))

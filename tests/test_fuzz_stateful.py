@@ -9,8 +9,9 @@ import pytest
 
 from psdk import shm
 from psdk.ps.server import ParameterServer
-from psdk.testing.fuzz import stateful
-from psdk.testing.fuzz.stateful import Mode
+from psdk.testing.fuzz import harness, stateful
+from psdk.testing.fuzz.alongside import run_alongside
+from psdk.testing.fuzz.harness import Mode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,7 +44,7 @@ def test_sequences_of_every_op_keep_the_books_the_store_and_the_ps(mode: Mode) -
 
 
 def test_a_real_job_trains_to_the_end_while_a_workers_key_is_fuzzed() -> None:
-    report = stateful.run_alongside(steps=1500, seed=0, curve=True)
+    report = run_alongside(steps=1500, seed=0, curve=True)
     print(report.line())
     assert report.ok, report.line()
     assert report.intruder_requests > 300 and report.intruder_replies["error"] > 100
@@ -64,7 +65,7 @@ def test_the_fuzzer_finds_a_ps_that_answers_twice(monkeypatch: pytest.MonkeyPatc
 
 def test_the_fuzzer_finds_a_ps_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ParameterServer, "_on_stats", lambda self, peer, message, worker: None)
-    monkeypatch.setattr(stateful, "SETTLE_S", 1.0)
+    monkeypatch.setattr(harness, "SETTLE_S", 1.0)
     report = stateful.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
     assert report.failure is not None
     assert "wait for a reply but the ps holds 0" in report.failure or "+ parked 0" in report.failure
