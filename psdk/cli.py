@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from psdk import tf_config
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
-from psdk.launch import LAUNCHED_ENV
+from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
@@ -154,6 +154,22 @@ def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str])
 def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    _run_task(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def run_handed(args: Sequence[str]) -> None:
+    """A task a launcher started: its config is the one the launcher handed it (no Hydra composition)."""
+    from psdk.launch import handoff
+
+    given = handoff.read(os.environ[HANDOFF_ENV], args)
+    handoff.configure_logging(given)
+    cfg = OmegaConf.create(given.config)
+    OmegaConf.set_struct(cfg, True)  # as Hydra leaves it: a key that is not there is an error, not None
+    _run_task(cfg, given.run_dir)
+
+
+def _run_task(cfg: DictConfig, output_dir: Path) -> None:
+    """Run the task ``cfg.job_name`` names (None: the launcher); ``output_dir`` is its folder."""
     from psdk.config import build
 
     job = cfg.job_name
@@ -162,8 +178,10 @@ def _task(cfg: DictConfig) -> None:
         from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
         if from_tf is not None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
-        write_resolved_config(cfg, Path(HydraConfig.get().runtime.output_dir))
+        write_resolved_config(cfg, output_dir)
         if job is None:
+            from hydra.core.hydra_config import HydraConfig
+
             build.launcher(cfg).launch(cfg, list(HydraConfig.get().overrides.task))
         elif job == "ps":
             from psdk.ps.main import run_ps
@@ -442,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return check_data(normalize_args(args[1:]))
         if command == "bench":
             run_bench(normalize_args(args[1:]))
+            return 0
+        if command in ("ps", "worker") and os.environ.get(HANDOFF_ENV):
+            run_handed(args)
             return 0
         run_hydra(command, normalize_args(args[1:]))
     except PsdkError as exc:
