@@ -274,6 +274,8 @@ def run_hydra(command: str, args: list[str]) -> None:
         args = ["--multirun", *(a for a in args if a not in ("-m", "--multirun"))]
     if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
         check_overrides(args, config_dir())
+        if command == "run" and surely_one_run(args):
+            _one_run_only()
     elif command in ("ps", "worker", "task") and "--multirun" not in args:
         _one_run_only()
     sys.argv = [f"psdk {command}", *hydra_order(args)]
@@ -283,21 +285,35 @@ def run_hydra(command: str, args: list[str]) -> None:
         raise SystemExit(1)
 
 
+def surely_one_run(args: Sequence[str]) -> bool:
+    """Whether ``args`` make one run, whatever the config says: no ``-m``, no ``hydra.mode``, psdk's config tree.
+
+    The shipped config sets no ``hydra.mode`` (a test says so), so the mode Hydra would compose is RUN.
+    """
+    from psdk.config.check import split_flags
+
+    split = split_flags(args)  # None: a flag such as --config-dir, after which psdk leaves all to Hydra
+    if split is None or split[1]:
+        return False
+    return not any("hydra.mode" in arg or arg.lstrip("+~").startswith("hydra/") for arg in split[0])
+
+
 def _one_run_only() -> None:
-    """Spare a task a whole second composition of the config (about 0.2 s of its start-up).
+    """Spare a task or a launcher a whole second composition of the config (about 0.1 to 0.2 s of its start-up).
 
     Before it composes the config to run, Hydra composes it once more only
     to read ``hydra.mode`` (RUN or MULTIRUN). A task a launcher started is
-    one run by construction. Should Hydra's internals move, the probe simply
-    stays.
+    one run by construction, and so is a ``run`` that :func:`surely_one_run`.
+    Should Hydra's internals move, the probe simply stays.
     """
     try:
         from hydra._internal.hydra import Hydra
-        from hydra.types import RunMode
     except ImportError:
         return
     if callable(getattr(Hydra, "get_mode", None)):
-        Hydra.get_mode = lambda self, config_name, overrides: RunMode.RUN
+        # None, as the probe finds in a config that sets no hydra.mode: Hydra then runs once and records
+        # hydra.mode=RUN among its overrides, as it would have.
+        Hydra.get_mode = lambda self, config_name, overrides: None
 
 
 def _bench(cfg: DictConfig) -> None:

@@ -207,3 +207,19 @@ def test_the_file_is_json_with_a_checksum(tmp_path: Path) -> None:
     _, argv, path = handed(tmp_path)
     head, body = path.read_text().split("\n", 1)
     assert head.startswith("sha256 ") and json.loads(body)["argv"] == argv
+
+
+# ------------------------------------------------------------------ a `run` that is surely one run
+def test_a_run_is_one_run_unless_the_command_line_says_otherwise() -> None:
+    assert cli.surely_one_run(["hydra.job.name=run", "train.steps=10", "hydra.run.dir=/tmp/x"])
+    assert not cli.surely_one_run(["--multirun", "sync=sync,async"])
+    assert not cli.surely_one_run(["hydra.mode=MULTIRUN"])
+    assert not cli.surely_one_run(["--config-dir=/tmp/mine", "train.steps=10"])
+    assert not cli.surely_one_run(["hydra/sweeper=basic"])
+
+
+@pytest.mark.parametrize("experiment", [None, *(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))])
+def test_the_shipped_config_leaves_the_mode_to_the_command_line(experiment: str | None) -> None:
+    """What lets ``run`` skip Hydra's composition that only reads hydra.mode (:func:`psdk.cli._one_run_only`)."""
+    overrides = [] if experiment is None else [f"experiment={experiment}"]
+    assert compose("config", overrides=overrides, return_hydra_config=True).hydra.mode is None
