@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from psdk import tf_config
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
-from psdk.launch import LAUNCHED_ENV
+from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
 
 log = logging.getLogger("psdk")
@@ -154,6 +154,22 @@ def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str])
 def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    _run_task(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def run_handed(args: Sequence[str]) -> None:
+    """A task a launcher started: its config is the one the launcher handed it (no Hydra composition)."""
+    from psdk.launch import handoff
+
+    given = handoff.read(os.environ[HANDOFF_ENV], args)
+    handoff.configure_logging(given)
+    cfg = OmegaConf.create(given.config)
+    OmegaConf.set_struct(cfg, True)  # as Hydra leaves it: a key that is not there is an error, not None
+    _run_task(cfg, given.run_dir)
+
+
+def _run_task(cfg: DictConfig, output_dir: Path) -> None:
+    """Run the task ``cfg.job_name`` names (None: the launcher); ``output_dir`` is its folder."""
     from psdk.config import build
 
     job = cfg.job_name
@@ -162,8 +178,10 @@ def _task(cfg: DictConfig) -> None:
         from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
         if from_tf is not None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
-        write_resolved_config(cfg, Path(HydraConfig.get().runtime.output_dir))
+        write_resolved_config(cfg, output_dir)
         if job is None:
+            from hydra.core.hydra_config import HydraConfig
+
             build.launcher(cfg).launch(cfg, list(HydraConfig.get().overrides.task))
         elif job == "ps":
             from psdk.ps.main import run_ps
@@ -256,6 +274,8 @@ def run_hydra(command: str, args: list[str]) -> None:
         args = ["--multirun", *(a for a in args if a not in ("-m", "--multirun"))]
     if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
         check_overrides(args, config_dir())
+        if command == "run" and surely_one_run(args):
+            _one_run_only()
     elif command in ("ps", "worker", "task") and "--multirun" not in args:
         _one_run_only()
     sys.argv = [f"psdk {command}", *hydra_order(args)]
@@ -265,21 +285,35 @@ def run_hydra(command: str, args: list[str]) -> None:
         raise SystemExit(1)
 
 
+def surely_one_run(args: Sequence[str]) -> bool:
+    """Whether ``args`` make one run, whatever the config says: no ``-m``, no ``hydra.mode``, psdk's config tree.
+
+    The shipped config sets no ``hydra.mode`` (a test says so), so the mode Hydra would compose is RUN.
+    """
+    from psdk.config.check import split_flags
+
+    split = split_flags(args)  # None: a flag such as --config-dir, after which psdk leaves all to Hydra
+    if split is None or split[1]:
+        return False
+    return not any("hydra.mode" in arg or arg.lstrip("+~").startswith("hydra/") for arg in split[0])
+
+
 def _one_run_only() -> None:
-    """Spare a task a whole second composition of the config (about 0.2 s of its start-up).
+    """Spare a task or a launcher a whole second composition of the config (about 0.1 to 0.2 s of its start-up).
 
     Before it composes the config to run, Hydra composes it once more only
     to read ``hydra.mode`` (RUN or MULTIRUN). A task a launcher started is
-    one run by construction. Should Hydra's internals move, the probe simply
-    stays.
+    one run by construction, and so is a ``run`` that :func:`surely_one_run`.
+    Should Hydra's internals move, the probe simply stays.
     """
     try:
         from hydra._internal.hydra import Hydra
-        from hydra.types import RunMode
     except ImportError:
         return
     if callable(getattr(Hydra, "get_mode", None)):
-        Hydra.get_mode = lambda self, config_name, overrides: RunMode.RUN
+        # None, as the probe finds in a config that sets no hydra.mode: Hydra then runs once and records
+        # hydra.mode=RUN among its overrides, as it would have.
+        Hydra.get_mode = lambda self, config_name, overrides: None
 
 
 def _bench(cfg: DictConfig) -> None:
@@ -445,6 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return check_data(normalize_args(args[1:]))
         if command == "bench":
             run_bench(normalize_args(args[1:]))
+            return 0
+        if command in ("ps", "worker") and os.environ.get(HANDOFF_ENV):
+            run_handed(args)
             return 0
         run_hydra(command, normalize_args(args[1:]))
     except PsdkError as exc:

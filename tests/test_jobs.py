@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from psdk.testing import assert_every_worker_contributed
 
@@ -49,6 +50,13 @@ def check_run(out: Path, result: subprocess.CompletedProcess[str], steps: int) -
     assert summary["test_accuracy"] == pytest.approx(test_accuracy(out / "params.npz"), abs=1e-4)
     assert result.stdout.strip().splitlines()[-1].startswith("psdk done:")
     assert (out / "config.yaml").exists() and (out / ".hydra" / "config.yaml").exists()
+    tasks = sorted(p.stem for p in (out / "tasks").glob("*.pid"))
+    assert "ps0" in tasks and "worker0" in tasks
+    for task in tasks:
+        # Each task ran on the config the launcher handed it (psdk.launch.handoff), composing none itself.
+        handed = json.loads((out / "tasks" / f"{task}.handoff.json").read_text().split("\n", 1)[1])
+        assert not (out / "tasks" / task / ".hydra").exists()
+        assert yaml.safe_load((out / "tasks" / task / "config.yaml").read_text()) == handed["config"]
     points = records(out)
     assert {"task", "local_step", "global_step", "loss", "accuracy", "time"} <= set(points[0])
     assert any(p["accuracy"] is not None for p in points)

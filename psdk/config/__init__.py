@@ -6,8 +6,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from psdk.config.schema import register_configs
-
 __all__ = ["config_dir", "prepare_hydra", "register_configs"]
 
 
@@ -25,6 +23,13 @@ def config_dir() -> Path:
 def _task_suffix(job_name: object, task_index: object) -> str:
     """Per-task runs get their own output folder, so tasks started together never share one."""
     return "" if job_name in (None, "None", "null", "") else f"-{job_name}{task_index}"
+
+
+def register_configs() -> None:
+    """The schemas in Hydra's ConfigStore (:mod:`psdk.config.schema`, imported only here: it imports Hydra)."""
+    from psdk.config.schema import register_configs as register
+
+    register()
 
 
 def prepare_hydra() -> None:

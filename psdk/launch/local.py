@@ -34,7 +34,7 @@ from psdk.config import build
 from psdk.config.options import TaskOptions, options_from
 from psdk.data import mnist
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
-from psdk.launch import LAUNCHED_ENV
+from psdk.launch import LAUNCHED_ENV, handoff
 from psdk.launch.curves import CurvesInBackground
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
@@ -163,6 +163,7 @@ class LocalLauncher:
         self.monitor: ProgressMonitor | None = None
         self.curves: CurvesInBackground | None = None  # report.plot: curves.png when the job ends
         self.out = Path()  # the run's folder
+        self.handoffs: handoff.HandoffMaker | None = None  # each task's config, when it need not compose it
         self.options = TaskOptions()  # the job's typed options, once validate() has built them
 
     # --------------------------------------------------------------- checks
@@ -194,6 +195,7 @@ class LocalLauncher:
         self.curves = CurvesInBackground(out) if cfg.get("report", {}).get("plot", True) else None
         data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
         common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
+        self.handoffs = handoff.HandoffMaker.for_job(cfg, overrides, passed_on(overrides), OWN_KEYS)
         transport = self.options.transport
         if transport.secure:
             keys = Path(transport.keys_dir) if transport.keys_dir else None
@@ -327,8 +329,13 @@ class LocalLauncher:
 
     def _start(self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> None:
         name = f"{job}{index}"
-        command = [sys.executable, "-m", "psdk", *task_args(job, index, out, args)]
+        argv = task_args(job, index, out, args)
+        command = [sys.executable, "-m", "psdk", *argv]
         env = {**os.environ, **TASK_ENV, **(env_extra or {})}
+        env.pop(handoff.ENV, None)  # never one inherited: a task gets this run's, or composes its config
+        given = self.handoffs.write(out, argv) if self.handoffs is not None else None
+        if given is not None:
+            env[handoff.ENV] = given  # the task reads its config there instead of composing it again
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
         process = self._popen(command, env)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
@@ -410,6 +417,9 @@ class LocalLauncher:
             self.max_restarts,
         )
         command = list(task.command)
+        if task.env is not None and handoff.ENV in task.env:
+            # Composed by the task again: a ps comes back with another command (the address it had).
+            task.env = {k: v for k, v in task.env.items() if k != handoff.ENV}
         if task.job == "ps" and self.ps_addresses:
             command = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in command]
         task.process = self._popen(command, task.env)
