@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from psdk import checkpoint, security
+from psdk import checkpoint
 from psdk.backend import Backend
 from psdk.checkpoint import Checkpoint
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult
@@ -38,9 +38,9 @@ from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.plugins import backend_for
 from psdk.recovery import latest_or_none
-from psdk.security import CurveKeys
-from psdk.transport import Pending, Transport
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport import Pending, Transport, security
+from psdk.transport.security import CurveKeys
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def connect(
     chief's graph mattered in TensorFlow. ``keys``: the job's key folder
     (``python -m psdk keys``; this worker reads its own secret and the ps
     tasks' public keys from it), or keys already loaded
-    (:func:`psdk.security.load_worker`): they authenticate this worker and
+    (:func:`psdk.transport.security.load_worker`): they authenticate this worker and
     encrypt its traffic, as every ps expects unless it was started with
     ``transport.secure=false``; then pass ``secure=False`` here too. A
     ``transport`` of your own (e.g. in-process, for tests) brings its own.

@@ -380,7 +380,7 @@ def run_fuzz(args: Sequence[str]) -> int:
 
 def make_keys(args: Sequence[str]) -> int:
     """``keys keys_dir=DIR workers=N ps=M [overwrite=true]``: a keypair per ps task and per worker."""
-    from psdk import security
+    from psdk.transport import security
 
     options = _options(args, {"keys_dir": "keys", "workers": "2", "ps": "1", "overwrite": "false"})
     for key in ("workers", "ps"):

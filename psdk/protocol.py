@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ProtocolError
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 CHIEF = 0
 
@@ -162,29 +162,10 @@ OPS: dict[str, Op] = {
                 Field("seq", INTEGER, "this worker process's push counter: a repeat is refused",
                       label="sequence number"),
                 Field("epoch", NATURAL, "the restore epoch the gradient belongs to (else: resync)", required=False),
-                Field("shm", ANY, "the shared-memory region holding the gradient (grads or outbox) instead of a frame",
-                      required=False),
             ),
-            "one flat float32 gradient of the shard's size, unless shm names where it lies",
+            "one flat float32 gradient of the shard's size (a frame, or memory the transport lent)",
             ("params", "resync"),
             parks="in a sync round, behind the staleness bound (ssp), or while a checkpoint pause holds it",
-        ),
-        Op(
-            "attach",
-            "Offer the worker's shared-memory buffers (same host only); a refusal leaves it on frames.",
-            Sender.WORKER,
-            (
-                Field("pid", ANY, "the worker's process id"),
-                Field("fd", ANY, "the memory file's descriptor in that process"),
-                Field("token", ANY, "random hex the file starts with: proves it is this worker's"),
-                Field("bytes", ANY, "the file's size"),
-                Field("bell", ANY, "the doorbell pipe's write end, when the worker takes replies that way",
-                      required=False),
-                Field("knock", ANY, "the knock pipe's read end, when the worker knocks for its pushes",
-                      required=False),
-            ),
-            "none",
-            ("attached", "refused"),
         ),
         Op("finish", "The worker is done training; to shard 0 it sends its report for the chief's summary.",
            Sender.WORKER, (Field("report", ANY, "a small object (kept if at most 16 KiB)", required=False),),
@@ -228,12 +209,10 @@ REPLIES: dict[str, Reply] = {
         Reply("ok", "done; init and restore add the shard's layout, stop_at the new target", (*LAYOUT_FIELDS, "steps")),
         Reply("already", "init of a shard already initialised (a restarted chief): its layout", LAYOUT_FIELDS),
         Reply("layout", "to wait_init: the shard's layout", LAYOUT_FIELDS),
-        Reply("params", "the parameters after a pull or push_pull", ("version", "done", "outcome", "slowest", "shm"),
-              "one flat float32 array, or none when shm says they lie in the worker's shared memory"),
+        Reply("params", "the parameters after a pull or push_pull", ("version", "done", "outcome", "slowest"),
+              "one flat float32 array (a frame, or written into memory the worker's transport lent)"),
         Reply("resync", "the push belongs to an abandoned timeline: wait for the chief's restore, pull again",
               ("why", "initialized", "epoch", "boot", "version")),
-        Reply("attached", "shared memory mapped", ("bell", "knock")),
-        Reply("refused", "shared memory not taken: the worker stays on frames", ("error",)),
         Reply("status", "to status", ("version", "done", "initialized", "epoch", "boot", "failure", "workers")),
         Reply("stats", "to stats", ("task", "version", "size", "variables", "stats", "workers", "reports", "job",
                                     "process")),

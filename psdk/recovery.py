@@ -23,7 +23,7 @@ from psdk import checkpoint
 from psdk.checkpoint import Checkpoint
 from psdk.client.shards import StepResult
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
     from psdk.client.client import ParameterClient
@@ -44,7 +44,7 @@ def recover(client: ParameterClient, why: str) -> StepResult:
     else:
         follow(client, deadline)
         lost = None
-    client.share_memory()  # a restarted ps maps this worker's buffers anew
+    client.renew()  # a restarted ps maps this worker's buffers anew
     step = client.pull()
     log.warning(
         "worker %d: recovered at global step %d (epoch %d)%s",

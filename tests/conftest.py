@@ -18,7 +18,7 @@ import zmq
 
 from psdk.cluster import ClusterSpec
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))

@@ -11,7 +11,7 @@ import pytest
 
 from psdk.errors import ConfigError
 from psdk.ps.main import bind_address
-from psdk.zmq_transport import endpoint
+from psdk.transport.zeromq import endpoint
 
 from .conftest import REPO, free_port
 from .jobs import env, psdk, wait_for

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from psdk import zmq_guard
 from psdk.client import ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
@@ -22,7 +21,8 @@ from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.testing.zmtp import RawZmtpPeer
-from psdk.zmq_transport import ZmqOptions, ZmqServer, ZmqTransport
+from psdk.transport import zmq_guard
+from psdk.transport.zeromq import ZmqOptions, ZmqServer, ZmqTransport
 from tests.helpers import FAST
 
 pytestmark = [

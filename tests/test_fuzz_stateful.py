@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from psdk import shm
+from psdk import protocol
 from psdk.ps.server import ParameterServer
 from psdk.testing.fuzz import harness, stateful
 from psdk.testing.fuzz.alongside import run_alongside
 from psdk.testing.fuzz.harness import Mode
+from psdk.transport import shm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,12 +35,12 @@ def test_sequences_of_every_op_keep_the_books_the_store_and_the_ps(mode: Mode) -
     assert report.failure is None, report.failure
     reached = {key.split(" -> ")[0] for key in stateful.COVERAGE}
     # Every op of the protocol was sent and answered, past the session check (knocks need shared memory).
-    ops = {"init", "wait_init", "pull", "push_pull", "attach", "finish", "ping", "status", "stats", "pause_at"}
-    ops |= {"state", "resume", "stop_at", "restore", "shutdown", "abort"}
+    ops = set(protocol.OPS)
     assert ops <= reached, ops - reached
     assert any(key.startswith("push_pull -> params applied") for key in stateful.COVERAGE)
     assert any("the update would leave" in key for key in stateful.COVERAGE)  # an overflow refused, live
-    if mode.shared_memory:
+    if mode.shared_memory:  # the transport's own offers, and requests and replies through the memory lent
+        assert {"offer -> transport:attached", "offer -> transport:refused"} <= set(stateful.COVERAGE)
         assert any(key.startswith("knock -> params") for key in stateful.COVERAGE)
 
 

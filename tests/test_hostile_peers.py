@@ -23,7 +23,6 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psdk import shm
 from psdk.client import ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
@@ -34,12 +33,12 @@ from psdk.optim import SGD, Adagrad, Adam, RMSProp
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.ps.stats import STALENESS_CAP
 from psdk.store import FlatStore, RestoreState
-from psdk.transport import Incoming
-from psdk.wire import Message, decode, encode
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport import Incoming, shm
+from psdk.transport.wire import Message, decode, encode
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 from tests.conftest import running_ps
 from tests.helpers import FAST
-from tests.test_shm import CapturingEndpoint
+from tests.test_shm import CapturingEndpoint, lender, ps_endpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,38 +221,37 @@ def test_a_gradient_rewritten_in_shared_memory_during_the_push_never_reaches_the
     it from there: NaN reached the store within a second. Now the store checks
     what the apply made of it, whatever the apply read, and refuses NaN there.
     """
-    worker = shm.WorkerBuffers(SIZE)
-    endpoint = CapturingEndpoint()
-    server = ParameterServer(endpoint, 0)
-    job = JobSpec(SyncSpec("async").resolved(1), 10**9, 1).to_json()
-    rule = SGD(lr=0.01).to_json()
-    server.handle(
-        Incoming(
-            b"w", Message("init", {"worker": 0, "job": job, "rule": rule, "names": ["w"]}, [np.zeros(SIZE, np.float32)])
+    with ps_endpoint() as endpoint, lender(endpoint, size=SIZE) as worker:
+        server = ParameterServer(endpoint, 0)
+        job = JobSpec(SyncSpec("async").resolved(1), 10**9, 1).to_json()
+        rule = SGD(lr=0.01).to_json()
+        worker.send(
+            Message("init", {"worker": 0, "job": job, "rule": rule, "names": ["w"]}, [np.zeros(SIZE, np.float32)])
         )
-    )
-    server.handle(Incoming(b"w", Message("attach", {"worker": 0, **worker.offer()}, rid=2)))
-    (take,) = endpoint.listening.values()
-    worker.grads[...] = 1.0
-    args = [str(v) for v in (os.getpid(), worker.fd, shm.total_bytes(SIZE), shm.HEADER_BYTES, SIZE)]
-    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, *args])
-    try:
-        deadline = time.monotonic() + 30
-        while worker.grads[8] != 2.0:
-            assert time.monotonic() < deadline and flipper.poll() is None, "the flipping process did not start"
-            time.sleep(0.01)
-        rid = 10
-        while rid < 3000:
-            rid += 1
-            worker.knock(rid, version=server.store.version, seq=rid, epoch=0, slot="grads")
-            incoming = take()
-            if incoming is not None:
-                server.handle(incoming)
-            assert all_finite(server.store.params()), f"NaN reached the store after {rid - 10} pushes"
-    finally:
-        flipper.kill()
-        flipper.wait(timeout=10)
-        worker.close()
+        incoming = endpoint.receive(10.0)
+        assert incoming is not None
+        server.handle(incoming)
+        worker.attach(rid=2)
+        worker.memory.knocks_heard()
+        worker.memory.grads[...] = 1.0
+        args = [str(v) for v in (os.getpid(), worker.memory.fd, shm.total_bytes(SIZE), shm.HEADER_BYTES, SIZE)]
+        flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, *args])
+        try:
+            deadline = time.monotonic() + 30
+            while worker.memory.grads[8] != 2.0:
+                assert time.monotonic() < deadline and flipper.poll() is None, "the flipping process did not start"
+                time.sleep(0.01)
+            rid = 10
+            while rid < 3000:
+                rid += 1
+                assert worker.knock(rid, worker=0, version=server.store.version, seq=rid, epoch=0)
+                incoming = endpoint.receive(1.0)
+                if incoming is not None:
+                    server.handle(incoming)
+                assert all_finite(server.store.params()), f"NaN reached the store after {rid - 10} pushes"
+        finally:
+            flipper.kill()
+            flipper.wait(timeout=10)
     counters = server.stats.workers[0]
     assert counters.applied > 100 and counters.refused > 0  # the race was really run, both ways
 

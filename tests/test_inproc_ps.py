@@ -2,7 +2,7 @@
 
 Nothing here is ZeroMQ: two :class:`ParameterServer` shards serve from
 threads and two :class:`ParameterClient` workers (with their heartbeat
-threads) train through :class:`~psdk.inproc_transport.InprocTransport`,
+threads) train through :class:`~psdk.transport.inproc.InprocTransport`,
 unchanged. The parameters after each step are checked against the update
 rule's arithmetic, in sync and in async mode.
 """
@@ -20,10 +20,10 @@ import pytest
 from psdk.client import ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.inproc_transport import InprocHub, InprocServer, InprocTransport
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.transport.inproc import InprocHub, InprocServer, InprocTransport
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from psdk import security
 from psdk.testing import assert_every_worker_contributed
+from psdk.transport import security
 
 from . import netns
 from .conftest import REPO, free_port
@@ -112,7 +112,7 @@ def test_one_ps_and_two_workers_on_three_hosts_train_mnist(hosts: netns.Lan, tmp
         assert "worker 1: role and cluster from TF_CONFIG task worker 0" in outputs["w1"]
     # The hosts do not share memory: the workers' offers were refused and every applied gradient
     # crossed the wire into the ps's host.
-    assert "worker 0 stays on ZeroMQ frames" in outputs["ps"] and "worker 1 stays on ZeroMQ frames" in outputs["ps"]
+    assert "worker-0 stays on ZeroMQ frames" in outputs["ps"] and "worker-1 stays on ZeroMQ frames" in outputs["ps"]
     assert hosts.rx_bytes(ps) >= summary["gradients_applied"] * GRADIENT_BYTES
 
 

@@ -35,7 +35,8 @@ from psdk.jobspec import JobSpec
 from psdk.models import init_weights
 from psdk.optim import RULES, SGD, NoOp
 from psdk.ps.main import run_ps
-from psdk.zmq_transport import ZmqTransport
+from psdk.transport.lending import ATTACHED, REFUSED
+from psdk.transport.zeromq import ZmqServer, ZmqTransport
 
 from .conftest import MNIST_DIR, PsCluster, running_ps
 from .helpers import FAST
@@ -192,8 +193,7 @@ class Observed:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.io_threads = 0
-        self.shared: list[bool] = []
-        self.knocks: list[bool] = []
+        self.sharing: list[str] = []
         self.options: ClientOptions | None = None
         real = mnist_job.connect
 
@@ -205,8 +205,7 @@ class Observed:
             finish = session.finish
 
             def finished(*a: Any, **k: Any) -> dict[str, Any]:
-                self.shared = [s.shared for s in session.client.shards]
-                self.knocks = [s.knocks for s in session.client.shards]
+                self.sharing = [session.client.endpoint.sharing(i) for i in range(len(session.client.shards))]
                 return finish(*a, **k)
 
             session.finish = finished
@@ -216,25 +215,27 @@ class Observed:
 
 
 @pytest.mark.parametrize(
-    "overrides, shared, knocks, io_threads",
+    "overrides, sharing, io_threads",
     [
-        (["transport.io_threads=2"], True, True, 2),
-        (["transport.shared_memory=false"], False, False, 1),
-        (["transport.doorbells=false"], True, False, 1),
+        (["transport.io_threads=2"], "shared memory, doorbell and knocks", 2),
+        (["transport.shared_memory=false"], "frames", 1),
+        (["transport.doorbells=false"], "shared memory", 1),
     ],
     ids=["io_threads", "no-shared-memory", "no-doorbells"],
 )
 def test_the_transport_keys_reach_a_worker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], shared: bool, knocks: bool, io_threads: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], sharing: str, io_threads: int
 ) -> None:
     """``python -m psdk worker transport.shared_memory=false`` (and the others) change the worker, not only the ps."""
     seen = Observed(monkeypatch)
     with running_ps(1, scheme="tcp") as ps:  # a ps that takes shared memory, with doorbells
         run_worker(task_config(tmp_path, ps, *overrides))
-        replies = ps.servers[0].stats.replies
-    assert (seen.shared, seen.knocks, seen.io_threads) == ([shared], [knocks], io_threads)
-    # The ps saw it too: a worker without shared memory never offers it (nothing to turn down).
-    assert (replies["attached"], replies["refused"]) == (int(shared), 0), replies
+        endpoint = ps.servers[0].endpoint
+        assert isinstance(endpoint, ZmqServer)
+        answers = endpoint.links.answers
+    assert (seen.sharing, seen.io_threads) == ([sharing], io_threads)
+    # The ps's transport saw it too: a worker without shared memory never offers it (nothing to turn down).
+    assert (answers[ATTACHED], answers[REFUSED]) == (int(sharing != "frames"), 0), answers
 
 
 def test_the_train_keys_reach_the_job_on_the_ps(tmp_path: Path) -> None:

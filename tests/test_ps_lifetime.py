@@ -21,7 +21,7 @@ from psdk.consistency import SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 from .conftest import REPO, free_port
 from .jobs import env

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from psdk import security
 from psdk.cluster import Topology
 from psdk.errors import ConfigError
 from psdk.launch.ray import RayLauncher, import_ray
 from psdk.launch.ray_actors import TaskRunner
+from psdk.transport import security
 
 from .conftest import REPO
 from .jobs import FAST_FLAGS, all_tasks_gone, kill_task_when, progress_of, psdk, start, test_accuracy

@@ -16,7 +16,7 @@ from psdk.errors import PortInUseError
 from psdk.models import ModelSpec, init_weights
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 SPEC = ModelSpec(hidden=(16,), input_dim=32, num_classes=10)
 RNG = np.random.default_rng(3)

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import security
 from psdk.client import ClientOptions, ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
@@ -20,8 +19,9 @@ from psdk.errors import ConfigError, PeerTimeoutError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.wire import Message
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport import security
+from psdk.transport.wire import Message
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 QUICK = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=2.0, init_timeout_s=2.0)
 
@@ -86,7 +86,7 @@ def test_each_task_needs_only_its_own_secret() -> None:
 
 def test_unknown_keys_cost_a_bounded_table_and_rate_limited_lines(caplog: pytest.LogCaptureFixture) -> None:
     ring = security.KeyRing({b"known": "worker-0"}, "ps 0")
-    with caplog.at_level(logging.WARNING, logger="psdk.security"):
+    with caplog.at_level(logging.WARNING, logger="psdk.transport.security"):
         for i in range(5000):
             assert not ring.callback("*", b"stranger-%05d" % i)
     assert ring.refused == 5000 and len(ring._logged) <= security.REMEMBERED_DENIALS
@@ -143,7 +143,7 @@ def test_an_unknown_key_is_refused_logged_and_never_reaches_the_store(
     stranger_keys = security.generate(tmp_path / "stranger", 1)
     stranger = security.load_worker(stranger_keys, 0)
     stranger = security.CurveKeys(stranger.public, stranger.secret, servers=(security.load_server(keys).public,))
-    with secure_ps(keys) as (server, address), caplog.at_level(logging.WARNING, logger="psdk.security"):
+    with secure_ps(keys) as (server, address), caplog.at_level(logging.WARNING, logger="psdk.transport.security"):
         intruder, transport = client(address, 0, stranger)
         try:
             with pytest.raises(PeerTimeoutError):

@@ -18,7 +18,7 @@ from psdk.errors import PeerTimeoutError, RemoteError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import process_usage
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 from .conftest import PsCluster, running_ps
 

@@ -1,7 +1,14 @@
-"""Same-host shared memory: a worker's buffers mapped by its ps, checked, and the fallback to frames."""
+"""Same-host shared memory, the ZeroMQ transport's business: buffers lent, mapped, checked, and the fallback to frames.
+
+The ps and the client never see it: the memory file's checks are tested on
+:mod:`psdk.transport.shm`, the lending on real ZeroMQ endpoints (a worker's side by
+hand, :class:`Lender`, where a test needs to misbehave), and the whole on a
+real ps and client that train through it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -11,8 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
-from psdk import shm
 from psdk.client import ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
@@ -20,9 +27,10 @@ from psdk.errors import ProtocolError, PsdkError, RemoteError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer
-from psdk.transport import Incoming, ServerEndpoint
-from psdk.wire import Message
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport import Incoming, ServerEndpoint, shm
+from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
+from psdk.transport.wire import Message, decode, encode
+from psdk.transport.zeromq import ZmqOptions, ZmqServer, ZmqTransport
 from tests.conftest import running_ps
 from tests.helpers import FAST
 
@@ -34,14 +42,21 @@ pytestmark = [
 SIZE = 1000
 
 
+def header(op: str, rid: int, slot: str = "grads", **fields: Any) -> bytes:
+    """A request's wire header whose one array lies in lent memory (as a worker's endpoint knocks with it)."""
+    head: bytes = encode(Message(op, fields, [], rid, lent=[slot]))[0]
+    return head
+
+
+# ------------------------------------------------------------------ the memory file
 def test_the_ps_reads_the_gradient_and_writes_the_parameters_in_the_workers_memory() -> None:
     worker = shm.WorkerBuffers(SIZE)
     ps = shm.AttachedBuffers(worker.offer(), SIZE)
     worker.grads[:] = 3.0
     worker.outbox[:] = 4.0
-    assert ps.gradient("grads").sum() == 3.0 * SIZE
-    assert ps.gradient("outbox").sum() == 4.0 * SIZE
-    ps.write_params(np.arange(SIZE, dtype=np.float32), rid=7)
+    assert ps.region("grads").sum() == 3.0 * SIZE
+    assert ps.region("outbox").sum() == 4.0 * SIZE
+    assert not ps.write_reply(np.arange(SIZE, dtype=np.float32), 7, None)  # no header: not rung
     into = np.zeros(SIZE, np.float32)
     worker.read_params(into, rid=7)
     np.testing.assert_array_equal(into, np.arange(SIZE, dtype=np.float32))
@@ -52,19 +67,15 @@ def test_the_ps_reads_the_gradient_and_writes_the_parameters_in_the_workers_memo
 def test_parameters_written_for_another_request_are_never_used() -> None:
     worker = shm.WorkerBuffers(SIZE)
     ps = shm.AttachedBuffers(worker.offer(), SIZE)
-    ps.write_params(np.ones(SIZE, np.float32), rid=7)
+    ps.write_reply(np.ones(SIZE, np.float32), 7, None)
     into = np.zeros(SIZE, np.float32)
     with pytest.raises(PsdkError, match="belong to request 7, not 8"):
         worker.read_params(into, rid=8)
-    ps._seq[0] = 9  # a write for request 9 began while request 7's parameters were being read
+    ps._views.reply.seq[0] = 9  # a write for request 9 began while request 7's parameters were being read
     with pytest.raises(PsdkError, match="overwrote"):
         worker.read_params(into, rid=7)
     ps.close()
     worker.close()
-
-
-def _bad(offer: dict[str, Any], **change: Any) -> dict[str, Any]:
-    return {**offer, **change}
 
 
 @pytest.mark.parametrize(
@@ -72,16 +83,18 @@ def _bad(offer: dict[str, Any], **change: Any) -> dict[str, Any]:
     [
         ({"token": "00" * shm.TOKEN_BYTES}, "token"),
         ({"token": "not hex"}, "bad token"),
-        ({"bytes": 64}, "needs"),
+        ({"bytes": 64}, "which need"),
+        ({"size": SIZE * 2}, "more than a message may hold"),
         ({"fd": 99999}, "cannot open"),
         ({"pid": -1}, "bad pid"),
         ({"fd": True}, "bad fd"),
+        ({"size": "1000"}, "bad size"),
     ],
 )
 def test_a_bad_offer_is_refused_with_a_reason(change: dict[str, Any], message: str) -> None:
     worker = shm.WorkerBuffers(SIZE)
     with pytest.raises(ProtocolError, match=message):
-        shm.AttachedBuffers(_bad(worker.offer(), **change), SIZE)
+        shm.AttachedBuffers({**worker.offer(), **change}, SIZE)
     worker.close()
 
 
@@ -91,9 +104,8 @@ def test_a_file_that_is_not_a_sealed_memory_file_is_refused() -> None:
     with tempfile.TemporaryFile() as plain:
         plain.write(worker.token + bytes(shm.total_bytes(SIZE) - shm.TOKEN_BYTES))
         plain.flush()
-        offer = _bad(worker.offer(), fd=plain.fileno())
         with pytest.raises(ProtocolError, match="not a sealed memory file"):
-            shm.AttachedBuffers(offer, SIZE)
+            shm.AttachedBuffers({**worker.offer(), "fd": plain.fileno()}, SIZE)
         before = os.pread(plain.fileno(), 32, 0)
     assert before[: shm.TOKEN_BYTES] == worker.token
     worker.close()
@@ -102,192 +114,32 @@ def test_a_file_that_is_not_a_sealed_memory_file_is_refused() -> None:
 def test_a_device_is_never_opened() -> None:
     worker = shm.WorkerBuffers(SIZE)
     with open(os.devnull, "rb") as device, pytest.raises(ProtocolError, match="not a memory file"):
-        shm.AttachedBuffers(_bad(worker.offer(), fd=device.fileno()), SIZE)
+        shm.AttachedBuffers({**worker.offer(), "fd": device.fileno()}, SIZE)
     worker.close()
 
 
-def test_an_unknown_slot_is_refused() -> None:
+def test_an_unknown_region_is_refused() -> None:
     worker = shm.WorkerBuffers(SIZE)
     ps = shm.AttachedBuffers(worker.offer(), SIZE)
-    with pytest.raises(ProtocolError, match="unknown shared-memory slot"):
-        ps.gradient("params")
+    for slot in ("params", 7, None):
+        with pytest.raises(ProtocolError, match="unknown shared-memory slot"):
+            ps.region(slot)
     ps.close()
     worker.close()
 
 
-@contextmanager
-def ps_over_tcp(shared_memory: bool) -> Iterator[tuple[ParameterServer, str]]:
-    with running_ps(scheme="tcp", shared_memory=shared_memory) as ps:
-        yield ps.servers[0], ps.addresses[0]
-
-
-def _train(
-    address: str,
-    shared_memory: bool,
-    copy: bool,
-    doorbells: bool = True,
-    before_close: Callable[[], None] | None = None,
-) -> tuple[np.ndarray, bool]:
-    """Ten SGD steps of made-up gradients from one worker; the final parameters, and whether memory was shared.
-
-    ``before_close`` looks at the ps while the worker is still there (its buffers go when it closes).
-    """
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory, doorbells=doorbells))
-    client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
-    try:
-        job = JobSpec(SyncSpec("async").resolved(1), 10, 1)
-        client.initialize({"w": np.linspace(-1, 1, SIZE, dtype=np.float32)}, job, SGD(lr=0.5))
-        shared = client.shards[0].shared
-        rng = np.random.default_rng(0)
-        done = False
-        while not done:
-            client.grads["w"][...] = rng.standard_normal(SIZE).astype(np.float32)
-            done = client.finish_push_pull(client.start_push_pull(copy=copy)).done
-        client.pull()
-        if before_close is not None:
-            before_close()
-        return client.params["w"].copy(), shared
-    finally:
-        client.close()
-        transport.close()
-
-
-@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "outbox"])
-def test_training_through_shared_memory_matches_training_through_frames(copy: bool) -> None:
-    def knocked_and_rung() -> None:
-        attached = server.shared.by_worker[0]
-        assert attached.bell >= 0 and attached.knock >= 0 and attached._last_knock > 0
-
-    with ps_over_tcp(shared_memory=True) as (server, address):
-        shared_params, shared = _train(address, shared_memory=True, copy=copy, before_close=knocked_and_rung)
-        assert shared
-        deadline = time.monotonic() + 10  # the closed worker's knock pipe hung up: the ps lets its memory go
-        while server.shared.by_worker and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not server.shared.by_worker
-    with ps_over_tcp(shared_memory=True) as (server, address):
-        framed_params, framed_shared = _train(address, shared_memory=False, copy=copy)
-        assert not framed_shared and not server.shared.by_worker
-    np.testing.assert_array_equal(shared_params, framed_params)
-    assert not np.array_equal(shared_params, np.linspace(-1, 1, SIZE, dtype=np.float32))
-
-
-def test_without_doorbells_the_parameters_still_come_through_shared_memory() -> None:
-    def no_pipes() -> None:  # pushes and replies were header-only ZeroMQ messages
-        assert server.shared.by_worker[0].bell == -1 and server.shared.by_worker[0].knock == -1
-
-    with ps_over_tcp(shared_memory=True) as (server, address):
-        params, shared = _train(address, shared_memory=True, copy=False, doorbells=False, before_close=no_pipes)
-        assert shared
-    with ps_over_tcp(shared_memory=True) as (server, address):
-        rung, _ = _train(address, shared_memory=True, copy=False)
-    np.testing.assert_array_equal(params, rung)
-
-
-def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
-    with ps_over_tcp(shared_memory=False) as (server, address):
-        params, shared = _train(address, shared_memory=True, copy=False)
-        assert not shared and not server.shared.by_worker
-        assert server.stats.rejected == 0  # a refusal is not a rejected request
-        assert server.store.version == 10
-    assert np.isfinite(params).all()
-
-
-class CapturingEndpoint(ServerEndpoint):
-    """Collects the ps's replies, so a test can drive its handlers one request at a time."""
-
-    address = "capture"
-    shares_memory = True
-    knocks = True
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, Message]] = []
-        self.listening: dict[int, Callable[[], Incoming | None]] = {}
-
-    def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
-        self.listening[fd] = take
-
-    def unlisten(self, fd: int) -> None:
-        self.listening.pop(fd, None)
-
-    def receive(self, timeout_s: float) -> Incoming | None:
-        return None
-
-    def reply(self, peer: bytes, message: Message) -> bool:
-        self.sent.append((peer, message))
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-def _attached_ps(offer: dict[str, Any], session: bytes = b"w") -> tuple[ParameterServer, CapturingEndpoint]:
-    """A ps driven by hand, initialised by worker 0 (ones), which then offers ``offer`` from ``session``."""
-    endpoint = CapturingEndpoint()
-    server = ParameterServer(endpoint, 0)
-    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
-    init = Message(
-        "init", {"worker": 0, "job": job, "rule": SGD(lr=0.1).to_json(), "names": ["w"]}, [np.ones(SIZE, np.float32)]
-    )
-    server.handle(Incoming(session, init))
-    server.handle(Incoming(session, Message("attach", {"worker": 0, **offer}, rid=2)))
-    return server, endpoint
-
-
-def test_a_late_answer_to_an_earlier_process_of_the_worker_is_not_written_into_the_new_ones_memory() -> None:
+def test_a_reply_header_rings_once_and_a_torn_one_is_not_taken() -> None:
     worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker.offer(bell=False), session=b"wNEW")
-    assert endpoint.sent[-1][1].op == "attached"
-    server.shard.reply_params(b"wOLD", 2, "applied", 0)  # e.g. a parked push of the worker's previous process
-    assert endpoint.sent[-1][1].arrays and not endpoint.sent[-1][1].fields.get("shm")
-    with pytest.raises(PsdkError, match="belong to request 0"):
-        worker.read_params(np.zeros(SIZE, np.float32), rid=2)
-    server.shard.reply_params(b"wNEW", 3, "applied", 0)
-    assert endpoint.sent[-1][1].fields["shm"] and not endpoint.sent[-1][1].arrays
-    into = np.zeros(SIZE, np.float32)
-    worker.read_params(into, rid=3)
-    assert (into == 1.0).all()
-    worker.close()
-
-
-def test_a_reply_through_shared_memory_rings_the_doorbell_instead_of_sending_a_message() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker.offer())
-    assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is True
+    ps = shm.AttachedBuffers(worker.offer(), SIZE)
     assert worker.take_reply() is None  # nothing written yet
-    sent = len(endpoint.sent)
-    server.shard.reply_params(b"w", 3, "applied", 0)
-    assert len(endpoint.sent) == sent  # no message: the doorbell rang
-    reply = worker.take_reply()
-    assert reply is not None and reply.rid == 3 and reply.op == "params"
-    assert reply.fields == {"version": 0, "done": False, "outcome": "applied", "shm": True, "slowest": 0}
-    into = np.zeros(SIZE, np.float32)
-    worker.read_params(into, rid=3)
-    assert (into == 1.0).all()
+    assert ps.write_reply(np.ones(SIZE, np.float32), 5, b"header of 5")
+    assert worker.take_reply() == (5, b"header of 5")
     with pytest.raises(BlockingIOError):  # take_reply drained the doorbell
         os.read(worker.bell, 1)
-    server.handle(Incoming(b"w", Message("finish", {"worker": 0}, rid=4)))
-    assert not server.shared.by_worker  # the finished worker's doorbell is closed with its mapping
-    worker.close()
-
-
-def test_an_outcome_the_header_cannot_hold_goes_as_a_message() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    ps = shm.AttachedBuffers(worker.offer(), SIZE)
-    assert ps.write_params(np.ones(SIZE, np.float32), 5, {"version": 1, "outcome": "applied"})
-    assert not ps.write_params(np.ones(SIZE, np.float32), 6, {"version": 1, "outcome": "surprise"})
-    assert not ps.write_params(np.ones(SIZE, np.float32), 7)
-    # Only request 5 rang; its ring must not come back as the reply to request 7, which carries no fields.
-    assert worker.take_reply() is None
-    ps.close()
-    worker.close()
-
-
-def test_a_torn_reply_header_is_not_taken() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    ps = shm.AttachedBuffers(worker.offer(), SIZE)
-    ps.write_params(np.ones(SIZE, np.float32), 5, {"version": 1, "outcome": "applied"})
-    ps._seq[0] = 6  # the ps began writing the reply to request 6
+    assert not ps.write_reply(np.ones(SIZE, np.float32), 6, b"x" * 4096)  # too big for its area: sent as a message
+    assert worker.take_reply() is None  # and request 5's header does not come back as request 6's
+    ps.write_reply(np.ones(SIZE, np.float32), 7, b"header of 7")
+    ps._views.reply.seq[0] = 8  # the ps began writing the reply to request 8
     assert worker.take_reply() is None
     ps.close()
     worker.close()
@@ -296,11 +148,11 @@ def test_a_torn_reply_header_is_not_taken() -> None:
 def test_a_doorbell_that_is_not_a_pipe_is_never_written() -> None:
     worker = shm.WorkerBuffers(SIZE)
     with tempfile.TemporaryFile() as plain:
-        server, endpoint = _attached_ps({**worker.offer(), "bell": plain.fileno()})
-        assert endpoint.sent[-1][1].op == "attached" and endpoint.sent[-1][1].fields["bell"] is False
-        server.shard.reply_params(b"w", 3, "applied", 0)
-        assert endpoint.sent[-1][1].fields["shm"]  # replied with a message instead
+        ps = shm.AttachedBuffers({**worker.offer(), "bell": plain.fileno()}, SIZE)
+        assert ps.bell == -1 and ps.knock == -1
+        assert not ps.write_reply(np.ones(SIZE, np.float32), 3, b"header")
         assert os.fstat(plain.fileno()).st_size == 0
+        ps.close()
     worker.close()
 
 
@@ -318,127 +170,6 @@ def test_only_two_different_anonymous_pipes_are_taken_as_doorbell_and_knock(tmp_
     finally:
         os.close(named)
     worker.close()
-
-
-def test_a_worker_that_pushes_in_frames_is_answered_in_frames_not_through_its_doorbell() -> None:
-    # E.g. a worker whose offer another shard refused with an error, and that gave up sharing with every shard.
-    worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker.offer())
-    push = Message("push_pull", {"worker": 0, "version": 0, "seq": 1, "epoch": 0}, [np.ones(SIZE, np.float32)], rid=3)
-    server.handle(Incoming(b"w", push))
-    reply = endpoint.sent[-1][1]
-    assert reply.op == "params" and reply.rid == 3 and len(reply.arrays) == 1 and not reply.fields.get("shm")
-    assert not server.shared.by_worker and worker.take_reply() is None
-    worker.close()
-
-
-def test_a_knock_is_handled_as_the_push_it_stands_for() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker.offer())
-    assert endpoint.sent[-1][1].fields == {"bell": True, "knock": True}
-    ((knock_fd, take),) = endpoint.listening.items()
-    assert take() is None  # nobody knocked yet
-    worker.grads[...] = 1.0
-    assert worker.knock(3, version=0, seq=1, epoch=0, slot="grads")
-    incoming = take()
-    assert incoming is not None and incoming.peer == b"w"  # the session that attached
-    assert incoming.message is not None and incoming.message.rid == 3 and incoming.message.op == "push_pull"
-    assert incoming.message.fields == {"worker": 0, "version": 0, "seq": 1, "epoch": 0, "shm": "grads"}
-    sent = len(endpoint.sent)
-    server.handle(incoming)
-    assert len(endpoint.sent) == sent and server.store.version == 1  # applied, answered by the doorbell
-    reply = worker.take_reply()
-    assert reply is not None and reply.rid == 3 and reply.fields["outcome"] == "applied"
-    into = np.zeros(SIZE, np.float32)
-    worker.read_params(into, rid=3)
-    np.testing.assert_allclose(into, 0.9)
-    os.write(worker._knock_write, b"\x01")  # a second knock for request 3 is not a second push
-    assert take() is None
-    worker.close()  # the worker's knock pipe hangs up: the ps lets its memory go
-    assert take() is None and not server.shared.by_worker and knock_fd not in endpoint.listening
-
-
-def test_a_torn_or_bad_knock_is_not_applied() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker.offer())
-    (take,) = endpoint.listening.values()
-    worker.knock(3, version=0, seq=1, epoch=0, slot="grads")
-    worker._views.knock_seq[0] = 4  # the worker began writing request 4
-    assert take() is None
-    worker.knock(4, version=0, seq=2, epoch=0, slot="grads")
-    worker._views.knock[3] = 7  # no such slot
-    incoming = take()
-    assert incoming is not None
-    server.handle(incoming)
-    error = endpoint.sent[-1][1]
-    assert error.op == "error" and error.rid == 4 and "unknown shared-memory slot 7" in error.fields["error"]
-    assert server.store.version == 0
-    worker.close()
-
-
-def test_without_doorbells_a_ps_does_not_listen_for_knocks() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    _, endpoint = _attached_ps(worker.offer(bell=False))
-    assert endpoint.sent[-1][1].fields == {"bell": False, "knock": False} and not endpoint.listening
-    worker.close()
-
-
-def test_after_the_ps_lets_go_a_knock_fails_and_the_push_is_refused_at_once() -> None:
-    """The ps holds the only reader of a knock pipe it heard: closing it breaks the pipe, no push waits in it."""
-    with ps_over_tcp(shared_memory=True) as (_, address):
-        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2))
-        client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
-        try:
-            client.initialize({"w": np.zeros(SIZE, np.float32)}, JobSpec(SyncSpec("async").resolved(1), 10, 1), SGD())
-            assert client.shards[0].knocks
-            client.push_pull()
-            client.finish({})  # the ps lets the worker's memory go
-            started = time.monotonic()
-            with pytest.raises(RemoteError, match="has not offered"):
-                client.push_pull()
-            assert time.monotonic() - started < FAST.request_timeout_s / 2
-        finally:
-            client.close()
-            transport.close()
-
-
-def test_a_knock_an_earlier_attachment_never_read_is_not_replayed() -> None:
-    worker = shm.WorkerBuffers(SIZE)
-    server, endpoint = _attached_ps(worker.offer())
-    worker.knock(5, version=0, seq=1, epoch=0, slot="grads")  # then the ps let go before reading it
-    server.handle(Incoming(b"w", Message("attach", {"worker": 0, **worker.offer()}, rid=6)))
-    (take,) = endpoint.listening.values()
-    assert take() is None and server.store.version == 0
-    worker.knock(7, version=0, seq=2, epoch=0, slot="grads")
-    taken = take()
-    assert taken is not None and taken.message is not None and taken.message.rid == 7
-    worker.close()
-
-
-def test_a_server_listens_to_several_knock_pipes_and_stops_cleanly() -> None:
-    transport = ZmqTransport()
-    server = transport.serve("127.0.0.1:0", "ps 0")
-    pipes = [os.pipe2(os.O_NONBLOCK) for _ in range(2)]
-    try:
-        assert server.knocks
-        for n, (read, _) in enumerate(pipes):
-            server.listen(read, lambda n=n, read=read: os.read(read, 16) and Incoming(b"w%d" % n, None))
-            server.listen(read, lambda n=n, read=read: os.read(read, 16) and Incoming(b"w%d" % n, None))  # again
-        for _, write in pipes:
-            os.write(write, b"\x01")
-        got = [server.receive(1.0), server.receive(1.0)]
-        assert sorted(i.peer for i in got if i is not None) == [b"w0", b"w1"]
-        assert server.receive(0.05) is None
-        for read, _ in pipes:
-            server.unlisten(read)
-        os.write(pipes[0][1], b"\x01")
-        assert server.receive(0.05) is None  # no longer listened to: back to the socket alone
-    finally:
-        server.close()
-        transport.close()
-        for fds in pipes:
-            for fd in fds:
-                os.close(fd)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
@@ -460,3 +191,384 @@ def test_another_user_cannot_open_a_workers_shared_memory() -> None:
             assert done.returncode != 0 and b"Permission denied" in done.stderr, done.stderr
     finally:
         worker.close()
+
+
+# ------------------------------------------------------- the ps endpoint, lent to by hand
+class Lender:
+    """A worker's side of the ZeroMQ transport by hand: a DEALER socket and a memory file it lends."""
+
+    def __init__(self, server: ServerEndpoint, identity: bytes = b"w", size: int = SIZE):
+        self.server = server
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.sock.connect(server.address)
+        self.memory = shm.WorkerBuffers(size)
+        self.identity = identity
+
+    def send(self, message: Message) -> None:
+        self.sock.send_multipart(encode(message))
+
+    def reply(self, timeout_s: float = 10.0) -> Message:
+        assert self.sock.poll(int(timeout_s * 1000)), "no reply came"
+        return decode(self.sock.recv_multipart(), 1 << 24)
+
+    def attach(self, rid: int = 1, **change: Any) -> Message:
+        """Offer the memory; the endpoint answers itself: the ps never sees the offer."""
+        self.send(Message(ATTACH, {**self.memory.offer(), **change}, [], rid))
+        assert self.server.receive(0.3) is None
+        return self.reply()
+
+    def knock(self, rid: int, slot: str = "grads", **fields: Any) -> bool:
+        return self.memory.knock(rid, header("push_pull", rid, slot, **fields))
+
+    def close(self) -> None:
+        self.memory.close()
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+@contextmanager
+def ps_endpoint(**options: Any) -> Iterator[ZmqServer]:
+    transport = ZmqTransport(ZmqOptions(**options))
+    server = transport.serve("127.0.0.1:0", "ps 0")
+    try:
+        yield server
+    finally:
+        server.close()
+        transport.close()
+
+
+@contextmanager
+def lender(server: ServerEndpoint, identity: bytes = b"w", size: int = SIZE) -> Iterator[Lender]:
+    worker = Lender(server, identity, size)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+def test_a_knock_reaches_the_ps_as_the_message_it_stands_for_with_its_gradient_borrowed() -> None:
+    with ps_endpoint() as server, lender(server) as worker:
+        answer = worker.attach()
+        assert answer.op == ATTACHED and answer.fields == {"bell": True, "knock": True}
+        worker.memory.knocks_heard()
+        worker.memory.grads[...] = 1.5
+        assert worker.knock(3, worker=0, version=0, seq=1)
+        incoming = server.receive(5.0)
+        assert incoming is not None and incoming.peer == b"w" and incoming.message is not None
+        message = incoming.message
+        assert (message.op, message.rid, message.fields) == ("push_pull", 3, {"worker": 0, "version": 0, "seq": 1})
+        assert message.borrowed and not message.lent and (message.arrays[0] == 1.5).all()
+        assert server.lent_memory(b"w") and not server.lent_memory(b"someone else")
+        params = np.full(SIZE, 0.25, np.float32)
+        assert server.reply(b"w", Message("params", {"version": 1}, [params], 3, in_place=True))
+        params[:] = -1.0  # in place: the endpoint is done with it
+        rid, head = worker.memory.take_reply() or (0, b"")
+        reply = decode([head])
+        assert rid == 3 and reply.op == "params" and reply.fields == {"version": 1} and reply.lent == ["params"]
+        into = np.zeros(SIZE, np.float32)
+        worker.memory.read_params(into, rid=3)
+        assert (into == 0.25).all()
+        os.write(worker.memory._knock_write, b"\x01")  # a second knock for request 3 is not a second request
+        assert server.receive(0.2) is None
+
+
+def test_a_torn_knock_is_skipped_and_a_bad_one_refused_naming_why() -> None:
+    with ps_endpoint() as server, lender(server) as worker:
+        worker.attach()
+        worker.knock(3, worker=0)
+        worker.memory._views.knock.seq[0] = 4  # the worker began writing request 4
+        assert server.receive(0.2) is None
+        worker.knock(4, slot="params", worker=0)  # a region a request may not name
+        refused = server.receive(5.0)
+        assert refused is not None and refused.message is None and refused.rid == 4
+        assert "unknown shared-memory slot 'params'" in str(refused.error)
+        worker.memory.knock(5, encode(Message("push_pull", {"worker": 0}, [], 5))[0])  # names no memory at all
+        refused = server.receive(5.0)
+        assert refused is not None and refused.rid == 5 and "must name the memory" in str(refused.error)
+
+
+def test_a_request_naming_memory_the_endpoint_does_not_hold_is_sent_back_to_go_whole() -> None:
+    """Say a ps that restarted, or let go: its endpoint answers itself, the ps never sees the request."""
+    with ps_endpoint() as server, lender(server) as stranger:
+        stranger.sock.send_multipart([header("push_pull", 7, worker=0)])
+        assert server.receive(0.3) is None
+        answer = stranger.reply()
+        assert answer.op == UNLENT and answer.rid == 7 and "send it whole" in answer.fields["error"]
+        stranger.attach()  # lent now: memory and frames at once is refused
+        stranger.sock.send_multipart([*encode(Message("push_pull", {}, [np.ones(3, np.float32)], 8, lent=["grads"]))])
+        refused = server.receive(5.0)
+        assert refused is not None and refused.rid == 8 and "not both" in str(refused.error)
+
+
+@pytest.mark.parametrize("doorbells", [True, False], ids=["knock", "header"])
+def test_a_restarted_server_gets_the_request_whole_and_nothing_is_lost(doorbells: bool) -> None:
+    """The worker's transport finds out from a broken knock pipe, or from the new server's answer, and resends."""
+    first = ZmqTransport(ZmqOptions(doorbells=doorbells))
+    server = first.serve("127.0.0.1:0", "ps 0")
+    address = server.address.removeprefix("tcp://")
+    worker = ZmqTransport(ZmqOptions(doorbells=doorbells))
+    client = worker.connect([address], ["ps 0"], b"w")
+    second = ZmqTransport(ZmqOptions(doorbells=doorbells))
+    try:
+        buffers = client.buffers(0, SIZE)
+        for step in (1, 2):  # the second step goes through lent memory
+            buffers.grads[:] = step
+            pending = client.start_many({0: Message("push", {}, [buffers.grads], stable=True)})
+            incoming = server.receive(5.0)
+            assert incoming is not None and incoming.message is not None
+            assert server.reply(
+                b"w", Message("params", {}, [np.zeros(SIZE, np.float32)], incoming.message.rid, in_place=True)
+            )
+            pending.wait(10.0, "the parameters")
+        assert incoming.message.borrowed and client.sharing(0) != "frames"
+        server.close()
+        first.close()  # the process ends: what it mapped goes with it
+        restarted = second.serve(address, "ps 0")
+        buffers.grads[:] = 3.0
+        pending = client.start_many({0: Message("push", {}, [buffers.grads], stable=True)})
+        deadline, got = time.monotonic() + 10, None
+        while got is None and time.monotonic() < deadline:
+            client.receive(0.01)  # the worker waits for its reply, and takes the server's answer meanwhile
+            got = restarted.receive(0.05)
+        assert got is not None and got.message is not None and not got.message.borrowed
+        assert (got.message.arrays[0] == 3.0).all() and client.sharing(0) == "frames"
+        assert restarted.reply(b"w", Message("params", {}, [np.full(SIZE, 4.0, np.float32)], got.message.rid))
+        reply = pending.wait(10.0, "the parameters")[0]
+        assert (reply.arrays[0] == 4.0).all()
+    finally:
+        client.close()
+        for transport in (worker, first, second):
+            transport.close()
+
+
+def test_a_ps_that_does_not_take_shared_memory_answers_the_offer_with_why() -> None:
+    with ps_endpoint(shared_memory=False) as server, lender(server) as worker:
+        answer = worker.attach()
+        assert answer.op == REFUSED and "transport.shared_memory=false" in answer.fields["error"]
+        assert not server.lent_memory(b"w")
+        params = np.ones(SIZE, np.float32)
+        assert server.reply(b"w", Message("params", {}, [params], 3, in_place=True))
+        params[:] = 0.0  # sent as a copy: in place means the endpoint is done with it either way
+        reply = worker.reply()
+        assert not reply.lent and (reply.arrays[0] == 1.0).all()
+
+
+def test_an_offer_bigger_than_a_message_may_be_is_refused() -> None:
+    with ps_endpoint() as server, lender(server) as worker:
+        server.limit_incoming(SIZE * 4 - 4, 1 << 20)
+        assert worker.attach().op == REFUSED and not server.lent_memory(b"w")
+
+
+def test_without_doorbells_a_ps_listens_for_no_knock_and_sends_the_replys_header() -> None:
+    with ps_endpoint(doorbells=False) as server, lender(server) as worker:
+        assert worker.attach().fields == {"bell": False, "knock": False}
+        assert not worker.knock(3, worker=0) or server.receive(0.2) is None  # the ps holds no knock pipe
+        assert server.reply(b"w", Message("params", {"v": 1}, [np.full(SIZE, 2.0, np.float32)], 4, in_place=True))
+        reply = worker.reply()
+        assert reply.lent == ["params"] and not reply.arrays and reply.fields == {"v": 1}
+        into = np.zeros(SIZE, np.float32)
+        worker.memory.read_params(into, rid=4)
+        assert (into == 2.0).all()
+
+
+def test_a_reply_to_another_connection_is_never_written_into_this_ones_memory() -> None:
+    """E.g. a late answer to an earlier process of the worker: its memory is not the new one's."""
+    with ps_endpoint() as server, lender(server, b"wNEW") as worker, lender(server, b"wOLD") as old:
+        worker.attach()
+        assert old.sock.poll(0) == 0
+        assert server.reply(b"wOLD", Message("params", {}, [np.ones(SIZE, np.float32)], 2, in_place=True))
+        assert old.reply().arrays and worker.memory.take_reply() is None
+        with pytest.raises(PsdkError, match="belong to request 0"):
+            worker.memory.read_params(np.zeros(SIZE, np.float32), rid=2)
+
+
+def test_a_reply_never_overwrites_one_the_worker_has_not_read() -> None:
+    """Two answers due at once (say, pushes a sync round held): the first in place, the next whole, in frames."""
+    with ps_endpoint() as server, lender(server) as worker:
+        worker.attach()
+        for rid in (3, 4):
+            assert server.reply(b"w", Message("params", {}, [np.full(SIZE, rid, np.float32)], rid, in_place=True))
+        framed = worker.reply()
+        assert framed.rid == 4 and not framed.lent and (framed.arrays[0] == 4.0).all()
+        rid, _ = worker.memory.take_reply() or (0, b"")
+        into = np.zeros(SIZE, np.float32)
+        worker.memory.read_params(into, rid=3)
+        assert rid == 3 and (into == 3.0).all()
+        worker.send(Message("ping", {}, [], 5))  # asking again: it has read what came before
+        assert server.receive(5.0) is not None
+        assert server.reply(b"w", Message("params", {}, [np.full(SIZE, 5.0, np.float32)], 5, in_place=True))
+        assert (worker.memory.take_reply() or (0,))[0] == 5
+
+
+def test_a_forgotten_or_hung_up_lender_is_let_go_and_its_knocks_fail() -> None:
+    with ps_endpoint() as server, lender(server) as worker, lender(server, b"w2") as other:
+        worker.attach()
+        worker.memory.knocks_heard()
+        other.attach()
+        other.memory.knocks_heard()
+        server.forget(b"w")  # the ps: this worker finished
+        assert not server.lent_memory(b"w") and not worker.knock(3, worker=0)  # a broken pipe: send it as a message
+        other.memory.close()  # the worker's process is gone: its knock pipe hangs up
+        deadline = time.monotonic() + 10
+        while server.lent_memory(b"w2") and time.monotonic() < deadline:
+            server.receive(0.05)
+        assert not server.lent_memory(b"w2")
+        assert server._poller is None  # back to the socket alone
+
+
+def test_a_knock_an_earlier_offer_never_read_is_not_replayed() -> None:
+    with ps_endpoint() as server, lender(server) as worker:
+        worker.attach()
+        worker.memory.knocks_heard()
+        worker.memory._views.knock.write(5, header("push_pull", 5, worker=0))  # written, never knocked for
+        worker.attach(rid=6)  # e.g. after a recovery: a new offer, a new knock pipe
+        worker.memory.knocks_heard()
+        os.write(worker.memory._knock_write, b"\x01")  # a stray knock finds only request 5
+        assert server.receive(0.2) is None
+        worker.knock(7, worker=0)
+        taken = server.receive(5.0)
+        assert taken is not None and taken.message is not None and taken.message.rid == 7
+
+
+# ------------------------------------------------------------- a ps and a client
+@contextmanager
+def ps_over_tcp(shared_memory: bool) -> Iterator[tuple[ParameterServer, str]]:
+    with running_ps(scheme="tcp", shared_memory=shared_memory) as ps:
+        yield ps.servers[0], ps.addresses[0]
+
+
+def lent(server: ParameterServer) -> dict[bytes, shm.AttachedBuffers]:
+    endpoint = server.endpoint
+    assert isinstance(endpoint, ZmqServer)
+    return endpoint.links.by_peer
+
+
+def _train(
+    address: str,
+    shared_memory: bool,
+    copy: bool,
+    doorbells: bool = True,
+    before_close: Callable[[ParameterClient], None] | None = None,
+) -> tuple[np.ndarray, str]:
+    """Ten SGD steps of made-up gradients from one worker; the final parameters, and how arrays travelled.
+
+    ``before_close`` looks at the ps while the worker is still there (what it lent goes when it closes).
+    """
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory, doorbells=doorbells))
+    client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
+    try:
+        job = JobSpec(SyncSpec("async").resolved(1), 10, 1)
+        client.initialize({"w": np.linspace(-1, 1, SIZE, dtype=np.float32)}, job, SGD(lr=0.5))
+        rng = np.random.default_rng(0)
+        done = False
+        while not done:
+            client.grads["w"][...] = rng.standard_normal(SIZE).astype(np.float32)
+            done = client.finish_push_pull(client.start_push_pull(copy=copy)).done
+        client.pull()
+        if before_close is not None:
+            before_close(client)
+        return client.params["w"].copy(), client.endpoint.sharing(0)
+    finally:
+        client.close()
+        transport.close()
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "outbox"])
+def test_training_through_shared_memory_matches_training_through_frames(copy: bool) -> None:
+    def knocked_and_rung(client: ParameterClient) -> None:
+        ((_, attached),) = lent(server).items()
+        assert attached.bell >= 0 and attached.knock >= 0 and attached._last_knock > 0
+
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        shared_params, sharing = _train(address, shared_memory=True, copy=copy, before_close=knocked_and_rung)
+        assert sharing == "shared memory, doorbell and knocks"
+        deadline = time.monotonic() + 10  # the closed worker's knock pipe hung up: the ps lets its memory go
+        while lent(server) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not lent(server)
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        framed_params, sharing = _train(address, shared_memory=False, copy=copy)
+        assert sharing == "frames" and not lent(server)
+    np.testing.assert_array_equal(shared_params, framed_params)
+    assert not np.array_equal(shared_params, np.linspace(-1, 1, SIZE, dtype=np.float32))
+
+
+def test_without_doorbells_the_parameters_still_come_through_shared_memory() -> None:
+    def no_pipes(client: ParameterClient) -> None:  # pushes and replies were header-only ZeroMQ messages
+        ((_, attached),) = lent(server).items()
+        assert attached.bell == -1 and attached.knock == -1
+
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        params, sharing = _train(address, shared_memory=True, copy=False, doorbells=False, before_close=no_pipes)
+        assert sharing == "shared memory"
+    with ps_over_tcp(shared_memory=True) as (server, address):
+        rung, _ = _train(address, shared_memory=True, copy=False)
+    np.testing.assert_array_equal(params, rung)
+
+
+def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
+    with ps_over_tcp(shared_memory=False) as (server, address):
+        params, sharing = _train(address, shared_memory=True, copy=False)
+        assert sharing == "frames" and not lent(server)
+        assert server.stats.rejected == 0  # a refusal is not a rejected request
+        assert server.store.version == 10
+    assert np.isfinite(params).all()
+
+
+def test_after_the_ps_lets_go_a_knock_fails_and_the_push_goes_whole_at_once() -> None:
+    """The ps holds the only reader of a knock pipe it heard: letting go breaks the pipe, no push waits in it."""
+    with ps_over_tcp(shared_memory=True) as (_, address):
+        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2))
+        client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
+        try:
+            client.initialize({"w": np.zeros(SIZE, np.float32)}, JobSpec(SyncSpec("async").resolved(1), 10, 1), SGD())
+            client.push_pull()
+            assert client.endpoint.sharing(0) == "shared memory, doorbell and knocks"
+            client.finish({})  # the ps lets what the worker lent go
+            started = time.monotonic()
+            with contextlib.suppress(RemoteError):  # a finished worker's push: whatever the ps answers, at once
+                client.push_pull()
+            assert time.monotonic() - started < FAST.request_timeout_s / 2
+            assert client.endpoint.sharing(0) == "frames"
+        finally:
+            client.close()
+            transport.close()
+
+
+class CapturingEndpoint(ServerEndpoint):
+    """Collects the ps's replies, so a test can drive its handlers one request at a time."""
+
+    address = "capture"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Message]] = []
+        self.forgotten: list[bytes] = []
+
+    def receive(self, timeout_s: float) -> Incoming | None:
+        return None
+
+    def reply(self, peer: bytes, message: Message) -> bool:
+        self.sent.append((peer, message))
+        return True
+
+    def forget(self, peer: bytes) -> None:
+        self.forgotten.append(peer)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_ps_tells_its_endpoint_to_let_go_of_a_finished_worker() -> None:
+    endpoint = CapturingEndpoint()
+    server = ParameterServer(endpoint, 0)
+    job = JobSpec(SyncSpec("async").resolved(1), 10, 1).to_json()
+    init = Message(
+        "init", {"worker": 0, "job": job, "rule": SGD(lr=0.1).to_json(), "names": ["w"]}, [np.ones(SIZE, np.float32)]
+    )
+    server.handle(Incoming(b"w", init))
+    assert endpoint.forgotten == []
+    server.handle(Incoming(b"w", Message("finish", {"worker": 0}, rid=4)))
+    assert endpoint.forgotten == [b"w"]

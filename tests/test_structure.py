@@ -17,16 +17,13 @@ pytestmark = pytest.mark.timeout(60)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "psdk"
 MAX_LINES = 500
-SIZE_CHECKED = (
-    "ps",
-    "client",
-    "protocol.py",
-    "transport.py",
-    "zmq_transport.py",
-    "inproc_transport.py",
-    "recovery.py",
-    "testing/fuzz",
-)
+SIZE_CHECKED = ("ps", "client", "protocol.py", "transport", "recovery.py", "testing/fuzz")
+BEHIND_THE_TRANSPORT = ("psdk.ps", "psdk.client")
+THE_INTERFACE = {"psdk.transport", "psdk.transport.contract", "psdk.transport.wire"}
+"""All of psdk.transport the ps and the client may import: the contract and its messages."""
+WIRING = {"psdk.ps.main"}
+"""Where a ps process chooses and builds its transport from its options (as psdk.connect does a worker's)."""
+LOW_LEVEL = {"zmq", "mmap", "fcntl", "socket", "select", "selectors"}
 
 
 def _module_name(path: Path) -> str:
@@ -91,6 +88,25 @@ def test_no_module_of_psdk_imports_one_that_imports_it_back() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return {name.split(".")[0] for name in names}
+
+
+def test_the_ps_and_the_client_speak_only_the_transport_interface() -> None:
+    """No socket, memory file, pipe or key in the ps or the client: shared memory and CURVE live in the transport."""
+    graph = import_graph()
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    checked = [m for m in graph if m.startswith(BEHIND_THE_TRANSPORT) and m not in WIRING]
+    assert "psdk.ps.server" in checked and "psdk.client.client" in checked
+    reached = {m: {d for d in graph[m] if d.startswith("psdk.transport") and d not in THE_INTERFACE} for m in checked}
+    assert not any(reached.values()), {m: sorted(d) for m, d in reached.items() if d}
+    low = {m: _top_level_imports(paths[m]) & LOW_LEVEL for m in checked}
+    assert not any(low.values()), {m: sorted(d) for m, d in low.items() if d}
 
 
 def test_the_ps_the_client_the_transport_and_the_fuzzers_are_made_of_modules_of_at_most_500_lines() -> None:

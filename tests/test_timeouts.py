@@ -19,7 +19,7 @@ from psdk.errors import PortInUseError, PsdkError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 from .conftest import PsCluster, free_port, running_ps
 from .test_server import FAST, INIT, grads, in_thread, wait_until

@@ -13,8 +13,8 @@ import zmq
 
 from psdk.errors import PeerDeadError, PeerTimeoutError, PortInUseError
 from psdk.transport import ServerEndpoint
-from psdk.wire import Message
-from psdk.zmq_transport import ZmqTransport
+from psdk.transport.wire import Message
+from psdk.transport.zeromq import ZmqTransport
 
 
 @contextmanager

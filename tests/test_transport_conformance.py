@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from psdk import security
 from psdk.errors import PeerTimeoutError
-from psdk.inproc_transport import InprocClient, InprocHub, InprocServer, InprocTransport, frames_of
 from psdk.testing import transport_conformance
 from psdk.testing.transport_conformance import Net, Role, TransportConformance, TransportFactory
-from psdk.transport import ClientEndpoint, Transport
-from psdk.wire import MAX_REPLY_HEADER_BYTES, Message, encode
-from psdk.zmq_transport import ZmqClient, ZmqOptions, ZmqTransport
+from psdk.transport import ClientEndpoint, Transport, security
+from psdk.transport.inproc import InprocClient, InprocHub, InprocServer, InprocTransport, frames_of
+from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, Message, encode
+from psdk.transport.zeromq import ZmqClient, ZmqOptions, ZmqTransport
 
 NUM_PS, NUM_WORKERS = 3, 4
 """Enough keys for the suite: it serves at most three ps tasks and connects as at most four workers."""

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from psdk.errors import ProtocolError
-from psdk.wire import MalformedMessage, Message, decode, encode
+from psdk.transport.wire import MalformedMessage, Message, decode, encode
 
 
 def frames_of(message: Message) -> list[bytes]:

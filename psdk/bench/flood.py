@@ -35,9 +35,9 @@ from psdk.consistency import SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.testing.zmtp import RawZmtpPeer
-from psdk.wire import MAX_HEADER_BYTES
-from psdk.zmq_guard import CHECK_EVERY_S
-from psdk.zmq_transport import FRAMING_SLACK_BYTES, REPLY_QUEUE_MESSAGES, ZmqOptions, ZmqTransport
+from psdk.transport.wire import MAX_HEADER_BYTES
+from psdk.transport.zeromq import FRAMING_SLACK_BYTES, REPLY_QUEUE_MESSAGES, ZmqOptions, ZmqTransport
+from psdk.transport.zmq_guard import CHECK_EVERY_S
 
 MiB = 1 << 20
 SIZE = 79_510

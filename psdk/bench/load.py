@@ -25,7 +25,7 @@ from psdk.consistency import SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 
 @dataclass

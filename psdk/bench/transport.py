@@ -7,7 +7,7 @@ exchanging zero-copy frames (reused, as a careful hand-written server would),
 no headers to speak of, no checks, no update. psdk runs its real ps with the
 no-op update rule, so what differs is psdk's own machinery. psdk runs twice:
 as it runs by default on one host (arrays in shared memory, headers over
-ZeroMQ: :mod:`psdk.shm`) and with ``shared_memory=False``, every array in
+ZeroMQ: :mod:`psdk.transport.shm`) and with ``shared_memory=False``, every array in
 ZeroMQ frames as between hosts. Besides round trips per second, each side's
 CPU time per round trip is reported: it varies less than wall time on a busy
 machine.
@@ -64,9 +64,9 @@ def _raw_server(size: int, queue: Any) -> None:
 
 
 def _psdk_server(size: int, queue: Any, keys: str | None = None, shared_memory: bool = True) -> None:
-    from psdk import security
     from psdk.ps.server import ParameterServer
-    from psdk.zmq_transport import ZmqOptions, ZmqTransport
+    from psdk.transport import security
+    from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
     curve = security.load_server(Path(keys)) if keys else None
     transport = ZmqTransport(ZmqOptions(curve=curve, shared_memory=shared_memory))
@@ -124,13 +124,13 @@ def _raw_client(address: str, size: int, count: int, warmup: int) -> tuple[float
 def _psdk_client(
     address: str, size: int, count: int, warmup: int, keys: str | None = None, shared_memory: bool = True
 ) -> tuple[float, float, float, float]:
-    from psdk import security
     from psdk.client import ParameterClient
     from psdk.cluster import ClusterSpec
     from psdk.consistency import SyncSpec
     from psdk.jobspec import JobSpec
     from psdk.optim import NoOp
-    from psdk.zmq_transport import ZmqOptions, ZmqTransport
+    from psdk.transport import security
+    from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
     curve = security.load_worker(Path(keys), 0) if keys else None
     transport = ZmqTransport(ZmqOptions(curve=curve, shared_memory=shared_memory))
@@ -138,9 +138,9 @@ def _psdk_client(
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)
         client.initialize({"w": np.zeros(size, np.float32)}, job, NoOp())
-        if client.shards[0].shared != shared_memory:
+        client.pull()  # by its reply the ps has answered the transport's offer of memory
+        if (client.endpoint.sharing(0) != "frames") != shared_memory:
             raise RuntimeError(f"asked for shared_memory={shared_memory}, the ps and worker settled otherwise")
-        client.pull()
         client.grads["w"][...] = 1.0
         for _ in range(warmup):
             client.push_pull()
@@ -168,7 +168,7 @@ def measure(kind: str, size: int, count: int, warmup: int = 50, keys: str | None
 
     ``psdk`` is psdk as it runs on one host (shared memory), ``psdk-frames``
     with every array in ZeroMQ frames. ``keys`` (a folder from
-    :func:`psdk.security.generate`) turns CURVE on for psdk.
+    :func:`psdk.transport.security.generate`) turns CURVE on for psdk.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r} (one of {KINDS})")
@@ -220,7 +220,7 @@ def compare(size: int, count: int, reps: int) -> dict[str, Any]:
 def curve_cost(size: int, count: int, reps: int) -> dict[str, Any]:
     """psdk's push-and-pull with CURVE off and on, alternated ``reps`` times, on one host (shared memory) and over
     frames; medians of round trips/s and of CPU per round trip (client + server), and CURVE's ratio to off."""
-    from psdk import security
+    from psdk.transport import security
 
     out: dict[str, Any] = {"size": size, "reps": reps, "count": count}
     with tempfile.TemporaryDirectory(prefix="psdk-keys-") as tmp:

@@ -23,7 +23,7 @@ from psdk import protocol, recovery
 from psdk.checkpoint import Checkpoint
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
-from psdk.client.memory import new_buffers, offer_memory, release_buffers
+from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.errors import (
@@ -36,9 +36,8 @@ from psdk.errors import (
 )
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
-from psdk.sharding import assign_shards, flat_size, layout, views
 from psdk.transport import ClientEndpoint, Pending, Transport
-from psdk.wire import HEARTBEAT_SUFFIX, Message
+from psdk.transport.wire import HEARTBEAT_SUFFIX, Message
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class ClientOptions:
     shared_memory: bool = True
     """Offer a ps on this host shared memory for the arrays (it may turn the offer down); False: ZeroMQ frames."""
     doorbells: bool = True
-    """With shared memory, pushes and replies ring pipes instead of crossing ZeroMQ (see psdk.shm)."""
+    """With shared memory, pushes and replies ring pipes instead of crossing ZeroMQ (see psdk.transport.lending)."""
     io_threads: int = 1
     """ZeroMQ I/O threads of this worker's transport."""
 
@@ -184,42 +183,11 @@ class ParameterClient:
         With ``restore``, the shards start from that checkpoint's variables,
         slots, rule step and global step instead (re-sharded by name).
         """
-        if restore is not None:
-            restore.check_matches({n: tuple(np.shape(v)) for n, v in variables.items()})
-            expected = set(rule.slot_names())
-            if set(restore.slots) != expected:
-                raise PsdkError(
-                    f"the checkpoint keeps optimizer slots {sorted(restore.slots)} "
-                    f"({restore.rule.get('name')}) but optimizer={rule.name} keeps {sorted(expected)}: "
-                    f"resume with optimizer={restore.rule.get('name')}"
-                )
-            variables = restore.variables
-        order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
-        self._creation_order = [name for name, _ in order]
+        variables = checked_variables(variables, rule, restore)
+        self._creation_order = list(variables)
         self.rule_json = rule.to_json()
-        self.fallback = restore or Checkpoint(
-            global_step=0,
-            variables={n: np.array(v, np.float32) for n, v in variables.items()},
-            slots={s: {n: np.zeros(np.shape(v), np.float32) for n, v in variables.items()} for s in rule.slot_names()},
-            rule=self.rule_json,
-        )
-        placement = assign_shards(order, self.cluster.num_ps, sharding)
-        messages = {}
-        for index in range(self.cluster.num_ps):
-            names = [name for name, _ in order if placement[name] == index]
-            arrays = [np.ascontiguousarray(variables[n], dtype=np.float32) for n in names]
-            fields: dict[str, Any] = {"job": job.to_json(), "rule": rule.to_json(), "names": names}
-            if restore is not None:
-                slot_names = list(restore.slots)
-                fields["restore"] = {
-                    "version": restore.global_step,
-                    "rule_step": restore.rule_step,
-                    "slots": slot_names,
-                }
-                arrays += [
-                    np.ascontiguousarray(restore.slots[s][n], dtype=np.float32) for s in slot_names for n in names
-                ]
-            messages[index] = self.message("init", arrays, **fields)
+        self.fallback = initial_state(variables, rule, restore)
+        messages = init_requests(self.message, variables, job, rule, self.cluster.num_ps, sharding, restore)
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.init_timeout_s)
         )
@@ -261,25 +229,11 @@ class ParameterClient:
                 time.sleep(0.5)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
-        release_buffers(self.endpoint, self.shards)
-        self.shards, self._params, self._grads = [], {}, {}
-        jobs = set()
+        self.shards, self._params, self._grads = shards_from(replies, self.endpoint, self.cluster.num_ps)
         for index in range(self.cluster.num_ps):
-            fields = replies[index].fields
-            specs = layout([(n, tuple(s)) for n, s in zip(fields["names"], fields["shapes"], strict=True)])
-            size = flat_size(specs)
-            buffers = new_buffers(self.endpoint, size, self.task_index)
-            grads = buffers.grads if buffers is not None else np.zeros(size, np.float32)
-            shard = Shard(specs, int(fields["version"]), np.zeros(size, np.float32), grads, buffers)
-            self.shards.append(shard)
-            self._params.update(views(shard.params, specs))
-            self._grads.update(views(shard.grads, specs))
-            jobs.add(repr(fields["job"]))
-            self.set_boot(index, fields.get("boot"))
+            self.set_boot(index, replies[index].fields.get("boot"))
         self.epoch = int(replies[0].fields.get("epoch", 0))
-        self.job = JobSpec.from_json(replies[0].fields["job"])
-        if len(jobs) > 1:
-            raise PsdkError("the ps shards were initialised for different jobs: restart every ps task")
+        self.job = job_of(replies)
         if self.job.num_workers != self.cluster.num_workers:
             log.warning(
                 "worker %d: the chief started the job with %d workers but this task's cluster has %d",
@@ -287,11 +241,11 @@ class ParameterClient:
                 self.job.num_workers,
                 self.cluster.num_workers,
             )
-        self.share_memory()
 
-    def share_memory(self) -> None:
-        """Offer every ps on this host this worker's shard buffers (again after a recovery: see psdk.client.memory)."""
-        offer_memory(self, self.endpoint, self.shards)
+    def renew(self) -> None:
+        """After a recovery: lend a restarted ps again what the transport had lent its old self."""
+        for index in range(self.cluster.num_ps):
+            self.endpoint.renew(index)
 
     @property
     def initialized(self) -> bool:
@@ -354,27 +308,17 @@ class ParameterClient:
                     np.copyto(view, grads[name], casting="same_kind")
         basis = basis or self.basis()
         self._seq += 1
-        messages, knocked = {}, {}
+        messages = {}
         for i in self._live():
             shard = self.shards[i]
-            fields: dict[str, Any] = {"version": basis.versions[i], "seq": self._seq, "epoch": basis.epoch}
-            if shard.shared and shard.buffers is not None:
-                slot = "outbox" if copy else "grads"
-                if copy:
-                    np.copyto(shard.buffers.outbox, shard.grads)
-                if shard.knocks:
-                    rid = self.endpoint.new_rid()
-                    if shard.buffers.knock(rid, basis.versions[i], self._seq, basis.epoch, slot):
-                        knocked[i] = rid
-                        continue
-                fields["shm"] = slot
-                messages[i] = self.message("push_pull", **fields)
-            else:
-                messages[i] = self.message("push_pull", [shard.grads], **fields)
-                messages[i].stable, messages[i].volatile = not copy, copy
-        pending = self.endpoint.start_many(messages)
-        pending.expected.update(knocked)
-        return pending
+            grad = shard.grads
+            if copy:  # the next gradient may be computed into grads while this one travels
+                np.copyto(shard.outbox, grad)
+                grad = shard.outbox
+            fields = {"version": basis.versions[i], "seq": self._seq, "epoch": basis.epoch}
+            messages[i] = self.message("push_pull", [grad], **fields)
+            messages[i].stable = True  # one of the shard's long-lived buffers (which the transport may have lent)
+        return self.endpoint.start_many(messages)
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
         """Wait for every shard's reply and take in the fresh parameters.
@@ -413,13 +357,9 @@ class ParameterClient:
 
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]
-        if reply.fields.get("shm"):
-            if shard.buffers is None:
-                raise PsdkError(f"{self.names[index]} answered through shared memory this worker did not offer it")
-            shard.buffers.read_params(shard.params, reply.rid)
-        elif len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:
+        if len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:
             raise PsdkError(f"{self.names[index]} sent parameters of the wrong size")
-        else:
+        if reply.arrays[0] is not shard.params:  # else the transport wrote them in place
             np.copyto(shard.params, reply.arrays[0])
         shard.version = int(reply.fields["version"])
 
@@ -483,4 +423,3 @@ class ParameterClient:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.endpoint.close()
-        release_buffers(self.endpoint, self.shards)

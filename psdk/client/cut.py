@@ -19,7 +19,7 @@ from psdk.client.shards import Requests, Shard
 from psdk.errors import CheckpointAbandoned, PsdkError, RemoteError, TransportError
 from psdk.failpoints import CHECKPOINT_PAUSED, failpoint
 from psdk.sharding import views
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 
 def checkpoint_cut(

@@ -1,7 +1,7 @@
 """What a worker knows of each ps shard, and what a step or a recovery tells it.
 
 Kept apart from :mod:`psdk.client.client` so the parts of the client (its
-checkpoint cut, its shared memory, :mod:`psdk.recovery`) share these types
+checkpoint cut, :mod:`psdk.recovery`) share these types
 without importing the client itself.
 """
 
@@ -14,8 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from psdk.sharding import VarSpec
-from psdk.shm import WorkerBuffers
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 
 class Requests(Protocol):
@@ -66,12 +65,11 @@ class Shard:
     version: int
     params: np.ndarray
     grads: np.ndarray
-    buffers: WorkerBuffers | None = None
-    """The gradient (and a reply region) in memory a ps on this host can map; ``grads`` lives there."""
-    shared: bool = False
-    """The ps has mapped :attr:`buffers`: arrays go through them, messages carry only headers."""
-    knocks: bool = False
-    """The ps listens for knocks on :attr:`buffers`: a push is a knock, not a message."""
+    outbox: np.ndarray
+    """A copy of a gradient that travels while the next one is computed into :attr:`grads`.
+
+    All three come from the transport (``ClientEndpoint.buffers``), which may have lent them to the ps.
+    """
 
     @property
     def size(self) -> int:

@@ -15,14 +15,15 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from psdk import announce, security
+from psdk import announce
 from psdk.cluster import ClusterSpec, Topology
 from psdk.config.options import TaskOptions, TransportOptions
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PsdkError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
-from psdk.security import CurveKeys
+from psdk.transport import security
+from psdk.transport.security import CurveKeys
 
 log = logging.getLogger(__name__)
 

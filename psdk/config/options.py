@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from psdk.client import ClientOptions
     from psdk.cluster import ClusterSpec
     from psdk.ps.server import ServerOptions
-    from psdk.security import CurveKeys
-    from psdk.zmq_transport import ZmqOptions
+    from psdk.transport.security import CurveKeys
+    from psdk.transport.zeromq import ZmqOptions
 
 
 class _Group:
@@ -253,7 +253,7 @@ class TaskOptions:
 
     def ps_transport(self, num_workers: int, curve: CurveKeys | None) -> ZmqOptions:
         """A ps's socket settings: ``transport.*``, with ``ps.io_threads`` and ``ps.max_connections``."""
-        from psdk.zmq_transport import ZmqOptions
+        from psdk.transport.zeromq import ZmqOptions
 
         t = self.transport
         return ZmqOptions(

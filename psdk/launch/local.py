@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from psdk import announce, checkpoint, security
+from psdk import announce, checkpoint
 from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.config.options import TaskOptions, options_from
@@ -40,6 +40,7 @@ from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
 from psdk.placement import RankPlacement, visible_gpus
 from psdk.plugins import check_framework
+from psdk.transport import security
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from psdk import security
 from psdk.cluster import Topology
 from psdk.config import build
 from psdk.errors import ConfigError, JobFailedError, PsdkError
 from psdk.launch.local import LocalLauncher, Task, task_args
 from psdk.launch.ray_actors import POLL_S, RPC_TIMEOUT_S, RemoteProcess, TaskRunner
+from psdk.transport import security
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 from psdk.errors import ProtocolError
 from psdk.ps.sessions import session_of
 from psdk.ps.shard import MAX_WAITS_PER_WORKER, ServedShard
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.ps.server")
 

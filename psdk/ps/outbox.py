@@ -14,7 +14,7 @@ from psdk.errors import ProtocolError
 from psdk.logs import RateLimitedLog
 from psdk.ps.stats import ShardStats
 from psdk.transport import ServerEndpoint
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.ps.server")
 
@@ -41,10 +41,6 @@ class Outbox:
             message = Message("error", {"error": text, "kind": "internal"}, [], message.rid)
             self.endpoint.reply(peer, message)
         self.stats.replies[message.op] += 1
-
-    def count_rang(self) -> None:
-        """A reply that left through a worker's doorbell (see :mod:`psdk.ps.shared`), not as a message."""
-        self.stats.replies["params"] += 1
 
     def error(self, peer: bytes, rid: int, text: str, kind: str = "error") -> None:
         if len(text) > MAX_ERROR_CHARS:

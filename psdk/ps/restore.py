@@ -13,7 +13,7 @@ import logging
 from psdk.consistency import make_policy
 from psdk.errors import ProtocolError
 from psdk.ps.shard import ServedShard, restore_state
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.ps.server")
 

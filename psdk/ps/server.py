@@ -10,7 +10,6 @@ to the part that owns it:
 * :mod:`psdk.ps.shard`: the variables and the job (init, pull, push_pull, stop_at);
 * :mod:`psdk.ps.checkpoints`: the chief's pause, state and resume;
 * :mod:`psdk.ps.restore`: the chief's restore after a lost shard;
-* :mod:`psdk.ps.shared`: workers on this host whose memory it has mapped;
 
 and every reply leaves through one :class:`~psdk.ps.outbox.Outbox`.
 """
@@ -39,12 +38,10 @@ from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions, session_of
 from psdk.ps.shard import ServedShard
-from psdk.ps.shared import SharedMemorySessions
 from psdk.ps.stats import ShardStats
-from psdk.security import worker_name
 from psdk.store import FlatStore, ParameterStore
-from psdk.transport import Incoming, ServerEndpoint
-from psdk.wire import Message
+from psdk.transport import Incoming, ServerEndpoint, worker_name
+from psdk.transport.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +108,6 @@ class ParameterServer:
         self.outbox = Outbox(endpoint, self.stats, self.name)
         membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
         self.sessions = Sessions(self.name, membership, self.options.max_workers)
-        self.shared = SharedMemorySessions(endpoint, self.store, self.outbox, self.name)
         self.pause = PauseLease(self.options.pause_lease_s)
         self.shard = ServedShard(
             self.name,
@@ -120,7 +116,6 @@ class ParameterServer:
             self.outbox,
             self.stats,
             self.sessions,
-            self.shared,
             self.pause,
             recovery=self.options.recovery,
             max_pushes_in_flight=self.options.max_pushes_in_flight,
@@ -137,7 +132,6 @@ class ParameterServer:
             "wait_init": shard.on_wait_init,
             "pull": shard.on_pull,
             "push_pull": shard.on_push_pull,
-            "attach": self.shared.on_attach,
             "finish": self._on_finish,
             "status": self._on_status,
             "stats": self._on_stats,
@@ -204,7 +198,6 @@ class ParameterServer:
                     self._next_housekeeping = now + HOUSEKEEPING_S
                     self._housekeeping(now)
         finally:
-            self.shared.let_go_all()
             self.endpoint.close()
         return self.exit_code if self.exit_code is not None else 0
 
@@ -237,8 +230,9 @@ class ParameterServer:
             if incoming.user is not None and incoming.user != worker_name(worker):
                 raise ProtocolError(f"the key of {incoming.user} cannot speak for worker {worker}")
             now = time.monotonic()
-            if self.sessions.bind(worker, incoming.peer, now):
-                self._forget_old_process(worker)
+            replaced = self.sessions.bind(worker, incoming.peer, now)
+            if replaced is not None:
+                self._forget_old_process(worker, replaced)
             self.membership.seen(worker, now)
             if worker == CHIEF:
                 self.pause.renew(session_of(incoming.peer), now)
@@ -249,12 +243,12 @@ class ParameterServer:
         except Exception as exc:  # a bug must not take the shard down with it
             self.outbox.internal_error(incoming.peer, message.rid, f"handling {message.op[:64]}", exc)
 
-    def _forget_old_process(self, worker: int) -> None:
+    def _forget_old_process(self, worker: int, old: bytes) -> None:
         """A worker that died is back as a new process: what belonged to the old one goes."""
         if worker == CHIEF:
             self.checkpoints.end_pause("the chief is back as a new process")
         self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
-        self.shared.let_go(worker)  # the old process's memory; the new one offers its own
+        self.endpoint.forget(old)  # what the old process lent the transport; the new one lends its own
 
     def _housekeeping(self, now: float) -> None:
         for worker, reason in self.membership.check(now):
@@ -341,7 +335,7 @@ class ParameterServer:
 
     def _on_finish(self, peer: bytes, message: Message, worker: int) -> None:
         self.membership.finish(worker)
-        self.shared.let_go(worker)  # its last pulls are answered in frames; its memory is let go
+        self.endpoint.forget(peer)  # its last pulls are answered in frames; what it lent is let go
         report = message.fields.get("report")
         if isinstance(report, dict):  # kept for the chief's summary: one small report per worker
             size = len(json.dumps(report))

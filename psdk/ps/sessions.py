@@ -6,8 +6,8 @@ used it and refuses the id from any other, so a request that claims to come
 from a worker but arrives on another connection, such as a replayed or
 forged one, is refused before it can touch the store. A worker that died
 may come back on a new connection: :meth:`Sessions.bind` says so, and the ps
-forgets what belonged to the old process (its push counter, its shared
-memory, a pause its chief held).
+forgets what belonged to the old process (its push counter, what it lent
+the transport, a pause its chief held).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 
 from psdk.errors import ProtocolError
 from psdk.ps.membership import Membership
-from psdk.wire import HEARTBEAT_SUFFIX
+from psdk.transport.wire import HEARTBEAT_SUFFIX
 
 log = logging.getLogger("psdk.ps.server")
 
@@ -41,18 +41,18 @@ class Sessions:
         if worker >= self.max_workers:
             raise ProtocolError(f"worker {worker} is beyond the {self.max_workers} workers this ps serves")
 
-    def bind(self, worker: int, peer: bytes, now: float) -> bool:
-        """Accept ``peer`` as ``worker``'s connection; ``True`` when it is a new process of a worker that died."""
+    def bind(self, worker: int, peer: bytes, now: float) -> bytes | None:
+        """Accept ``peer`` as ``worker``'s connection; the old one's when it is a new process of a worker that died."""
         session = session_of(peer)
         known = self.by_worker.get(worker)
         if known == session:
-            return False
+            return None
         if known is not None and not self.membership.gone(worker, now):
             raise ProtocolError(f"worker {worker} is already connected from another session: not accepted")
         self.by_worker[worker] = session
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
-        return known is not None
+        return known
 
     def current(self, worker: int, peer: bytes) -> bool:
         """Whether ``peer`` is the connection of ``worker``'s current process."""

@@ -30,11 +30,10 @@ from psdk.ps.membership import Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
-from psdk.ps.shared import SharedMemorySessions
 from psdk.ps.stats import ShardStats
 from psdk.store import ParameterStore, RestoreState
 from psdk.transport import ServerEndpoint
-from psdk.wire import MAX_HEADER_BYTES, Message
+from psdk.transport.wire import MAX_HEADER_BYTES, Message
 
 log = logging.getLogger("psdk.ps.server")
 
@@ -69,13 +68,12 @@ class ServedShard:
         outbox: Outbox,
         stats: ShardStats,
         sessions: Sessions,
-        shared: SharedMemorySessions,
         pause: PauseLease,
         recovery: bool,
         max_pushes_in_flight: int,
     ):
         self.name, self.store, self.endpoint, self.outbox, self.stats = name, store, endpoint, outbox, stats
-        self.sessions, self.shared, self.pause = sessions, shared, pause
+        self.sessions, self.pause = sessions, pause
         self.recovery = recovery
         """Dead tasks come back (recovery.enabled): a restarted, empty shard answers "resync", not an error."""
         self.max_pushes_in_flight = max_pushes_in_flight
@@ -88,6 +86,8 @@ class ServedShard:
         self.failure: str | None = None
         self.init_waiters: list[tuple[bytes, int, int]] = []  # peer, rid, worker
         self._reply_buffers: dict[int, np.ndarray] = {}
+        self._grad_copy = np.zeros(0, np.float32)
+        """A borrowed gradient (in a worker's memory) is copied here when the rule must read it twice."""
 
     @property
     def membership(self) -> Membership:
@@ -138,7 +138,8 @@ class ServedShard:
         fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
         if self.policy is not None and self.job is not None and not self.job.sync.waits_for_rounds:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
-        if self.shared.send_params(worker, peer, self.store.params(), rid, fields):
+        if self.endpoint.lent_memory(peer):  # written into the worker's memory during the call: no copy of ours
+            self.outbox.deliver(peer, Message("params", fields, [self.store.params()], rid, in_place=True))
             return
         # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is
         # safe to refill on the worker's next request: the worker only sends one once it has this reply.
@@ -221,19 +222,14 @@ class ServedShard:
             return
         self.require_init()
         version, seq = message.fields["version"], message.fields["seq"]
-        slot = message.fields.get("shm")
-        if len(message.arrays) != (0 if slot is not None else 1):
-            raise ProtocolError("push_pull carries exactly one flat gradient (in a frame or in shared memory)")
+        if len(message.arrays) != 1:
+            raise ProtocolError("push_pull carries exactly one flat gradient")
         if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
             self.resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
             return
-        if slot is None:
-            grad = message.arrays[0]
-            # A worker pushing in frames is not reading its shared memory (e.g. another shard refused its
-            # offer and it gave up sharing altogether): answer it in frames too, never through its doorbell.
-            self.shared.let_go(worker)
-        else:
-            grad = self.shared.gradient(worker, slot, self.store.needs_stable_gradient())
+        grad = message.arrays[0]
+        if message.borrowed and self.store.needs_stable_gradient():
+            grad = self._stable(grad)
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
             raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
         if version > self.store.version:
@@ -258,6 +254,17 @@ class ServedShard:
             self.outbox.error(peer, message.rid, self.failure, "failed")
             return
         self.submit(Push(peer, message.rid, worker, version, grad, bound=bound))
+
+    def _stable(self, grad: np.ndarray) -> np.ndarray:
+        """A copy of a borrowed gradient, for a rule that reads it twice (to check it, then to apply it).
+
+        The worker may rewrite its memory during the apply (it computes the
+        next gradient into it), and the two reads must see the same values.
+        """
+        if self._grad_copy.shape != grad.shape or self._grad_copy.dtype != grad.dtype:
+            self._grad_copy = np.empty(grad.shape, grad.dtype)
+        np.copyto(self._grad_copy, grad)
+        return self._grad_copy
 
     def _pushes_waiting(self, worker: int) -> int:
         """This worker's pushes not answered yet (parked by the mode, held by a pause), from its current process."""

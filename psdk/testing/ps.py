@@ -12,7 +12,7 @@ import zmq
 
 from psdk.cluster import ClusterSpec
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 _names = itertools.count()
 

@@ -33,7 +33,7 @@ or the client needs it):
   to a later one, and a wait that gave up can be resumed without losing one;
 - ``request_many`` gives up at its deadline with
   :class:`~psdk.errors.PeerTimeoutError` naming the server(s) still silent;
-- fields and arrays arrive intact (every dtype of :data:`psdk.wire.ALLOWED_DTYPES`,
+- fields and arrays arrive intact (every dtype of :data:`psdk.transport.wire.ALLOWED_DTYPES`,
   0-d, empty, non-contiguous, several per message) and stay so while later
   messages arrive; a ``volatile`` message's arrays may change once the send
   call returns;
@@ -41,7 +41,7 @@ or the client needs it):
   heartbeat connection's, ``identity + HEARTBEAT_SUFFIX``, too), stable per
   client, and replies to it reach that client only;
 - ``reply`` to a peer that closed returns ``False`` (never raises or hangs);
-- the wire rules of :mod:`psdk.wire` hold on every transport, in-process ones
+- the wire rules of :mod:`psdk.transport.wire` hold on every transport, in-process ones
   too, so the ps sees the same checks whatever carries its messages: a header
   over the limit is refused at the sender with
   :class:`~psdk.errors.ProtocolError` and nothing is sent; a malformed request
@@ -51,9 +51,11 @@ or the client needs it):
 - ``receive(timeout)`` returns ``None`` / ``[]`` after about ``timeout``
   when nothing came; ``close`` is idempotent and frees the address.
 
-Not covered: shared memory (``shares_memory``, ``listen``, ``ring_on``), an
-optional capability with its own tests (``tests/test_shm.py``), and
-authentication (``Incoming.user``). Malformed requests are sent through
+- a client's ``buffers`` carry a step both ways, lent to the server or not,
+  and an ``in_place`` reply's array may change once ``reply`` returns.
+
+Not covered: how a transport lends memory (ZeroMQ's has its own tests,
+``tests/test_shm.py``), and authentication (``Incoming.user``). Malformed requests are sent through
 :meth:`TransportConformance.send_raw`, which a subclass overrides; those
 tests skip otherwise. Every wait is bounded, and each test has a pytest-timeout.
 """
@@ -69,7 +71,7 @@ import pytest
 
 from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.wire import ALLOWED_DTYPES, HEARTBEAT_SUFFIX, MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, Message
+from psdk.transport.wire import ALLOWED_DTYPES, HEARTBEAT_SUFFIX, MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, Message
 
 Role = Literal["ps", "worker"]
 WAIT_S = 10.0
@@ -209,7 +211,7 @@ class TransportConformance:
             net.close()
 
     def send_raw(self, client: ClientEndpoint, index: int, frames: list[bytes]) -> None:
-        """Send ``frames`` as one message to server ``index``, bypassing :func:`psdk.wire.encode`."""
+        """Send ``frames`` as one message to server ``index``, bypassing :func:`psdk.transport.wire.encode`."""
         pytest.skip(f"{type(self).__name__} does not override send_raw: malformed requests are not tested")
 
     # ------------------------------------------------------------- addresses
@@ -355,6 +357,40 @@ class TransportConformance:
         buffer[:] = -2.0
         ((_, reply),) = replies(client, 1)
         np.testing.assert_array_equal(reply.arrays[0], np.arange(100_000, dtype=np.float32))
+
+    def test_a_clients_buffers_carry_a_step_both_ways_and_may_be_reused(self, net: Net) -> None:
+        """A worker computes into ``buffers().grads``, pushes it (or ``outbox``), and takes ``params`` back.
+
+        Whether the transport lends those buffers to the ps (shared memory)
+        or sends them in frames, the ps must get the gradient as it was
+        sent, an ``in_place`` reply's array may change once ``reply``
+        returns, and every step of a long run goes the same way.
+        """
+        server = net.serve(0)
+        client = net.connect([server])
+        size = 50_000
+        buffers = client.buffers(0, size)
+        for array in (buffers.grads, buffers.outbox, buffers.params):
+            assert array.dtype == np.float32 and array.shape == (size,) and array.flags.writeable
+        assert len({id(buffers.grads), id(buffers.outbox), id(buffers.params)}) == 3
+        fresh = np.zeros(size, np.float32)
+        for step in range(1, 6):
+            buffers.grads[:] = step
+            sent = buffers.grads
+            if step % 2 == 0:  # as a worker that computes its next gradient while this one travels
+                np.copyto(buffers.outbox, buffers.grads)
+                sent = buffers.outbox
+            pending = client.start_many({0: Message("push", {"step": step}, [sent], stable=True)})
+            peer, message = request(server)
+            assert message.fields == {"step": step}
+            np.testing.assert_array_equal(message.arrays[0], float(step))
+            fresh[:] = -step
+            assert server.reply(peer, Message("params", {"step": step}, [fresh], message.rid, in_place=True))
+            fresh[:] = 999.0  # the transport is done with it
+            reply = pending.wait(WAIT_S, "the parameters")[0]
+            assert reply.fields == {"step": step}
+            np.testing.assert_array_equal(reply.arrays[0], float(-step))
+        assert isinstance(client.sharing(0), str)
 
     # -------------------------------------------------------------- peers
     def test_the_server_sees_each_clients_identity_as_a_stable_peer_id(self, net: Net) -> None:

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.zmq_transport import ZmqTransport
+from psdk.transport.zeromq import ZmqTransport
 
 REPO = Path(__file__).resolve().parents[3]
 MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))

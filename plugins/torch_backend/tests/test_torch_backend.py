@@ -12,7 +12,7 @@ from psdk.backends.numpy_backend import NumpyBackend
 from psdk.errors import ConfigError
 from psdk.models import ModelSpec, init_weights
 from psdk.optim import SGD, Adagrad, Adam, RMSProp
-from psdk.zmq_transport import ZmqTransport
+from psdk.transport.zeromq import ZmqTransport
 
 SPEC = ModelSpec(hidden=(32, 16), input_dim=50, num_classes=10)
 

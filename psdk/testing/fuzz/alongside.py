@@ -23,12 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from psdk import protocol, security, shm
+from psdk import protocol
 from psdk.numerics import all_finite
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer
 from psdk.testing.fuzz.harness import REPLY_OPS, WORKERS, Actor, LivePs, Mode, Sent
-from psdk.wire import Message, encode
+from psdk.transport import security, shm
+from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
+from psdk.transport.wire import Message, encode
 
 # Who may ask what comes from the protocol's declaration.
 CHIEF_ONLY = tuple(sorted(protocol.CHIEF_ONLY))
@@ -106,14 +108,14 @@ class Intruder:
             offer = actor.offer_memory(size)
             if op == "attach-tampered":
                 offer["token"] = "00" * 16
-            self._send(Message("attach", actor.fields(**offer)), False)
+            self._send(Message(ATTACH, offer), False)
             rid, deadline = actor.next_rid - 1, time.monotonic() + 5.0
             while rid in actor.outstanding and time.monotonic() < deadline:  # its memory must outlive the offer
                 self.collect(0.01)
         elif op == "knock" and actor.knocks and actor.buffers is not None:
             actor.buffers.grads[...] = 1e-6
             rid = actor.rid()
-            if actor.buffers.knock(rid, version, seq, 0, "grads"):
+            if actor.buffers.knock(rid, actor.knock_header(rid, version=version, seq=seq, epoch=0)):
                 self.report.intruder_requests += 1
                 actor.outstanding[rid] = Sent("knock")
         elif op == "release":
@@ -141,7 +143,11 @@ class Intruder:
         for reply in self.actor.replies(wait_s):
             self.report.intruder_replies[reply.op] += 1
             sent = self.actor.outstanding.pop(reply.rid, None)
-            if reply.op not in REPLY_OPS:
+            if sent is not None and sent.op == ATTACH and reply.op in (ATTACHED, REFUSED):
+                self.actor.attached_as(reply)  # the transport's own answer to an offer of memory
+            elif sent is not None and reply.op == UNLENT:
+                self.actor.attached = self.actor.knocks = False  # memory the ps's transport holds no more
+            elif reply.op not in REPLY_OPS:
                 self.report.violations.append(f"an untyped reply {reply.op}")
             elif sent is None:
                 self.report.violations.append(f"an unexpected reply {reply.op} to request {reply.rid}")
@@ -149,8 +155,6 @@ class Intruder:
                 self.report.violations.append(f"{sent.op} had to be refused, got {reply.op} {reply.fields}")
             elif reply.op == "error" and reply.fields.get("kind") == "internal":
                 self.report.violations.append(f"an internal error: {reply.fields.get('error')}")
-            if sent is not None and sent.op == "attach":
-                self.actor.attached_as(reply)
 
 
 def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s: float = 120.0) -> AlongsideReport:

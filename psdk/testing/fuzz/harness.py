@@ -23,12 +23,14 @@ from typing import Any
 
 import zmq
 
-from psdk import protocol, security, shm
+from psdk import protocol
 from psdk.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.security import CurveKeys
-from psdk.wire import MalformedMessage, Message, decode, encode
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport import security, shm
+from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
+from psdk.transport.security import CurveKeys
+from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 WORKERS = 3
 SIZE = 24
@@ -152,6 +154,9 @@ class Actor:
         self.knocks = False
         self.next_rid = 1
         self.next_seq = 1
+        self.last_rung = 0
+        """The request whose reply was last read from memory: a late ring may find its header again, as a
+        worker that asks again before reading can have a reply overwritten (the real client drops the repeat)."""
         self.outstanding: dict[int, Sent] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -168,8 +173,16 @@ class Actor:
         self.buffers = shm.WorkerBuffers(size)
         return self.buffers.offer(bell=True)
 
+    def lent_push(self, rid: int, **fields: Any) -> Message:
+        """A push whose gradient lies in this worker's memory (as the transport sends it once lent)."""
+        return Message("push_pull", self.fields(**fields), [], rid, lent=["grads"])
+
+    def knock_header(self, rid: int, **fields: Any) -> bytes:
+        head: bytes = encode(self.lent_push(rid, **fields))[0]
+        return head
+
     def attached_as(self, reply: Message) -> None:
-        self.attached = reply.op == "attached"
+        self.attached = reply.op == ATTACHED
         if self.rung and self.buffers is not None:
             self.poller.unregister(self.buffers.bell)
         self.rung = self.attached and bool(reply.fields.get("bell")) and self.buffers is not None
@@ -197,9 +210,13 @@ class Actor:
                     except MalformedMessage as exc:
                         got.append(Message("malformed", {"error": str(exc)}))
             elif self.buffers is not None:
-                reply = self.buffers.take_reply()
-                if reply is not None:
-                    got.append(reply)
+                rung = self.buffers.take_reply()
+                if rung is not None and rung[0] != self.last_rung:  # a ring for a header read already
+                    self.last_rung = rung[0]
+                    try:
+                        got.append(decode([rung[1]], MAX_REPLY_HEADER_BYTES))
+                    except MalformedMessage as exc:
+                        got.append(Message("malformed", {"error": str(exc)}))
         return got
 
     def close(self) -> None:
@@ -259,10 +276,22 @@ class Harness:
         self.trace.append(f"worker {actor.worker} sent {message.op} {message.fields} ({len(raw) - 1} arrays)"[:300])
         self.settle()
 
-    def knock(self, actor: Actor, version: int, seq: int, epoch: int, slot: str) -> None:
+    def offer(self, actor: Actor, offer: dict[str, Any]) -> None:
+        """Lend the ps ``actor``'s memory: the transport's own exchange, which the ps never sees or counts."""
+        rid = actor.rid()
+        actor.outstanding[rid] = Sent(ATTACH, False)
+        actor.sock.send_multipart(encode(Message(ATTACH, offer, [], rid)))
+        self.trace.append(f"worker {actor.worker} offered memory {rid}")
+        deadline = time.monotonic() + SETTLE_S
+        while rid in actor.outstanding and self.ps.thread.is_alive():  # its memory must outlive the offer
+            if time.monotonic() > deadline:
+                self._violation(f"the ps's transport did not answer an offer of memory within {SETTLE_S} s")
+            self._collect(0.005)
+
+    def knock(self, actor: Actor, version: int, seq: int, epoch: int) -> None:
         assert actor.buffers is not None
         rid = actor.rid()
-        if not actor.buffers.knock(rid, version, seq, epoch, slot):
+        if not actor.buffers.knock(rid, actor.knock_header(rid, version=version, seq=seq, epoch=epoch)):
             return  # the ps let go: no knock was made (the worker would push as a message)
         self.books.requests += 1
         self.books.answerable += 1
@@ -294,6 +323,21 @@ class Harness:
                 self._take(actor, reply)
 
     def _take(self, actor: Actor, reply: Message) -> None:
+        if reply.op in (ATTACHED, REFUSED):  # the transport's answer to an offer: not the ps's, not in its books
+            self.coverage[f"offer -> {reply.op}"] += 1
+            if actor.outstanding.pop(reply.rid, None) is None:
+                self._violation(f"an answer ({reply.op}) to an offer of memory {reply.rid} never made")
+            actor.attached_as(reply)
+            return
+        if reply.op == UNLENT:  # a request naming memory the ps's transport holds no more: the ps never saw it
+            sent = actor.outstanding.pop(reply.rid, None)
+            self.coverage[f"{sent.op if sent else '?'} (lent) -> {reply.op}"] += 1
+            if sent is None:
+                self._violation(f"{reply.op} for request {reply.rid} of worker {actor.worker}, not waiting for one")
+            self.books.requests -= 1
+            self.books.answerable -= 1
+            actor.attached = actor.knocks = False  # as a worker's transport: it would send the request whole
+            return
         self.books.replies[reply.op] += 1
         self.trace.append(f"  worker {actor.worker} got {reply.op} {reply.rid} {reply.fields}"[:300])
         if reply.op not in REPLY_OPS:
@@ -316,8 +360,6 @@ class Harness:
             self._violation(f"{sent.op} from worker {actor.worker} had to be refused, got {reply.op} {reply.fields}")
         if reply.op == "error" and reply.fields.get("kind") == "internal":
             self._violation(f"an internal error answering {sent.op}: {reply.fields.get('error')}")
-        if sent.op == "attach":
-            actor.attached_as(reply)
         if reply.op in ("ok", "already", "layout", "params", "resync") and isinstance(reply.fields.get("epoch"), int):
             self.epoch = max(self.epoch, int(reply.fields["epoch"]))
 

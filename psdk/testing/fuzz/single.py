@@ -33,8 +33,8 @@ from psdk.jobspec import JobSpec
 from psdk.optim import Adam
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import ClientEndpoint, Pending
-from psdk.wire import ALLOWED_DTYPES, Message, decode, encode
-from psdk.zmq_transport import ZmqOptions, ZmqTransport
+from psdk.transport.wire import ALLOWED_DTYPES, Message, decode, encode
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 OPS = (
     "init",

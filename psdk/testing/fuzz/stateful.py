@@ -2,15 +2,16 @@
 
 A single mutated message from a stranger stops at the session check: every
 operation that changes state needs a registered worker, so the validation
-inside init, restore, push and attach is only reached by a sequence (init
+inside init, restore and push is only reached by a sequence (init
 first, then the worker's own requests on its own connection). Here
 hypothesis's rule-based state machine drives one live ps, over TCP, from the
 chief and two more workers, each on a connection of its own (under CURVE,
 with its own key), plus a stranger. It sends every operation of the protocol
-(init, wait_init, pull, push_pull over frames, over shared memory and as a
-knock, attach, release, finish, ping, status, stats, pause_at, state,
-resume, stop_at, restore, shutdown, abort), valid or with fields and arrays
-mutated, and after every step checks, against its own record of what it
+(init, wait_init, pull, push_pull over frames, over lent memory and as a
+knock, finish, ping, status, stats, pause_at, state, resume, stop_at,
+restore, shutdown, abort), valid or with fields and arrays mutated, with
+the transport's own offers of memory (good and tampered) and releases
+between, and after every step checks, against its own record of what it
 sent:
 
 * every request gets exactly one typed reply, or is waiting for one
@@ -42,12 +43,13 @@ from typing import Any
 
 import numpy as np
 
-from psdk import protocol, shm
+from psdk import protocol
 from psdk.consistency import SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.testing.fuzz.harness import WORKERS, Actor, Harness, Mode
-from psdk.wire import Message
+from psdk.transport import shm
+from psdk.transport.wire import Message
 
 try:
     from hypothesis import strategies as st
@@ -88,7 +90,7 @@ class PsMachine(RuleBasedStateMachine):
         rule_index=st.integers(0, len(RULES) - 1),
     )
     def start(self, start: str, mode: str, rule_index: int) -> None:
-        """Most sequences begin with a job the chief initialised (and memory offered): the handlers past init."""
+        """Most sequences begin with a job the chief initialised (and memory lent): the handlers past init."""
         if start == "nothing":
             return
         self.init(0, mode, rule_index, 10**6, False, 1.0)
@@ -97,6 +99,7 @@ class PsMachine(RuleBasedStateMachine):
         if start == "init+attach" and self.MODE.shared_memory and shm.available():
             for who in range(WORKERS):
                 self.attach(who, None)
+            self.train(1, "best")  # a first step through the memory lent: a knock, answered by the doorbell
 
     # ----------------------------------------------------------- messages
     def _variables(self, scale: float = 1.0) -> list[np.ndarray]:
@@ -176,13 +179,13 @@ class PsMachine(RuleBasedStateMachine):
         )
         if channel == "knock" and actor.knocks and actor.buffers is not None and actor.worker is not None:
             actor.buffers.grads[...] = grad
-            self.harness.knock(actor, at, number, self.harness.epoch, "grads")
+            self.harness.knock(actor, at, number, self.harness.epoch)
             return
         if channel == "shm" and actor.buffers is not None:
             actor.buffers.grads[...] = grad
-            fields = actor.fields(version=at, seq=number, epoch=self.harness.epoch, shm="grads")
             must_fail = must_fail or not actor.attached
-            self.harness.send(actor, Message("push_pull", fields, [], actor.rid()), must_fail=must_fail)
+            push = actor.lent_push(actor.rid(), version=at, seq=number, epoch=self.harness.epoch)
+            self.harness.send(actor, push, must_fail=must_fail)
             return
         self.harness.send(actor, self._push(actor, grad, at, number, self.harness.epoch), must_fail=must_fail)
 
@@ -199,9 +202,7 @@ class PsMachine(RuleBasedStateMachine):
             offer["fd"] = 0
         elif tamper == "pid":
             offer["pid"] = 1
-        self.harness.send(
-            actor, Message("attach", actor.fields(**offer), [], actor.rid()), must_fail=actor.worker is None
-        )
+        self.harness.offer(actor, offer)
 
     @precondition(lambda self: self.ps.serving)
     @rule(who=st.integers(0, WORKERS - 1))

@@ -18,28 +18,32 @@ other file a peer pointed it to; the token proves it is this worker's.
 Anything that does not work (another host or container, no memfd, a
 refusing ps) leaves that shard on plain ZeroMQ frames.
 
+All of it is the ZeroMQ transport's business (:mod:`psdk.transport.zeromq`):
+the worker's endpoint lends a shard's buffers, the ps's endpoint maps them,
+and both still hand their side ordinary messages whose arrays are views of
+this memory. Neither the ps nor the client sees a file descriptor.
+
 The reply rings a doorbell instead of crossing ZeroMQ: a pipe the worker
 made, whose write end the ps opens the same way. A ZeroMQ reply wakes
 four threads in turn (the ps's I/O thread, TCP, the worker's I/O thread,
 the worker's main thread); a byte in a pipe wakes the one that waits, and
 on two loaded cores every wake-up saved is ~50-150 us of a round trip. The
-reply's few fields (version, done, outcome, slowest) go in the header.
-Errors, refusals and everything but the parameters still come as ZeroMQ
-messages, which the worker polls together with its doorbells.
+reply's wire header (:mod:`psdk.transport.wire`) goes in the file's header. Errors,
+refusals and everything but the parameters still come as ZeroMQ messages,
+which the worker polls together with its doorbells.
 
-The push knocks the same way: the worker writes its request's few fields
-(version, sequence number, epoch, which region holds the gradient) into
-the header and writes one byte into a second pipe, whose read end the ps
-opened at attach and polls with its socket. The ps handles it as the
-``push_pull`` message it stands for, from the session that attached, so
-every check a message gets, a knock gets. Everything else a worker asks
-still goes as a ZeroMQ message. Once the ps has opened it, the worker
-closes its own read end: a ps that lets go (or dies) breaks the pipe,
-and the worker's next push goes as a message rather than into the void.
+The push knocks the same way: the worker writes its request's wire header
+(whose arrays name regions of the file instead of frames) into the file's
+header and one byte into a second pipe, whose read end the ps opened at
+attach and polls with its socket. The ps's endpoint decodes it as the
+message it stands for, from the connection that attached, so every check
+a message gets, a knock gets. Once the ps has opened it, the worker closes
+its own read end: a ps that lets go (or dies) breaks the pipe, and the
+worker's next push goes as a message rather than into the void.
 
-Layout: a 128-byte header (token; the reply's request id before and after
-the ps's last write: a torn read is detected, never used; the reply's
-fields; the same for the request the worker knocked for; the torn-read
+Layout: a 4 KiB header (token; the reply's request id before and after
+the ps's last write: a torn read is detected, never used; the reply's wire
+header; the same for the request the worker knocked for; the torn-read
 check relies on stores becoming visible in order, as on x86: elsewhere
 only the pipes' system calls order them), then three
 float32 regions of the shard's size: the gradient the backend writes
@@ -62,18 +66,18 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ProtocolError, PsdkError
-from psdk.wire import Message
 
-HEADER_BYTES = 128
+HEADER_BYTES = 4096
 TOKEN_BYTES = 16
-_SEQ_OFFSET = 16  # two uint64: request id before and after the ps writes the parameters
-_REPLY_OFFSET = 32  # four int64: version, done, outcome (index in OUTCOMES), slowest (-1: none)
-_KNOCK_SEQ_OFFSET = 64  # two uint64: request id before and after the worker writes a knocked request
-_KNOCK_OFFSET = 80  # four int64: version, seq, epoch, slot (index in SLOTS)
-OUTCOMES = ("applied", "dropped", "done", "parked")
-"""The outcomes a reply through the doorbell can carry (any other goes as a ZeroMQ message)."""
+_SEQ_OFFSET = 16  # two uint64: request id before and after the ps writes a reply
+_KNOCK_SEQ_OFFSET = 32  # two uint64: request id before and after the worker writes a knocked request
+_LENGTHS_OFFSET = 48  # two uint32: the bytes of the reply's header and of the knocked request's
+_REPLY_HEADER = (64, 2048)  # where the reply's wire header lies (offset, most bytes)
+_KNOCK_HEADER = (2112, 1984)  # where the knocked request's wire header lies
 SLOTS = ("grads", "outbox")
-"""Where a push's gradient is: the buffer the backend writes, or the copy made as it left."""
+"""Where a request's gradient lies: the buffer the backend writes, or the copy made as it left."""
+REPLY_SLOT = "params"
+"""Where the ps writes the one array of a reply it writes in place."""
 # Sealed sizes: neither side can shrink the file under the other's mapping.
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
 
@@ -92,15 +96,46 @@ def total_bytes(size: int) -> int:
     return HEADER_BYTES + 3 * _region_bytes(size)
 
 
+class _Header:
+    """One wire header in the file, written between two copies of its request id (see :meth:`read`)."""
+
+    def __init__(self, buffer: mmap.mmap, seq_offset: int, length_index: int, area: tuple[int, int]):
+        self.seq = np.frombuffer(buffer, np.uint64, 2, offset=seq_offset)
+        self._lengths = np.frombuffer(buffer, np.uint32, 2, offset=_LENGTHS_OFFSET)
+        self._index = length_index
+        self._bytes = np.frombuffer(buffer, np.uint8, area[1], offset=area[0])
+
+    def write(self, rid: int, header: bytes) -> bool:
+        """Put ``header`` under ``rid``; ``False`` (nothing written) when it does not fit."""
+        if len(header) > self._bytes.size:
+            return False
+        self.seq[0] = rid
+        self._lengths[self._index] = len(header)
+        self._bytes[: len(header)] = np.frombuffer(header, np.uint8)
+        self.seq[1] = rid
+        return True
+
+    def clear(self, rid: int) -> None:
+        """Mark ``rid`` as written without a header: a stray wake-up must not pair it with an older one."""
+        self.seq[0] = rid
+        self._lengths[self._index] = 0
+        self.seq[1] = rid
+
+    def read(self) -> tuple[int, bytes] | None:
+        """The request id and the header written under it; ``None`` if there is none or it was torn."""
+        rid = int(self.seq[1])
+        length = min(int(self._lengths[self._index]), self._bytes.size)
+        header = self._bytes[:length].tobytes()
+        return (rid, header) if rid and length and int(self.seq[0]) == rid else None
+
+
 class _Views:
-    """Numpy views of one memory file: request ids, the reply's and request's fields, the three regions."""
+    """Numpy views of one memory file: the two headers and the three float32 regions."""
 
     def __init__(self, buffer: mmap.mmap, size: int):
         region = _region_bytes(size)
-        self.seq = np.frombuffer(buffer, np.uint64, 2, offset=_SEQ_OFFSET)
-        self.reply = np.frombuffer(buffer, np.int64, 4, offset=_REPLY_OFFSET)
-        self.knock_seq = np.frombuffer(buffer, np.uint64, 2, offset=_KNOCK_SEQ_OFFSET)
-        self.knock = np.frombuffer(buffer, np.int64, 4, offset=_KNOCK_OFFSET)
+        self.reply = _Header(buffer, _SEQ_OFFSET, 0, _REPLY_HEADER)
+        self.knock = _Header(buffer, _KNOCK_SEQ_OFFSET, 1, _KNOCK_HEADER)
         self.grads, self.outbox, self.params = (
             np.frombuffer(buffer, np.float32, size, offset=HEADER_BYTES + i * region) for i in range(3)
         )
@@ -125,7 +160,15 @@ class WorkerBuffers:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._map[:TOKEN_BYTES] = self.token
         views = self._views = _Views(self._map, size)
-        self._seq, self.grads, self.outbox, self._params = views.seq, views.grads, views.outbox, views.params
+        self.grads, self.outbox, self._params = views.grads, views.outbox, views.params
+
+    def slot_of(self, array: np.ndarray) -> str | None:
+        """Which region ``array`` is (the very buffer, not a copy of it), if it is one a request may name."""
+        if array is self.grads:
+            return "grads"
+        if array is self.outbox:
+            return "outbox"
+        return None
 
     def offer(self, bell: bool = True) -> dict[str, Any]:
         """What the ps needs to map these buffers (sent over the authenticated connection).
@@ -135,7 +178,13 @@ class WorkerBuffers:
         its own, whose read end only the ps that took the offer keeps (see
         :meth:`knocks_heard`).
         """
-        offer = {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "bytes": total_bytes(self.size)}
+        offer = {
+            "pid": os.getpid(),
+            "fd": self.fd,
+            "token": self.token.hex(),
+            "bytes": total_bytes(self.size),
+            "size": self.size,
+        }
         if bell:
             self._close_knock_pipe()
             self._knock_read, self._knock_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -147,25 +196,22 @@ class WorkerBuffers:
 
         From then on the ps holds the only reader, so a ps that lets this
         worker's memory go, or dies, breaks the pipe: the next knock fails
-        and the push goes as a message (answered, or refused, at once)
+        and the request goes as a message (answered, or refused, at once)
         instead of waiting in a pipe nobody reads.
         """
         _close(self._knock_read)
         self._knock_read = -1
 
-    def knock(self, rid: int, version: int, seq: int, epoch: int, slot: str) -> bool:
-        """Ask for a push-and-pull of the gradient in ``slot`` by knocking, not by message.
+    def knock(self, rid: int, header: bytes) -> bool:
+        """Send request ``rid`` (its wire ``header``; its arrays lie in the regions) by knocking, not by message.
 
-        The fields go between the two writes of the request id, so a ps
-        reading while they change (a knock after an abandoned request) sees
-        a torn request and waits for the knock that follows. ``False`` when
-        the knock could not be made (the request has to go as a message).
+        ``False`` when the knock could not be made (no pipe, a header too big
+        for its area, a ps that stopped reading): the request has to go as
+        a message. A ps reading while the header changes (a knock after an
+        abandoned request) sees it torn and waits for the knock that follows.
         """
-        if self._knock_write < 0:
+        if self._knock_write < 0 or not self._views.knock.write(rid, header):
             return False
-        self._views.knock_seq[0] = rid
-        self._views.knock[:] = (version, seq, epoch, SLOTS.index(slot))
-        self._views.knock_seq[1] = rid
         try:
             os.write(self._knock_write, b"\x01")
         except BlockingIOError:
@@ -174,26 +220,17 @@ class WorkerBuffers:
             return False
         return True
 
-    def take_reply(self) -> Message | None:
-        """The reply the doorbell announced, built from the header; ``None`` if there is none to read.
+    def take_reply(self) -> tuple[int, bytes] | None:
+        """The request id and wire header of the reply the doorbell announced; ``None`` if there is none to read.
 
         Drains the doorbell first (one read holds every ring a worker can
         have pending), so one poll wakes once per reply. A reply whose
-        fields were being rewritten (a late answer to an abandoned request)
+        header was being rewritten (a late answer to an abandoned request)
         is skipped: its own ring follows.
         """
         with contextlib.suppress(BlockingIOError):
             os.read(self.bell, 65536)
-        locked = _read_locked(self._seq, self._views.reply)
-        if locked is None:
-            return None
-        rid, (version, done, outcome, slowest) = locked
-        if not 0 <= outcome < len(OUTCOMES):
-            return None
-        fields: dict[str, Any] = {"version": version, "done": bool(done), "outcome": OUTCOMES[outcome], "shm": True}
-        if slowest >= 0:
-            fields["slowest"] = slowest
-        return Message("params", fields, [], rid)
+        return self._views.reply.read()
 
     def read_params(self, into: np.ndarray, rid: int) -> None:
         """Copy the parameters the ps wrote for request ``rid`` into ``into``.
@@ -202,10 +239,11 @@ class WorkerBuffers:
         only fails if a late reply to an abandoned request overwrote them
         while they were read; the parameters are then not used.
         """
-        if int(self._seq[1]) != rid:
-            raise PsdkError(f"the parameters in shared memory belong to request {int(self._seq[1])}, not {rid}")
+        seq = self._views.reply.seq
+        if int(seq[1]) != rid:
+            raise PsdkError(f"the parameters in shared memory belong to request {int(seq[1])}, not {rid}")
         np.copyto(into, self._params)
-        if int(self._seq[0]) != rid:
+        if int(seq[0]) != rid:
             raise PsdkError("the ps overwrote the parameters in shared memory while they were read")
 
     def _close_knock_pipe(self) -> None:
@@ -229,14 +267,19 @@ def _int_field(fields: dict[str, Any], key: str) -> int:
 class AttachedBuffers:
     """The ps's side: a worker's memfd, mapped, checked, and written into only as a reply."""
 
-    def __init__(self, fields: dict[str, Any], size: int, pipes: bool = True):
+    def __init__(self, fields: dict[str, Any], max_size: int, pipes: bool = True):
         pid, fd, nbytes = _int_field(fields, "pid"), _int_field(fields, "fd"), _int_field(fields, "bytes")
+        size = _int_field(fields, "size")
         try:
             token = bytes.fromhex(str(fields.get("token")))
         except ValueError:
             raise ProtocolError("shared memory offer has a bad token") from None
+        if size > max_size:
+            raise ProtocolError(f"shared memory for {size:,} floats offered, more than a message may hold here")
         if nbytes != total_bytes(size):
-            raise ProtocolError(f"shared memory of {nbytes} bytes offered for a shard that needs {total_bytes(size)}")
+            raise ProtocolError(
+                f"shared memory of {nbytes} bytes offered for {size} floats, which need {total_bytes(size)}"
+            )
         handle = _open_checked(
             pid, fd, os.O_RDWR, lambda found: stat.S_ISREG(found.st_mode) and found.st_size == nbytes
         )
@@ -254,12 +297,10 @@ class AttachedBuffers:
             os.close(handle)
         if not secrets.compare_digest(self._map[:TOKEN_BYTES], token):
             raise ProtocolError("the offered memory file does not hold the worker's token")
-        views = _Views(self._map, size)
-        self._seq, self._reply, self._params = views.seq, views.reply, views.params
+        self.size = size
+        views = self._views = _Views(self._map, size)
+        self._params = views.params
         self._slots = dict(zip(SLOTS, (views.grads, views.outbox), strict=True))
-        self.session = b""
-        """The connection that offered it: parameters are only written for requests from there."""
-        self._knock_seq, self._knock = views.knock_seq, views.knock
         self.bell = -1
         """The doorbell's write end, or -1: the worker then gets its replies as ZeroMQ messages."""
         self.knock = -1
@@ -268,7 +309,7 @@ class AttachedBuffers:
             self._open_pipes(pid, fields.get("bell"), fields.get("knock"))
         self.hung_up = False
         """The knock pipe has no writer left: the worker closed these buffers, or is gone."""
-        self._last_knock = int(self._knock_seq[1])  # a request an earlier attachment took (or never will)
+        self._last_knock = int(views.knock.seq[1])  # a request an earlier attachment took (or never will)
 
     def _open_pipes(self, pid: int, bell: Any, knock: Any) -> None:
         """Only the worker's anonymous pipes are written to or read: two different ones, else none."""
@@ -282,8 +323,8 @@ class AttachedBuffers:
         if self.bell >= 0:
             self.knock = _open_pipe(pid, knock, os.O_RDONLY, anonymous_pipe)
 
-    def take_knock(self) -> tuple[int, dict[str, Any]] | None:
-        """The request id and fields of the push the worker knocked for; ``None`` if there is none new.
+    def take_knock(self) -> tuple[int, bytes] | None:
+        """The request id and wire header of the request the worker knocked for; ``None`` if there is none new.
 
         Drains the pipe first (one wake-up per knock). A request read while
         the worker rewrote it is skipped (its own knock follows), and so is
@@ -299,44 +340,32 @@ class AttachedBuffers:
         except OSError:
             self.hung_up = True
             return None
-        locked = _read_locked(self._knock_seq, self._knock)
-        if locked is None or locked[0] <= self._last_knock:
+        taken = self._views.knock.read()
+        if taken is None or taken[0] <= self._last_knock:
             return None
-        rid, (version, seq, epoch, slot) = locked
-        self._last_knock = rid
-        named = SLOTS[slot] if 0 <= slot < len(SLOTS) else slot  # an unknown slot is refused as in a message
-        return rid, {"version": version, "seq": seq, "epoch": epoch, "shm": named}
+        self._last_knock = taken[0]
+        return taken
 
-    def gradient(self, slot: Any) -> np.ndarray:
-        """The pushed gradient, read in place: the worker leaves it alone until it has the reply."""
+    def region(self, slot: Any) -> np.ndarray:
+        """The region a request names for its array, read in place: the worker leaves it alone until the reply."""
         grad = self._slots.get(slot) if isinstance(slot, str) else None
         if grad is None:
-            raise ProtocolError(f"unknown shared-memory slot {slot!r} (one of {list(SLOTS)})")
+            raise ProtocolError(f"unknown shared-memory slot {str(slot)[:32]!r} (one of {list(SLOTS)})")
         return grad
 
-    def write_params(self, params: np.ndarray, rid: int, reply: dict[str, Any] | None = None) -> bool:
-        """Write the parameters for request ``rid``; with ``reply``'s fields, ring the doorbell too.
+    def write_reply(self, array: np.ndarray, rid: int, header: bytes | None) -> bool:
+        """Write the reply's one array for request ``rid``; with its wire ``header``, ring the doorbell too.
 
-        Returns whether the worker was rung: if not, the reply has to go as
-        a ZeroMQ message (no doorbell, an outcome the header cannot hold, or
-        a worker that closed its end).
+        Returns whether the worker was rung: if not, the header has to go as
+        a ZeroMQ message (no doorbell, a header too big for its area, or a
+        worker that closed its end).
         """
-        self._seq[0] = rid
-        np.copyto(self._params, params)
-        outcome = reply.get("outcome") if reply is not None else None
-        ring = self.bell >= 0 and reply is not None and outcome in OUTCOMES
-        if ring and reply is not None:
-            slowest = reply.get("slowest")
-            self._reply[:] = (
-                int(reply["version"]),
-                int(bool(reply.get("done"))),
-                OUTCOMES.index(str(outcome)),
-                -1 if slowest is None else int(slowest),
-            )
+        reply = self._views.reply
+        reply.seq[0] = rid
+        np.copyto(self._params, array)
+        ring = self.bell >= 0 and header is not None and reply.write(rid, header)
         if not ring:
-            self._reply[2] = -1  # no reply fields for this rid: a stray ring must not pair it with older ones
-        self._seq[1] = rid
-        if not ring:
+            reply.clear(rid)
             return False
         try:
             os.write(self.bell, b"\x01")
@@ -350,17 +379,6 @@ class AttachedBuffers:
         """Close both pipes; the mapping goes when the last array viewing it does."""
         _close(self.bell, self.knock)
         self.bell = self.knock = -1
-
-
-def _read_locked(seq: np.ndarray, fields: np.ndarray) -> tuple[int, list[int]] | None:
-    """A request id and the fields written under it, or ``None`` if none is there or it was torn.
-
-    The writer sets ``seq[0]``, then the fields, then ``seq[1]``; reading in
-    the opposite order, a write in progress shows as ``seq[0] != seq[1]``.
-    """
-    rid = int(seq[1])
-    values = [int(v) for v in fields]
-    return (rid, values) if rid and int(seq[0]) == rid else None
 
 
 def _close(*fds: int) -> None:

@@ -37,6 +37,7 @@ from zmq.utils import z85
 
 from psdk.errors import ConfigError
 from psdk.logs import RateLimitedLog
+from psdk.transport.contract import worker_name
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,6 @@ REMEMBERED_DENIALS = 256
 """Unknown keys remembered (to log each once a minute): the oldest is forgotten first, so a flood of fresh keys
 costs a bounded table and, past the log's own limit, a count."""
 KEY_ENV_HINT = "make them with `python -m psdk keys keys_dir=DIR workers=N ps=M`"
-
-
-def worker_name(index: int) -> str:
-    return f"worker-{index}"
 
 
 def ps_name(index: int) -> str:

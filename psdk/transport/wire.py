@@ -32,6 +32,8 @@ MAX_HEADER_BYTES = 1 << 16
 MAX_REPLY_HEADER_BYTES = 1 << 24
 """A reply's header: a ps's statistics grow with its workers (a worker decodes what its own ps sends)."""
 MAX_ARRAYS = 4096
+MAX_LENT = 4
+"""Regions of lent memory one message may name (see :mod:`psdk.transport.shm`)."""
 MAX_NDIM = 8
 MAX_DIM = (1 << 31) - 1
 """Largest size of one dimension: a zero-element array may not declare dimensions numpy cannot hold."""
@@ -60,6 +62,15 @@ class Message:
     stable: bool = False
     """The arrays are long-lived buffers sent again and again: zero-copy frames may be kept for them.
     The sender must not change one before the peer has received it (a reply proves it has)."""
+    in_place: bool = False
+    """A reply whose one array the transport may write into memory the receiver lent (same host) instead
+    of sending it; either way it is done with the array when ``reply`` returns."""
+    borrowed: bool = False
+    """Set by a transport on a received message: the arrays are views of memory the sender lent, which it
+    may rewrite once it has the reply. Copy what must outlive that."""
+    lent: list[str] = field(default_factory=list)
+    """On the wire only: names of regions of lent memory that hold the message's arrays instead of frames.
+    A transport resolves them before handing the message on, so the ps and the client never see them."""
 
 
 def _dtype_code(array: np.ndarray) -> str:
@@ -79,6 +90,8 @@ def encode(message: Message, max_header_bytes: int = MAX_HEADER_BYTES) -> list[A
         "f": message.fields,
         "a": [[_dtype_code(a), list(a.shape)] for a in arrays],
     }
+    if message.lent:
+        header["l"] = message.lent
     head = _ENCODER.encode(header).encode()
     if len(head) > max_header_bytes:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {max_header_bytes}")
@@ -169,6 +182,14 @@ def decode(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> M
         raise MalformedMessage(f"undecodable message ({type(exc).__name__})", _rid_of(frames)) from None
 
 
+def decode_reply(frames: Sequence[Any], sender: str) -> Message:
+    """A reply from ``sender``, with the reply header limit; a malformed one is an error naming the sender."""
+    try:
+        return decode(frames, MAX_REPLY_HEADER_BYTES)
+    except ProtocolError as exc:
+        raise ProtocolError(f"malformed reply from {sender}: {exc}") from None
+
+
 def _rid_of(frames: Sequence[Any]) -> int | None:
     """The request id of a refused message, if its header parses to one (so the refusal can be answered)."""
     try:
@@ -208,6 +229,9 @@ def _decode(frames: Sequence[Any], max_header_bytes: int) -> Message:
         raise ProtocolError("header fields are not an object")
     if not isinstance(specs, list) or len(specs) > MAX_ARRAYS:
         raise ProtocolError("header array list is missing or too long")
+    lent = header.get("l", [])
+    if not (isinstance(lent, list) and len(lent) <= MAX_LENT and all(isinstance(n, str) for n in lent)):
+        raise ProtocolError(f"header names of lent memory must be a list of at most {MAX_LENT} strings")
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header declares {len(specs)} arrays but {len(frames) - 1} frames came")
     arrays = []
@@ -223,4 +247,4 @@ def _decode(frames: Sequence[Any], max_header_bytes: int) -> Message:
             arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
         except ValueError as exc:  # e.g. zero elements in a shape numpy cannot represent
             raise ProtocolError(f"array {index} cannot have shape {shape}: {exc}") from None
-    return Message(op=op, fields=fields, arrays=arrays, rid=rid)
+    return Message(op=op, fields=fields, arrays=arrays, rid=rid, lent=lent)

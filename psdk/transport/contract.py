@@ -15,11 +15,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, ProtocolError
-from psdk.wire import Message
+from psdk.transport.wire import Message
 
 # How often a waiting client wakes to check deadlines and peer liveness.
 WAIT_SLICE_S = 0.05
+
+
+def worker_name(index: int) -> str:
+    """The user a transport that authenticates reports for worker ``index`` (see :attr:`Incoming.user`)."""
+    return f"worker-{index}"
 
 
 @dataclass
@@ -32,32 +39,32 @@ class Incoming:
     rid: int | None = None
     nbytes: int = 0
     user: str | None = None
-    """Who the transport authenticated the sender as (e.g. ``worker-1``), if it authenticates."""
+    """Who the transport authenticated the sender as (:func:`worker_name`), if it authenticates."""
 
 
 class ServerEndpoint(ABC):
     """The bound side, owned by one ps task."""
 
     address: str
-    shares_memory: bool = False
-    """Whether workers on this host may offer their buffers as shared memory (see :mod:`psdk.shm`)."""
-    knocks: bool = False
-    """Whether :meth:`receive` can also wake on a worker's knock (:meth:`listen`) as well as on messages."""
 
     @abstractmethod
     def receive(self, timeout_s: float) -> Incoming | None:
-        """The next request, or ``None`` when nothing came within ``timeout_s``."""
+        """The next request, or ``None`` when nothing came within ``timeout_s``.
 
-    def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
-        """Wake :meth:`receive` when ``fd`` is readable, with ``take()`` as the request that came.
-
-        Only on endpoints with :attr:`knocks`: a worker on this host knocks
-        for a push instead of sending it (see :mod:`psdk.shm`).
+        A request's arrays may be :attr:`~psdk.transport.wire.Message.borrowed`: views
+        of memory the sender lent, valid until it has the reply.
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot listen for knocks")
 
-    def unlisten(self, fd: int) -> None:  # noqa: B027 - nothing to stop without knocks
-        """Stop waking on ``fd`` (it is about to close)."""
+    def lent_memory(self, peer: bytes) -> bool:
+        """Whether ``peer`` lent this endpoint memory that an ``in_place`` reply's array is written into.
+
+        Then :meth:`reply` copies that array during the call and the caller
+        need not keep it unchanged (see :attr:`~psdk.transport.wire.Message.in_place`).
+        """
+        return False
+
+    def forget(self, peer: bytes) -> None:  # noqa: B027 - nothing to let go without lent memory
+        """``peer`` is gone for good (finished, or replaced by a new process): let go what it lent."""
 
     @abstractmethod
     def reply(self, peer: bytes, message: Message) -> bool:
@@ -80,29 +87,49 @@ class ServerEndpoint(ABC):
         """Release the socket at once (linger 0)."""
 
 
+@dataclass(frozen=True)
+class ShardBuffers:
+    """A client's float32 buffers for one server's arrays: a transport may lend them to that server.
+
+    ``grads`` is where a gradient is computed; ``outbox`` holds a copy sent
+    while the next is computed into ``grads``; ``params`` is where replies'
+    arrays land when the transport writes them in place. A request whose
+    one array *is* ``grads`` or ``outbox`` may then travel without it, and
+    a reply's array may arrive as ``params`` itself.
+    """
+
+    grads: np.ndarray
+    outbox: np.ndarray
+    params: np.ndarray
+
+    @classmethod
+    def private(cls, size: int) -> ShardBuffers:
+        return cls(*(np.zeros(size, np.float32) for _ in range(3)))
+
+
 class ClientEndpoint(ABC):
     """The connecting side: one logical link to each of several servers."""
 
     peers: Sequence[str]
     """Human-readable names of the servers, by index, for error messages."""
-    shares_memory: bool = False
-    """Whether to offer a ps on this host the worker's buffers as shared memory (see :mod:`psdk.shm`)."""
-    doorbells: bool = False
-    """Whether :meth:`receive` can also wake on a doorbell (:meth:`ring_on`) as well as on messages."""
 
     def __init__(self) -> None:
         self._next_rid = 1
 
-    def ring_on(self, index: int, fd: int, take: Callable[[], Message | None]) -> None:
-        """Wake :meth:`receive` when ``fd`` is readable, with ``take()`` as server ``index``'s reply.
+    def buffers(self, index: int, size: int) -> ShardBuffers:
+        """Buffers for server ``index``'s arrays of ``size`` floats, replacing any it had.
 
-        Only on endpoints with :attr:`doorbells`: a ps on this host rings
-        instead of replying (see :mod:`psdk.shm`).
+        A transport that can lends them to the server (memory it maps,
+        on the same host); any other gets private ones.
         """
-        raise NotImplementedError(f"{type(self).__name__} has no doorbells")
+        return ShardBuffers.private(size)
 
-    def ring_off(self, index: int) -> None:  # noqa: B027 - nothing to stop without doorbells
-        """Stop waking on server ``index``'s doorbell (its file descriptor is about to close)."""
+    def renew(self, index: int) -> None:  # noqa: B027 - nothing was lent
+        """Server ``index`` is a new process: lend it again what its old self had."""
+
+    def sharing(self, index: int) -> str:
+        """How arrays travel to server ``index`` just now, in words (for logs and tests)."""
+        return "frames"
 
     def new_rid(self) -> int:
         rid = self._next_rid

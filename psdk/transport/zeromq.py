@@ -11,22 +11,22 @@ TCP links.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 
-from psdk import shm, zmq_guard
-from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, TransportError
+from psdk.errors import PeerTimeoutError, PortInUseError, TransportError
 from psdk.logs import RateLimitedLog
-from psdk.security import CurveKeys, PsdkAuthenticator, start_authenticator
-from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
+from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, ShardBuffers, Transport, shm, zmq_guard
+from psdk.transport.lending import ATTACH, CONTROL_PREFIX, REPLY_SLOT, ClientLinks, ServerLinks
+from psdk.transport.security import CurveKeys, PsdkAuthenticator, start_authenticator
+from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, decode_reply, encode
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ZmqOptions:
     shared_memory: bool = True
     """A worker and a ps on one host exchange arrays through shared memory, headers over ZeroMQ."""
     doorbells: bool = True
-    """With shared memory, a push and its reply ring pipes instead of crossing ZeroMQ (see psdk.shm)."""
+    """With shared memory, a push and its reply ring pipes instead of crossing ZeroMQ (see psdk.transport.shm)."""
 
 
 def endpoint(address: str) -> str:
@@ -197,43 +197,63 @@ class ZmqServer(ServerEndpoint):
             port = int(self.address.rsplit(":", 1)[1])
             self.guard = zmq_guard.ConnectionGuard(self.sock, port, name, limits)
         self.shares_memory = options.shared_memory and shm.available()
-        self.knocks = self.shares_memory and options.doorbells
+        """Whether workers on this host may lend their buffers (see :mod:`psdk.transport.lending`)."""
+        self.links = ServerLinks(
+            name, options.max_message_bytes // 4, self.shares_memory and options.doorbells, self._listen
+        )
         self._reuse = FrameReuse()
         self._receiver = TimedReceiver(self.sock)
         self._failures = RateLimitedLog(log)
-        self._knockers: dict[int, Callable[[], Incoming | None]] = {}
+        self._knock_fds: set[int] = set()
         self._poller: zmq.Poller | None = None  # only while someone may knock: else a plain timed receive
         self._ready: deque[Incoming] = deque()
 
-    def listen(self, fd: int, take: Callable[[], Incoming | None]) -> None:
-        self.unlisten(fd)
-        if self._poller is None:
-            self._poller = zmq.Poller()
-            self._poller.register(self.sock, zmq.POLLIN)
-        self._knockers[fd] = take
-        self._poller.register(fd, zmq.POLLIN)
+    def _listen(self, fd: int, on: bool) -> None:
+        """Wake :meth:`receive` on a worker's knock pipe (``on``), or stop (it is about to close)."""
+        if on and fd not in self._knock_fds:
+            if self._poller is None:
+                self._poller = zmq.Poller()
+                self._poller.register(self.sock, zmq.POLLIN)
+            self._knock_fds.add(fd)
+            self._poller.register(fd, zmq.POLLIN)
+        elif not on and fd in self._knock_fds:
+            self._knock_fds.discard(fd)
+            if self._poller is not None:
+                self._poller.unregister(fd)
+                if not self._knock_fds:
+                    self._poller = None
 
-    def unlisten(self, fd: int) -> None:
-        if self._knockers.pop(fd, None) is not None and self._poller is not None:
-            self._poller.unregister(fd)
-            if not self._knockers:
-                self._poller = None
+    def lent_memory(self, peer: bytes) -> bool:
+        return peer in self.links.by_peer
+
+    def forget(self, peer: bytes) -> None:
+        self.links.forget(peer)
 
     def receive(self, timeout_s: float) -> Incoming | None:
+        got = self._receive_once(timeout_s)
+        if got is not None or timeout_s <= 0:
+            return got
+        deadline = time.monotonic() + timeout_s  # what the transport took for itself does not end the wait early
+        while got is None and (left := deadline - time.monotonic()) > 0:
+            got = self._receive_once(left)
+        return got
+
+    def _receive_once(self, timeout_s: float) -> Incoming | None:
         if self._ready:
             return self._ready.popleft()
         if self._poller is None:
             frames = self._receiver.receive(timeout_s)
             return None if frames is None else self._incoming(frames)
         for item, _ in self._poller.poll(max(0, int(timeout_s * 1000))):
-            if isinstance(item, int):  # a knock (or its writer hung up: take() lets it go)
-                take = self._knockers.get(item)
-                knocked = take() if take is not None else None
-                if knocked is not None:
-                    self._ready.append(knocked)
-                continue
-            with contextlib.suppress(zmq.Again):  # one message: the next receive polls again
-                self._ready.append(self._incoming(self.sock.recv_multipart(zmq.NOBLOCK, copy=False)))
+            if isinstance(item, int):  # a knock (or its writer hung up: the links let it go)
+                got = self.links.knocked(item)
+            else:
+                try:  # one message: the next receive polls again
+                    got = self._incoming(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    got = None
+            if got is not None:
+                self._ready.append(got)
         return self._ready.popleft() if self._ready else None
 
     def limit_incoming(self, largest_message: int, total: int) -> None:
@@ -243,12 +263,14 @@ class ZmqServer(ServerEndpoint):
         the guard applies both to every connection at once.
         """
         self.max_message_bytes = largest_message
+        self.links.max_size = largest_message // 4
         self.sock.setsockopt(zmq.MAXMSGSIZE, largest_message)
         if self.guard is not None:
             held, most = largest_message + FRAMING_SLACK_BYTES, self.guard.limits.max_connections
             self.guard.set_limits(zmq_guard.Limits(held, total + FRAMING_SLACK_BYTES, most))
 
-    def _incoming(self, frames: list[Any]) -> Incoming:
+    def _incoming(self, frames: list[Any]) -> Incoming | None:
+        """A request as the ps takes it; ``None`` for the transport's own (an offer of memory, answered here)."""
         peer, body = frames[0].bytes, frames[1:]
         nbytes = sum(len(f) for f in body)
         if self.guard is not None and body:
@@ -258,11 +280,35 @@ class ZmqServer(ServerEndpoint):
             too_big = MalformedMessage(f"a message of {nbytes:,} bytes exceeds this job's largest")
             return Incoming(peer, None, too_big, rid=None, nbytes=nbytes, user=user)
         try:
-            return Incoming(peer, decode(body), nbytes=nbytes, user=user)
+            message = decode(body)
+            if message.op.startswith(CONTROL_PREFIX):
+                if message.op != ATTACH:
+                    raise MalformedMessage(f"unknown transport op {message.op!r}", message.rid)
+                self._send(peer, self.links.attach(peer, user, message, self.shares_memory))
+                return None
+            self.links.heard(peer)
+            if message.lent:
+                unlent = self.links.unlent(peer, message)
+                if unlent is not None:  # the worker's transport sends it again whole: the ps never sees this one
+                    self._send(peer, unlent)
+                    return None
+                message = self.links.resolve(peer, message)
+            return Incoming(peer, message, nbytes=nbytes, user=user)
         except MalformedMessage as exc:
             return Incoming(peer, None, exc, rid=exc.rid, nbytes=nbytes, user=user)
 
     def reply(self, peer: bytes, message: Message) -> bool:
+        if message.in_place:
+            written = self.links.write(peer, message)
+            if written:
+                return True  # rung: no message at all
+            if written is not None:  # the array is in the worker's memory; the header goes as a message
+                message = Message(message.op, message.fields, [], message.rid, lent=[REPLY_SLOT])
+            else:  # the caller may change the array once this returns: copied into the frame
+                message = Message(message.op, message.fields, message.arrays, message.rid, volatile=True)
+        return self._send(peer, message)
+
+    def _send(self, peer: bytes, message: Message) -> bool:
         parts = [peer, *encode(message, MAX_REPLY_HEADER_BYTES)]  # ProtocolError: the caller's to answer
         try:
             if message.stable:
@@ -275,7 +321,7 @@ class ZmqServer(ServerEndpoint):
         return True
 
     def close(self) -> None:
-        self._knockers.clear()
+        self.links.close()
         self._poller = None
         if self.guard is not None:
             self.guard.stop()
@@ -295,11 +341,11 @@ class ZmqClient(ClientEndpoint):
         self.options = options
         self.peers = list(names)
         self.shares_memory = options.shared_memory and shm.available()
-        self.doorbells = options.doorbells
+        """Whether to lend a ps on this host the buffers of its arrays (see :mod:`psdk.transport.lending`)."""
         self.socks: list[zmq.Socket[Any]] = []
         self.poller = zmq.Poller()
         self._index: dict[zmq.Socket[Any], int] = {}
-        self._bells: dict[int, tuple[int, Callable[[], Message | None]]] = {}  # fd -> (server index, take)
+        self.links = ClientLinks(self.peers, options.doorbells, self._listen)
         self._reuse: list[FrameReuse] = []
         for index, address in enumerate(addresses):
             sock = context.socket(zmq.DEALER)
@@ -321,7 +367,42 @@ class ZmqClient(ClientEndpoint):
             self._index[sock] = index
             self._reuse.append(FrameReuse())
 
+    def _listen(self, fd: int, on: bool) -> None:
+        """Wake :meth:`receive` on a doorbell (``on``), or stop (it is about to close)."""
+        if on:
+            self.poller.register(fd, zmq.POLLIN)
+        else:
+            self.poller.unregister(fd)
+
+    def buffers(self, index: int, size: int) -> ShardBuffers:
+        if not (self.shares_memory and size):
+            self.links.release(index)
+            return ShardBuffers.private(size)
+        buffers, offer = self.links.lend(index, size, self.new_rid())
+        self._offer(index, offer)
+        return buffers
+
+    def renew(self, index: int) -> None:
+        self._offer(index, self.links.offer(index, self.new_rid()))
+
+    def _offer(self, index: int, offer: Message | None) -> None:
+        if offer is None:
+            return
+        try:
+            self.send(index, offer)
+        except PeerTimeoutError as exc:  # the buffers still serve, in frames
+            log.info("%s: no shared memory (%s)", self.peers[index], exc)
+            self.links.release(index)
+
+    def sharing(self, index: int) -> str:
+        return self.links.sharing(index)
+
     def send(self, index: int, message: Message, wait_s: float | None = None) -> None:
+        light, knock = self.links.outgoing(index, message)
+        if knock is not None and self.links.knock(index, message.rid, knock):
+            return
+        if knock is None:
+            message = light  # with its array named in lent memory, when it lies there
         parts = encode(message)
         if message.stable:
             parts = self._reuse[index].frames(parts)
@@ -348,38 +429,32 @@ class ZmqClient(ClientEndpoint):
             waited,
         )
 
-    def ring_on(self, index: int, fd: int, take: Callable[[], Message | None]) -> None:
-        self.ring_off(index)
-        self._bells[fd] = (index, take)
-        self.poller.register(fd, zmq.POLLIN)
-
-    def ring_off(self, index: int) -> None:
-        for fd, (rung, _) in list(self._bells.items()):
-            if rung == index:
-                self.poller.unregister(fd)
-                del self._bells[fd]
-
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
         got: list[tuple[int, Message]] = []
         for sock, _ in self.poller.poll(max(0, int(timeout_s * 1000))):
             if isinstance(sock, int):  # a doorbell: the reply is in shared memory
-                index, take = self._bells[sock]
-                reply = take()
-                if reply is not None:
-                    got.append((index, reply))
+                rung = self.links.rung(sock)
+                if rung is not None:
+                    got.append(rung)
                 continue
             # One message per ready socket: the caller polls again if it expects more.
             frames = sock.recv_multipart(copy=False)
             index = self._index[sock]
-            try:
-                got.append((index, decode(frames, MAX_REPLY_HEADER_BYTES)))
-            except ProtocolError as exc:
-                raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
+            reply = decode_reply(frames, self.peers[index])
+            if reply.op.startswith(CONTROL_PREFIX):  # the transport's own answer: the caller never sees it
+                again = self.links.answered(index, reply)
+                if again is not None and again.op == "error":
+                    got.append((index, again))
+                elif again is not None:
+                    self.send(index, again)  # whole, in frames: the server holds this memory no more
+                continue
+            landed = self.links.landed(index, reply)
+            if landed is not None:
+                got.append((index, landed))
         return got
 
     def close(self) -> None:
-        for index in range(len(self.socks)):
-            self.ring_off(index)
+        self.links.close()
         for sock in self.socks:
             self.poller.unregister(sock)
             sock.close(linger=0)

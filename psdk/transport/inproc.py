@@ -15,8 +15,8 @@ process's hub unless given their own, so a ps served from one transport
 instance is reached from another, as over TCP.
 
 What crosses is what would cross a socket: each message is encoded with
-:func:`psdk.wire.encode` and its arrays copied to bytes at send, then decoded
-with :func:`psdk.wire.decode` by the receiver, with the same header limits.
+:func:`psdk.transport.wire.encode` and its arrays copied to bytes at send, then decoded
+with :func:`psdk.transport.wire.decode` by the receiver, with the same header limits.
 A receiver never shares memory with its sender (``volatile`` and ``stable``
 need nothing more), its arrays are read-only, and malformed or oversized
 requests reach the ps as :class:`~psdk.transport.Incoming` with an error, as
@@ -25,8 +25,8 @@ they do over ZeroMQ.
 As ZeroMQ does, a client may send before anyone serves its address: up to
 :data:`SEND_QUEUE_MESSAGES` messages wait for a server to bind and are
 delivered then (a worker may start before its ps). A message a closed server
-had not taken yet is lost. Shared memory is not offered: ``shares_memory``,
-``knocks`` and ``doorbells`` stay False, so arrays always travel in messages.
+had not taken yet is lost. Nothing is lent: a client's ``buffers`` are private
+arrays and an ``in_place`` reply travels as a copy, like any other.
 """
 
 from __future__ import annotations
@@ -41,10 +41,18 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError, TransportError
+from psdk.errors import PeerTimeoutError, PortInUseError, TransportError
 from psdk.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
+from psdk.transport.wire import (
+    MAX_HEADER_BYTES,
+    MAX_REPLY_HEADER_BYTES,
+    MalformedMessage,
+    Message,
+    decode,
+    decode_reply,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +226,10 @@ class InprocServer(ServerEndpoint):
             too_big = MalformedMessage(f"a message of {nbytes:,} bytes exceeds this job's largest")
             return Incoming(link.peer, None, too_big, rid=None, nbytes=nbytes)
         try:
-            return Incoming(link.peer, decode(frames), nbytes=nbytes)
+            message = decode(frames)
+            if message.lent:
+                raise MalformedMessage("a request names lent memory, which this transport never lends", message.rid)
+            return Incoming(link.peer, message, nbytes=nbytes)
         except MalformedMessage as exc:
             return Incoming(link.peer, None, exc, rid=exc.rid, nbytes=nbytes)
 
@@ -269,10 +280,7 @@ class InprocClient(ClientEndpoint):
     def receive(self, timeout_s: float) -> list[tuple[int, Message]]:
         got: list[tuple[int, Message]] = []
         for index, frames in self.inbox.take(timeout_s, most=REPLY_QUEUE_MESSAGES):
-            try:
-                got.append((index, decode(frames, MAX_REPLY_HEADER_BYTES)))
-            except ProtocolError as exc:
-                raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
+            got.append((index, decode_reply(frames, self.peers[index])))
         return got
 
     def close(self) -> None:
