@@ -138,7 +138,8 @@ def _psdk_client(
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)
         client.initialize({"w": np.zeros(size, np.float32)}, job, NoOp())
-        client.pull()  # by its reply the ps has answered the transport's offer of memory
+        client.pull()
+        client.status()  # a reply over the socket: the ps's answer to the offer of memory, sent before, is in
         if (client.endpoint.sharing(0) != "frames") != shared_memory:
             raise RuntimeError(f"asked for shared_memory={shared_memory}, the ps and worker settled otherwise")
         client.grads["w"][...] = 1.0
