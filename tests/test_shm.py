@@ -28,8 +28,9 @@ from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer
 from psdk.transport import Incoming, ServerEndpoint, shm
+from psdk.transport.compact import JSON, Packer, Unpacker
 from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
-from psdk.transport.wire import Message, decode, encode
+from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqServer, ZmqTransport
 from tests.conftest import running_ps
 from tests.helpers import FAST
@@ -43,9 +44,19 @@ SIZE = 1000
 
 
 def header(op: str, rid: int, slot: str = "grads", **fields: Any) -> bytes:
-    """A request's wire header whose one array lies in lent memory (as a worker's endpoint knocks with it)."""
+    """A request's wire header whose one array lies in lent memory (as a worker's endpoint sends it as a message)."""
     head: bytes = encode(Message(op, fields, [], rid, lent=[slot]))[0]
     return head
+
+
+def knock_header(op: str, rid: int, slot: str = "grads", **fields: Any) -> bytes:
+    """The same request's header as a worker's endpoint writes it into its memory to knock (packed)."""
+    return Packer(MAX_HEADER_BYTES).pack(Message(op, fields, [], rid), [slot])
+
+
+def reply_of(head: bytes) -> Message:
+    """A reply's header as the ps's endpoint wrote it into the worker's memory."""
+    return Unpacker(MAX_REPLY_HEADER_BYTES).unpack(head)
 
 
 # ------------------------------------------------------------------ the memory file
@@ -221,7 +232,7 @@ class Lender:
         return self.reply()
 
     def knock(self, rid: int, slot: str = "grads", **fields: Any) -> bool:
-        return self.memory.knock(rid, header("push_pull", rid, slot, **fields))
+        return self.memory.knock(rid, knock_header("push_pull", rid, slot, **fields))
 
     def close(self) -> None:
         self.memory.close()
@@ -266,7 +277,7 @@ def test_a_knock_reaches_the_ps_as_the_message_it_stands_for_with_its_gradient_b
         assert server.reply(b"w", Message("params", {"version": 1}, [params], 3, in_place=True))
         params[:] = -1.0  # in place: the endpoint is done with it
         rid, head = worker.memory.take_reply() or (0, b"")
-        reply = decode([head])
+        reply = reply_of(head)
         assert rid == 3 and reply.op == "params" and reply.fields == {"version": 1} and reply.lent == ["params"]
         into = np.zeros(SIZE, np.float32)
         worker.memory.read_params(into, rid=3)
@@ -285,7 +296,9 @@ def test_a_torn_knock_is_skipped_and_a_bad_one_refused_naming_why() -> None:
         refused = server.receive(5.0)
         assert refused is not None and refused.message is None and refused.rid == 4
         assert "unknown shared-memory slot 'params'" in str(refused.error)
-        worker.memory.knock(5, encode(Message("push_pull", {"worker": 0}, [], 5))[0])  # names no memory at all
+        worker.memory.knock(
+            5, bytes([JSON]) + encode(Message("push_pull", {"worker": 0}, [], 5))[0]
+        )  # names no memory at all
         refused = server.receive(5.0)
         assert refused is not None and refused.rid == 5 and "must name the memory" in str(refused.error)
 
@@ -423,7 +436,7 @@ def test_a_knock_an_earlier_offer_never_read_is_not_replayed() -> None:
     with ps_endpoint() as server, lender(server) as worker:
         worker.attach()
         worker.memory.knocks_heard()
-        worker.memory._views.knock.write(5, header("push_pull", 5, worker=0))  # written, never knocked for
+        worker.memory._views.knock.write(5, knock_header("push_pull", 5, worker=0))  # written, never knocked for
         worker.attach(rid=6)  # e.g. after a recovery: a new offer, a new knock pipe
         worker.memory.knocks_heard()
         os.write(worker.memory._knock_write, b"\x01")  # a stray knock finds only request 5
@@ -468,6 +481,7 @@ def _train(
             client.grads["w"][...] = rng.standard_normal(SIZE).astype(np.float32)
             done = client.finish_push_pull(client.start_push_pull(copy=copy)).done
         client.pull()
+        client.status()  # over the socket, after the transport's answer to the offer (a ring may overtake it)
         if before_close is not None:
             before_close(client)
         return client.params["w"].copy(), client.endpoint.sharing(0)
@@ -526,6 +540,7 @@ def test_after_the_ps_lets_go_a_knock_fails_and_the_push_goes_whole_at_once() ->
         try:
             client.initialize({"w": np.zeros(SIZE, np.float32)}, JobSpec(SyncSpec("async").resolved(1), 10, 1), SGD())
             client.push_pull()
+            client.status()  # over the socket, after the answer to the offer (a ring may overtake that answer)
             assert client.endpoint.sharing(0) == "shared memory, doorbell and knocks"
             client.finish({})  # the ps lets what the worker lent go
             started = time.monotonic()

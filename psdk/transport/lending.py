@@ -25,8 +25,9 @@ import numpy as np
 from psdk.errors import ProtocolError, PsdkError
 from psdk.logs import RateLimitedLog
 from psdk.transport import Incoming, ShardBuffers
+from psdk.transport.compact import Packer, Unpacker
 from psdk.transport.shm import REPLY_SLOT, AttachedBuffers, WorkerBuffers
-from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, decode_reply, encode
+from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,6 @@ MAX_LINKS = 256
 """Lent memories a ps endpoint maps at once (each holds up to two pipes open)."""
 AWAITED_KEPT = 64
 """Request ids a worker's link remembers as unanswered: older ones were abandoned long ago."""
-
-
-def header_of(message: Message, lent: list[str]) -> bytes:
-    """The wire header of ``message`` with its arrays replaced by the names of the regions holding them."""
-    head: bytes = encode(Message(message.op, message.fields, [], message.rid, lent=lent), MAX_REPLY_HEADER_BYTES)[0]
-    return head
 
 
 class ServerLinks:
@@ -64,6 +59,8 @@ class ServerLinks:
         """Peers whose memory holds a reply they may not have read: the next one goes whole, in frames."""
         self._refusals = RateLimitedLog(log)
         self.answers: Counter[str] = Counter()
+        self._packer = Packer(MAX_REPLY_HEADER_BYTES)  # reply headers written in place
+        self._unpackers: dict[bytes, Unpacker] = {}  # per peer: one peer's layouts cannot crowd out another's
         """Offers taken (``ATTACHED``) and turned down (``REFUSED``), for logs and tests."""
 
     def attach(self, peer: bytes, user: str | None, offer: Message, allowed: bool) -> Message:
@@ -82,6 +79,7 @@ class ServerLinks:
             return Message(REFUSED, {"error": str(exc)}, [], offer.rid)
         self.answers[ATTACHED] += 1
         self.by_peer[peer], self._users[peer] = lent, user
+        self._unpackers[peer] = Unpacker(MAX_HEADER_BYTES)
         if lent.knock >= 0:
             self._by_knock[lent.knock] = peer
             self._watch(lent.knock, True)
@@ -139,7 +137,7 @@ class ServerLinks:
         self.heard(peer)
         user = self._users.get(peer)
         try:
-            message = decode([header])
+            message = self._unpackers[peer].unpack(header)
             if not message.lent:
                 raise MalformedMessage("a knocked request must name the memory holding its arrays", message.rid)
             return Incoming(peer, self.resolve(peer, message), user=user, nbytes=len(header))
@@ -156,11 +154,13 @@ class ServerLinks:
         if array.dtype != np.float32 or array.shape != (lent.size,):
             return None
         self._unread.add(peer)
-        return lent.write_reply(array, message.rid, header_of(message, [REPLY_SLOT]) if lent.bell >= 0 else None)
+        header = self._packer.pack(message, [REPLY_SLOT]) if lent.bell >= 0 else None
+        return lent.write_reply(array, message.rid, header)
 
     def forget(self, peer: bytes) -> None:
         lent = self.by_peer.pop(peer, None)
         self._users.pop(peer, None)
+        self._unpackers.pop(peer, None)
         self._unread.discard(peer)
         if lent is not None:
             if lent.knock >= 0:
@@ -196,6 +196,8 @@ class ClientLinks:
         self._watch = watch
         self.by_index: dict[int, _Lent] = {}
         self._by_bell: dict[int, int] = {}
+        self._packer = Packer(MAX_HEADER_BYTES)  # knocked request headers
+        self._unpacker = Unpacker(MAX_REPLY_HEADER_BYTES)  # rung reply headers
 
     def lend(self, index: int, size: int, rid: int) -> tuple[ShardBuffers, Message | None]:
         """Buffers for server ``index`` and the offer to send it (None: memory could not be had, frames it is)."""
@@ -233,11 +235,13 @@ class ClientLinks:
         lent.sent[message.rid] = message
         for old in list(lent.sent)[:-AWAITED_KEPT]:
             del lent.sent[old]
-        return light, header_of(message, [slot]) if lent.knocks else None
+        return light, self._packer.pack(message, [slot]) if lent.knocks else None
 
     def knock(self, index: int, rid: int, header: bytes) -> bool:
         """Knock for request ``rid``; ``False``: the pipe broke (the server let go, or died), send it whole."""
         lent = self.by_index[index]
+        if not lent.memory.fits(header):
+            return False  # sent as a message, naming the region
         if lent.memory.knock(rid, header):
             return True
         self._lost(index, "its knock pipe broke")
@@ -259,7 +263,10 @@ class ClientLinks:
         taken = lent.memory.take_reply()
         if taken is None:
             return None
-        message = decode_reply([taken[1]], self.peers[index])
+        try:
+            message = self._unpacker.unpack(taken[1])
+        except ProtocolError as exc:
+            raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
         landed = self.landed(index, message)
         return None if landed is None else (index, landed)
 

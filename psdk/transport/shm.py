@@ -202,6 +202,10 @@ class WorkerBuffers:
         _close(self._knock_read)
         self._knock_read = -1
 
+    def fits(self, header: bytes) -> bool:
+        """Whether a request ``header`` fits the knock area (else the request goes as a message)."""
+        return len(header) <= _KNOCK_HEADER[1]
+
     def knock(self, rid: int, header: bytes) -> bool:
         """Send request ``rid`` (its wire ``header``; its arrays lie in the regions) by knocking, not by message.
 

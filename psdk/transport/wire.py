@@ -98,6 +98,20 @@ def encode(message: Message, max_header_bytes: int = MAX_HEADER_BYTES) -> list[A
     return [head, *arrays]
 
 
+def encode_header(message: Message, lent: list[str], max_header_bytes: int = MAX_HEADER_BYTES) -> bytes:
+    """The header alone of ``message`` whose arrays lie in lent memory named ``lent`` (see :mod:`psdk.transport.shm`).
+
+    What :func:`encode` would make with no arrays, without building a message for it: a worker's
+    endpoint makes one per knocked push, a ps's one per reply it writes in place.
+    """
+    head: bytes = _ENCODER.encode(
+        {"op": message.op, "rid": message.rid, "f": message.fields, "a": [], "l": lent}
+    ).encode()
+    if len(head) > max_header_bytes:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {max_header_bytes}")
+    return head
+
+
 def _buffer(frame: Any) -> memoryview:
     raw = getattr(frame, "buffer", frame)
     return raw if isinstance(raw, memoryview) else memoryview(raw)
@@ -128,33 +142,37 @@ _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite
 _LENIENT = json.JSONDecoder()  # only to find the rid of a refused message: NaN or 1e999 elsewhere do not hide it
 
 
+def _check_scalar(item: Any) -> None:
+    """An integer in 64 bits, a string of at most MAX_STRING_CHARS; any other scalar JSON makes passes."""
+    kind = type(item)
+    if kind is int:
+        if not INT_MIN <= item <= INT_MAX:
+            raise ProtocolError(f"integer {str(item)[:24]}… is outside the 64-bit range")
+    elif kind is str and len(item) > MAX_STRING_CHARS:
+        raise ProtocolError(f"a string of {len(item)} characters exceeds {MAX_STRING_CHARS}")
+
+
 def _check_json(value: Any) -> None:
     """Refuse what no handler expects and some could choke on: deep nesting, huge integers, long strings.
 
     Iterative, so its own depth costs nothing; a header that nests deeper
     than the interpreter's recursion limit never gets here (the parser's
-    ``RecursionError`` is a refusal too).
+    ``RecursionError`` is a refusal too). Scalars are checked where they are
+    found, not stacked: a header is mostly scalars, and every message pays
+    for this walk (a push and its reply, twice per step).
     """
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            children = item
-        elif isinstance(item, bool) or item is None or isinstance(item, float):
-            continue
-        elif isinstance(item, int):
-            if not INT_MIN <= item <= INT_MAX:
-                raise ProtocolError(f"integer {str(item)[:24]}… is outside the 64-bit range")
-            continue
-        else:  # str (the parser makes nothing else)
-            if len(item) > MAX_STRING_CHARS:
-                raise ProtocolError(f"a string of {len(item)} characters exceeds {MAX_STRING_CHARS}")
-            continue
         if depth >= MAX_DEPTH:
             raise ProtocolError(f"the header nests deeper than {MAX_DEPTH} levels")
-        stack.extend((child, depth + 1) for child in children)
+        children = [*item, *item.values()] if type(item) is dict else item  # a dict's keys are strings
+        for child in children:
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append((child, depth + 1))
+            else:
+                _check_scalar(child)
 
 
 def _parse_array_spec(spec: Any, index: int) -> tuple[np.dtype[Any], tuple[int, ...]]:
@@ -210,7 +228,8 @@ def _decode(frames: Sequence[Any], max_header_bytes: int) -> Message:
     if len(head) > max_header_bytes:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {max_header_bytes}")
     try:
-        header = _DECODER.decode(bytes(head).decode())
+        first = frames[0]
+        header = _DECODER.decode(first.decode() if type(first) is bytes else bytes(head).decode())
     except RecursionError:
         raise ProtocolError(f"the header nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -27,9 +27,10 @@ from psdk import protocol
 from psdk.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security, shm
+from psdk.transport.compact import Packer, Unpacker
 from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
 from psdk.transport.security import CurveKeys
-from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
+from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 WORKERS = 3
@@ -154,6 +155,7 @@ class Actor:
         self.knocks = False
         self.next_rid = 1
         self.next_seq = 1
+        self.packer, self.unpacker = Packer(MAX_HEADER_BYTES), Unpacker(MAX_REPLY_HEADER_BYTES)
         self.last_rung = 0
         """The request whose reply was last read from memory: a late ring may find its header again, as a
         worker that asks again before reading can have a reply overwritten (the real client drops the repeat)."""
@@ -178,8 +180,8 @@ class Actor:
         return Message("push_pull", self.fields(**fields), [], rid, lent=["grads"])
 
     def knock_header(self, rid: int, **fields: Any) -> bytes:
-        head: bytes = encode(self.lent_push(rid, **fields))[0]
-        return head
+        """The push's header as a worker's endpoint packs it into its memory to knock."""
+        return self.packer.pack(self.lent_push(rid, **fields), ["grads"])
 
     def attached_as(self, reply: Message) -> None:
         self.attached = reply.op == ATTACHED
@@ -214,7 +216,7 @@ class Actor:
                 if rung is not None and rung[0] != self.last_rung:  # a ring for a header read already
                     self.last_rung = rung[0]
                     try:
-                        got.append(decode([rung[1]], MAX_REPLY_HEADER_BYTES))
+                        got.append(self.unpacker.unpack(rung[1]))
                     except MalformedMessage as exc:
                         got.append(Message("malformed", {"error": str(exc)}))
         return got
