@@ -126,3 +126,20 @@ def local_mirror(mnist_dir: Path) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def hydra_context() -> Iterator[None]:
+    """psdk's config tree in Hydra's global state, as a task composes it; cleared after, whatever happened."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from psdk.config import config_dir, prepare_hydra
+
+    prepare_hydra()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            yield
+    finally:
+        GlobalHydra.instance().clear()

@@ -11,23 +11,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 import psdk.cli as cli
-from psdk.config import config_dir, prepare_hydra
+from psdk.config import config_dir
 from psdk.launch import handoff
 from psdk.launch.local import OWN_KEYS, passed_on, task_args
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("hydra_context")]
 
 OUT = Path("/tmp/psdk-handoff-run")
 FOLDER = OUT / "tasks"
@@ -35,15 +33,6 @@ FOLDER = OUT / "tasks"
 PS_OWN = ["ps_hosts='127.0.0.1:0'", "worker_hosts='127.0.0.1,127.0.0.1'", f"ps.announce_file={FOLDER}/ps0.json"]
 WORKER_OWN = ["ps_hosts='127.0.0.1:0'", f"ps_hosts_from={FOLDER}", "worker_hosts='127.0.0.1,127.0.0.1'"]
 COMMON_OWN = [f"output_dir={OUT}", "data.dir=/data/mnist", "transport.secure=true", f"transport.keys_dir={OUT}/keys"]
-
-
-@pytest.fixture(autouse=True)
-def hydra_context() -> Iterator[None]:
-    prepare_hydra()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        yield
-    GlobalHydra.instance().clear()
 
 
 def maker(run_overrides: list[str]) -> handoff.HandoffMaker:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
@@ -26,7 +24,7 @@ import psdk.ps.main as ps_main
 from psdk import checkpoint
 from psdk.api import WorkerSession
 from psdk.client import ClientOptions, ParameterClient
-from psdk.config import build, config_dir, prepare_hydra, schema
+from psdk.config import build, schema
 from psdk.config.options import GROUPS, TaskOptions, options_from
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError
@@ -41,18 +39,9 @@ from psdk.transport.zeromq import ZmqServer, ZmqTransport
 from .conftest import MNIST_DIR, PsCluster, running_ps
 from .helpers import FAST
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("hydra_context")]
 
 BASE = ["output_dir=/tmp/psdk-options-test"]
-
-
-@pytest.fixture(autouse=True)
-def hydra_context() -> Iterator[None]:
-    prepare_hydra()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        yield
-    GlobalHydra.instance().clear()
 
 
 # ------------------------------------------------------------------ every key reaches its options
