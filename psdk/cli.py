@@ -354,11 +354,19 @@ def _options(args: Sequence[str], defaults: dict[str, str]) -> dict[str, str]:
 
 def run_fuzz(args: Sequence[str]) -> int:
     """``fuzz sequences=N steps=K count=M seed=S``: the stateful stages, then single messages; exit 1 on a failure."""
-    from psdk.testing.fuzz import single
-
     options = _options(args, {"sequences": "300", "steps": "50", "count": "100000", "seed": "0"})
     logging.basicConfig(level=logging.ERROR)
-    logging.getLogger("psdk").propagate = False  # the ps under fuzz logs every refusal: not this command's output
+    psdk_log = logging.getLogger("psdk")
+    propagate, psdk_log.propagate = psdk_log.propagate, False  # the ps under fuzz logs every refusal: not output
+    try:
+        return _fuzz_stages(options)
+    finally:  # as it was: main() may run in a process that goes on (a test, a notebook)
+        psdk_log.propagate = propagate
+
+
+def _fuzz_stages(options: dict[str, str]) -> int:
+    from psdk.testing.fuzz import single
+
     try:
         from psdk.testing.fuzz import stateful
     except ImportError as exc:
