@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from psdk.errors import PeerTimeoutError
-from psdk.testing import transport_conformance
-from psdk.testing.transport_conformance import Net, Role, TransportConformance, TransportFactory
+from psdk.testing import transport_net
+from psdk.testing.transport_conformance import TransportConformance
+from psdk.testing.transport_net import Net, Role, TransportFactory
 from psdk.transport import ClientEndpoint, Transport, security
 from psdk.transport.inproc import InprocClient, InprocHub, InprocServer, InprocTransport, frames_of
 from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, Message, encode
@@ -142,6 +143,6 @@ def broken_net(kind: type[InprocTransport]) -> Iterator[Net]:
 def test_the_suite_catches_a_broken_transport(
     kind: type[InprocTransport], test: Callable[[Net], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(transport_conformance, "WAIT_S", 1.0)  # what never comes is a failure, and sooner
+    monkeypatch.setattr(transport_net, "WAIT_S", 1.0)  # what never comes is a failure, and sooner
     with broken_net(kind) as net, pytest.raises((AssertionError, pytest.fail.Exception, PeerTimeoutError)):
         test(net)

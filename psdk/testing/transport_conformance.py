@@ -63,133 +63,27 @@ tests skip otherwise. Every wait is bounded, and each test has a pytest-timeout.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Literal, Protocol
+from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
 from psdk.errors import PeerTimeoutError, PortInUseError, ProtocolError
-from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
-from psdk.transport.wire import ALLOWED_DTYPES, HEARTBEAT_SUFFIX, MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, Message
-
-Role = Literal["ps", "worker"]
-WAIT_S = 10.0
-"""The longest any single expected event may take (connection set-up included): a bound, never a pace.
-Read at each use, so a test of the suite itself may shorten it."""
-
-
-class TransportFactory(Protocol):
-    def __call__(self, role: Role, index: int, servers: Sequence[int] = ()) -> Transport: ...
-
-
-class Net:
-    """The endpoints one test made, all closed at its end, whatever happened."""
-
-    def __init__(self, factory: TransportFactory, bind: str):
-        self.factory, self.bind = factory, bind
-        self.transports: list[Transport] = []
-        self.servers: list[ServerEndpoint] = []
-        self.clients: list[ClientEndpoint] = []
-        self._task_of: dict[int, int] = {}  # id(server) -> its ps task index
-        self._transport_of: dict[int, Transport] = {}
-
-    def transport(self, role: Role, index: int, servers: Sequence[int] = ()) -> Transport:
-        transport = self.factory(role, index, servers)
-        self.transports.append(transport)
-        return transport
-
-    def serve(self, index: int = 0, bind: str | None = None) -> ServerEndpoint:
-        transport = self.transport("ps", index)
-        server = transport.serve(self.bind if bind is None else bind, f"ps {index}")
-        self.servers.append(server)
-        self._task_of[id(server)] = index
-        self._transport_of[id(server)] = transport
-        return server
-
-    def stop(self, server: ServerEndpoint) -> str:
-        """Close ``server`` and the transport it came from, as a ps process ends; the address it had."""
-        server.close()
-        self._transport_of[id(server)].close()
-        return server.address
-
-    def connect(
-        self,
-        servers: Sequence[ServerEndpoint | str],
-        identity: bytes | None = None,
-        worker: int = 0,
-        indices: Sequence[int] | None = None,
-    ) -> ClientEndpoint:
-        """A client of ``servers`` (endpoints, or addresses of ps tasks ``indices``), named ``ps <index>``."""
-        if indices is None:
-            indices = [self._task_of[id(s)] if isinstance(s, ServerEndpoint) else 0 for s in servers]
-        addresses = [s.address if isinstance(s, ServerEndpoint) else s for s in servers]
-        client = self.transport("worker", worker, indices).connect(addresses, [f"ps {i}" for i in indices], identity)
-        self.clients.append(client)
-        return client
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.close()
-        for server in self.servers:
-            server.close()
-        for transport in self.transports:
-            transport.close()
-
-
-def receive(server: ServerEndpoint, timeout_s: float | None = None) -> Incoming:
-    """The next request, which must come within ``timeout_s`` (default :data:`WAIT_S`)."""
-    timeout_s = WAIT_S if timeout_s is None else timeout_s
-    incoming = server.receive(timeout_s)
-    assert incoming is not None, f"no request reached the server within {timeout_s} s"
-    return incoming
-
-
-def request(server: ServerEndpoint, timeout_s: float | None = None) -> tuple[bytes, Message]:
-    """The next request's peer and message, which must come intact."""
-    incoming = receive(server, timeout_s)
-    assert incoming.message is not None, f"a well-formed request was refused: {incoming.error}"
-    return incoming.peer, incoming.message
-
-
-def replies(client: ClientEndpoint, count: int, timeout_s: float | None = None) -> list[tuple[int, Message]]:
-    """Exactly ``count`` replies, which must all come within ``timeout_s`` (default :data:`WAIT_S`)."""
-    timeout_s = WAIT_S if timeout_s is None else timeout_s
-    got: list[tuple[int, Message]] = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < count and (left := deadline - time.monotonic()) > 0:
-        got.extend(client.receive(min(left, 0.1)))
-    assert len(got) == count, f"{len(got)} of {count} replies came within {timeout_s} s"
-    return got
-
-
-def answer(server: ServerEndpoint, peer: bytes, message: Message, **fields: Any) -> None:
-    """Reply to ``message`` with its rid, its fields plus ``fields``, and its arrays."""
-    assert server.reply(peer, Message("answer", {**message.fields, **fields}, list(message.arrays), message.rid))
-
-
-def sample_arrays() -> list[np.ndarray]:
-    """One array of every wire dtype, and the shapes that break naive framing: 0-d, empty, strided."""
-    rng = np.random.default_rng(0)
-    arrays = [(rng.normal(size=(3, 4)) * 100).astype(np.dtype(code)) for code in sorted(ALLOWED_DTYPES)]
-    return [
-        *arrays,
-        np.array(2.5, np.float64),
-        np.zeros(0, np.float32),
-        np.zeros((2, 0, 3), np.int64),
-        np.arange(24, dtype=np.float32).reshape(2, 3, 4).transpose(2, 0, 1),  # not C-contiguous
-        np.arange(10, dtype=np.int32)[::3],
-    ]
-
-
-FIELDS = {"text": "ünïcödé ✓", "n": -(1 << 62), "x": 0.1, "ok": True, "none": None, "nested": {"a": [1, [2, {}]]}}
-
-
-def assert_same_arrays(got: Sequence[np.ndarray], sent: Sequence[np.ndarray]) -> None:
-    assert len(got) == len(sent)
-    for i, (a, b) in enumerate(zip(got, sent, strict=True)):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"array {i}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        np.testing.assert_array_equal(a, b, err_msg=f"array {i}")
+from psdk.testing import transport_net
+from psdk.testing.transport_net import (
+    FIELDS,
+    Net,
+    TransportFactory,
+    answer,
+    assert_same_arrays,
+    receive,
+    replies,
+    request,
+    sample_arrays,
+)
+from psdk.transport import ClientEndpoint
+from psdk.transport.wire import HEARTBEAT_SUFFIX, MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, Message
 
 
 @pytest.mark.timeout(60)
@@ -241,7 +135,7 @@ class TransportConformance:
         peer, message = request(server)
         assert message.fields == {"early": True}
         answer(server, peer, message)
-        assert pending.wait(WAIT_S, "the early request")[0].fields == {"early": True}
+        assert pending.wait(transport_net.WAIT_S, "the early request")[0].fields == {"early": True}
 
     # ----------------------------------------------------- matching replies
     def test_replies_are_tagged_with_the_index_of_the_server_that_sent_them(self, net: Net) -> None:
@@ -254,7 +148,7 @@ class TransportConformance:
             peer, message = received[index]
             assert message.fields["i"] == index
             answer(servers[index], peer, message, by=index)
-        got = pending.wait(WAIT_S, "three replies")
+        got = pending.wait(transport_net.WAIT_S, "three replies")
         assert {i: m.fields["by"] for i, m in got.items()} == {0: 0, 1: 1, 2: 2}
 
     def test_a_late_reply_is_never_taken_for_the_answer_to_a_later_request(self, net: Net) -> None:
@@ -269,7 +163,7 @@ class TransportConformance:
         second = client.start_many({0: Message("q", {"n": 2})})
         peer, message = request(server)
         answer(server, peer, message)
-        assert second.wait(WAIT_S, "the second answer")[0].fields["n"] == 2
+        assert second.wait(transport_net.WAIT_S, "the second answer")[0].fields["n"] == 2
 
     def test_a_wait_that_gave_up_can_be_resumed_without_losing_a_reply(self, net: Net) -> None:
         """The client waits for a step in slices (checking heartbeats between them); no slice may eat a reply."""
@@ -282,7 +176,7 @@ class TransportConformance:
             pending.wait(0.3, "both answers")
         peer, message = request(servers[1])
         answer(servers[1], peer, message)
-        assert {i: m.fields["i"] for i, m in pending.wait(WAIT_S, "both answers").items()} == {0: 0, 1: 1}
+        assert {i: m.fields["i"] for i, m in pending.wait(transport_net.WAIT_S, "both answers").items()} == {0: 0, 1: 1}
 
     def test_request_many_names_the_silent_server_at_its_deadline(self, net: Net) -> None:
         """A worker's error must say which ps did not answer, and come at the deadline, not later."""
@@ -321,7 +215,7 @@ class TransportConformance:
         assert message.op == "push" and message.fields == FIELDS
         assert_same_arrays(message.arrays, kept)
         answer(server, peer, message)
-        reply = pending.wait(WAIT_S, "the echo")[0]
+        reply = pending.wait(transport_net.WAIT_S, "the echo")[0]
         assert reply.op == "answer" and reply.fields == FIELDS
         assert_same_arrays(reply.arrays, kept)
 
@@ -387,7 +281,7 @@ class TransportConformance:
             fresh[:] = -step
             assert server.reply(peer, Message("params", {"step": step}, [fresh], message.rid, in_place=True))
             fresh[:] = 999.0  # the transport is done with it
-            reply = pending.wait(WAIT_S, "the parameters")[0]
+            reply = pending.wait(transport_net.WAIT_S, "the parameters")[0]
             assert reply.fields == {"step": step}
             np.testing.assert_array_equal(reply.arrays[0], float(-step))
         assert isinstance(client.sharing(0), str)
@@ -428,7 +322,7 @@ class TransportConformance:
         client.start_many({0: Message("q")})
         peer, message = request(server)
         client.close()
-        deadline = time.monotonic() + WAIT_S  # a socket may learn of the close only after a reply or two
+        deadline = time.monotonic() + transport_net.WAIT_S  # a socket may learn of the close only after a reply or two
         while True:
             start = time.monotonic()
             sent = server.reply(peer, Message("answer", rid=message.rid))
@@ -451,7 +345,7 @@ class TransportConformance:
             server.reply(peer, huge)
         assert client.receive(0.3) == []
         assert server.reply(peer, Message("error", {"error": "too big"}, rid=message.rid))
-        assert pending.wait(WAIT_S, "the error")[0].op == "error"
+        assert pending.wait(transport_net.WAIT_S, "the error")[0].op == "error"
 
     def test_a_request_header_over_the_limit_raises_and_sends_nothing(self, net: Net) -> None:
         """What a ps reads from anyone is bounded; a client must refuse to send more, not let the ps choke."""
