@@ -27,7 +27,7 @@ from psdk.logs import RateLimitedLog
 from psdk.transport import Incoming, ShardBuffers
 from psdk.transport.compact import Packer, Unpacker
 from psdk.transport.shm import REPLY_SLOT, AttachedBuffers, WorkerBuffers
-from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message
+from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode_reply
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,9 @@ class ServerLinks:
         """Peers whose memory holds a reply they may not have read: the next one goes whole, in frames."""
         self._refusals = RateLimitedLog(log)
         self.answers: Counter[str] = Counter()
+        """Offers taken (``ATTACHED``) and turned down (``REFUSED``), for logs and tests."""
         self._packer = Packer(MAX_REPLY_HEADER_BYTES)  # reply headers written in place
         self._unpackers: dict[bytes, Unpacker] = {}  # per peer: one peer's layouts cannot crowd out another's
-        """Offers taken (``ATTACHED``) and turned down (``REFUSED``), for logs and tests."""
 
     def attach(self, peer: bytes, user: str | None, offer: Message, allowed: bool) -> Message:
         """Map what ``peer`` offers; the answer (attached, or refused with why) for the endpoint to send."""
@@ -233,8 +233,8 @@ class ClientLinks:
             return message, None
         light = Message(message.op, message.fields, [], message.rid, lent=[slot])
         lent.sent[message.rid] = message
-        for old in list(lent.sent)[:-AWAITED_KEPT]:
-            del lent.sent[old]
+        if len(lent.sent) > AWAITED_KEPT:  # the oldest, abandoned long ago
+            del lent.sent[next(iter(lent.sent))]
         return light, self._packer.pack(message, [slot]) if lent.knocks else None
 
     def knock(self, index: int, rid: int, header: bytes) -> bool:
@@ -263,10 +263,7 @@ class ClientLinks:
         taken = lent.memory.take_reply()
         if taken is None:
             return None
-        try:
-            message = self._unpacker.unpack(taken[1])
-        except ProtocolError as exc:
-            raise ProtocolError(f"malformed reply from {self.peers[index]}: {exc}") from None
+        message = decode_reply([taken[1]], self.peers[index], lambda frames: self._unpacker.unpack(frames[0]))
         landed = self.landed(index, message)
         return None if landed is None else (index, landed)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,10 +200,12 @@ def decode(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> M
         raise MalformedMessage(f"undecodable message ({type(exc).__name__})", _rid_of(frames)) from None
 
 
-def decode_reply(frames: Sequence[Any], sender: str) -> Message:
-    """A reply from ``sender``, with the reply header limit; a malformed one is an error naming the sender."""
+def decode_reply(
+    frames: Sequence[Any], sender: str, decoder: Callable[[Sequence[Any]], Message] | None = None
+) -> Message:
+    """A reply from ``sender``, with the reply header limit (or by ``decoder``); malformed, an error naming it."""
     try:
-        return decode(frames, MAX_REPLY_HEADER_BYTES)
+        return decoder(frames) if decoder is not None else decode(frames, MAX_REPLY_HEADER_BYTES)
     except ProtocolError as exc:
         raise ProtocolError(f"malformed reply from {sender}: {exc}") from None
 
