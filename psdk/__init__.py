@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from psdk.hookspecs import BackendRecord, hookimpl
+from psdk.hookspecs import BackendRecord, DatasetRecord, ModelRecord, hookimpl
 
 __version__ = "0.1.0"
 
@@ -33,7 +33,9 @@ __all__ = [
     "BackendRecord",
     "ClientOptions",
     "ClusterSpec",
+    "DatasetRecord",
     "DistributedOptimizer",
+    "ModelRecord",
     "ModelSpec",
     "PsdkError",
     "StepResult",
@@ -44,9 +46,13 @@ __all__ = [
     "connect",
     "hookimpl",
     "init_weights",
+    "rules",
 ]
+_SUBMODULES = ("rules", "plugins", "testing")
+"""Reached as attributes (``psdk.rules.Adam``) without an import of their own."""
 
 if TYPE_CHECKING:
+    from psdk import rules
     from psdk.api import DistributedOptimizer, WorkerSession, connect
     from psdk.backend import Backend
     from psdk.client import ClientOptions, StepResult
@@ -57,6 +63,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"psdk.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'psdk' has no attribute {name!r}")

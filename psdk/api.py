@@ -235,30 +235,36 @@ class DistributedOptimizer:
     ``step()`` reads the gradients your backward pass left in the model,
     pushes them, and writes the fresh parameters back into the model.
 
-    Or name the rule itself and pass no optimizer:
-    ``DistributedOptimizer(None, model, session, backend=backend, rule=SGD(lr=0.1))``.
-    That is the path for a framework whose optimizers cannot be inspected,
-    and it skips building one (a ``torch.optim`` optimizer costs a worker
+    Or state the ps's rule itself and pass no optimizer:
+    ``DistributedOptimizer(None, model, session, rule=psdk.rules.Adam(lr=1e-3))``.
+    That is the first-class path for functional frameworks, whose optimizers
+    are closures that cannot be inspected (optax), and for a rule a plugin
+    adds; the backend is then the one that owns ``model`` (or ``backend=``).
+    It also skips building an optimizer (a ``torch.optim`` one costs a worker
     about a second of start-up: its first one imports ``torch._dynamo``).
     """
 
     def __init__(
         self,
-        optimizer: Any,
-        model: Any,
-        session: WorkerSession,
+        optimizer: Any = None,
+        model: Any = None,
+        session: WorkerSession | None = None,
         backend: Backend | None = None,
         *,
         rule: UpdateRule | None = None,
     ):
-        if optimizer is None and (rule is None or backend is None):
-            raise PsdkError("DistributedOptimizer needs a framework optimizer, or a rule= and a backend=")
+        if model is None or session is None:
+            raise PsdkError("DistributedOptimizer needs the model and the session (psdk.connect(...))")
+        if optimizer is None and rule is None:
+            raise PsdkError(
+                "DistributedOptimizer needs a framework optimizer, or the ps's rule: rule=psdk.rules.Adam(lr=1e-3)"
+            )
         if optimizer is not None and rule is not None:
             raise PsdkError("give DistributedOptimizer a framework optimizer or a rule=, not both")
         self.optimizer = optimizer
         self.model = model
         self.session = session
-        self.backend = backend or backend_for(optimizer)
+        self.backend = backend or backend_for(optimizer if optimizer is not None else model)
         self.rule = rule if rule is not None else self.backend.optimizer_rule(optimizer)
         self.restored_step: int | None = None
         """The checkpoint step ``broadcast_parameters`` put on the ps, None when it restored nothing."""

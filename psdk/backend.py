@@ -4,8 +4,18 @@ A backend builds a :class:`~psdk.models.ModelSpec` in its framework, moves
 weights and gradients in and out as named numpy arrays in the canonical
 layout (float32, C order, dense kernels (in, out)), computes loss and
 gradients on a batch, evaluates, and places itself on a device. It also
-recognises its framework's optimizers, whose type and hyper-parameters
-select the ps's update rule.
+recognises its framework's optimizers where they can be inspected, whose
+type and hyper-parameters select the ps's update rule; a functional
+framework's users pass the rule itself instead
+(``DistributedOptimizer(None, model, session, rule=psdk.rules.Adam(lr=1e-3))``).
+
+A backend's identity (name, framework, aliases, options) is its plugin's
+:class:`~psdk.hookspecs.BackendRecord`, declared once: :func:`psdk.plugins.load_backend`
+hands the record and the job's options to the instance.
+
+Per training step a worker calls :meth:`Backend.write_weights` (the
+parameters just pulled), :meth:`Backend.forward_backward`, then
+:meth:`Backend.read_gradients` (into the buffers that are pushed).
 
 The module that defines a backend class may import its framework at the
 top: psdk imports it only when the backend is used. The module that
@@ -16,20 +26,44 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
 
+if TYPE_CHECKING:
+    from psdk.hookspecs import BackendRecord
+
 
 class Backend(ABC):
-    name: ClassVar[str]
-    framework: ClassVar[str]
-    """Top-level module of the framework (``"torch"``): its objects belong to this backend."""
-
     device: str = "cpu"
+    options: dict[str, Any]
+    """The plugin's own options (its record's defaults, overridden by ``backend_options.<name>``)."""
+    _record: BackendRecord | None = None
+
+    @property
+    def record(self) -> BackendRecord:
+        """The plugin's record of this backend; found by class when the instance was made directly."""
+        if self._record is None:
+            from psdk.plugins import record_of  # the registry imports this module
+
+            self._record = record_of(type(self))
+        return self._record
+
+    @record.setter
+    def record(self, record: BackendRecord) -> None:
+        self._record = record
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    def option(self, key: str) -> Any:
+        """One of the plugin's options: the job's value, else the record's default."""
+        options = getattr(self, "options", None)
+        return options[key] if options is not None and key in options else self.record.options[key]
 
     def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
         """Import the framework, pin its threads and place this process on ``device``.
@@ -40,8 +74,15 @@ class Backend(ABC):
         self.device = device
 
     def owns(self, obj: object) -> bool:
-        """Whether ``obj`` (a model or optimizer) belongs to this backend's framework."""
-        return type(obj).__module__.split(".")[0] == self.framework
+        """Whether ``obj`` (a model or optimizer) belongs to this backend.
+
+        By default: it comes from the record's framework, one of its
+        ``modules``, or the plugin's own package (a model class the plugin
+        defines). Override to be stricter.
+        """
+        record = self.record
+        package = type(obj).__module__.split(".")[0]
+        return package in (record.framework, *record.modules, record.target.split(".")[0])
 
     @abstractmethod
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> Any:

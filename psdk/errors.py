@@ -7,18 +7,21 @@ was wrong and how to fix it: a user should never need a traceback to act.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 # The exit code of a task refused for its configuration or data: running it again cannot help.
 USAGE_EXIT = 2
 
-# Names people type for a backend, and the backend psdk calls it.
-BACKEND_ALIASES = {"pytorch": "torch", "tensorflow": "tf", "tensorflow2": "tf", "keras": "tf", "np": "numpy"}
-# How to install the plugins that live in psdk's own repository.
-PLUGIN_INSTALL = {
-    "torch": "pip install -e plugins/torch_backend (the psdk-torch plugin; install the torch build you want first)",
-    "tf": "pip install -e 'plugins/tf_backend[cpu]' (the psdk-tf plugin with tensorflow-cpu; [gpu] for CUDA)",
-}
+# The plugins in psdk's own repository, for a user who has not installed them: how to, and what
+# else people call them. An installed plugin's own record (aliases, install) says this for itself.
+REPOSITORY_PLUGINS = {
+    "torch": ("pip install -e plugins/torch_backend (the psdk-torch plugin; install the torch build you want first)",
+              ("pytorch",)),
+    "tf": ("pip install -e 'plugins/tf_backend[cpu]' (the psdk-tf plugin with tensorflow-cpu; [gpu] for CUDA)",
+           ("tensorflow", "tensorflow2", "keras")),
+    "jax": ("pip install -e plugins/jax_backend (the psdk-jax plugin; jax and optax, CPU; see JAX's docs for CUDA)",
+            ("flax", "optax")),
+}  # fmt: skip
 
 
 def closest(name: str, choices: Iterable[str]) -> str | None:
@@ -57,10 +60,13 @@ class ConfigError(PsdkError):
 class UnknownBackendError(ConfigError):
     """``backend=`` names no installed plugin."""
 
-    def __init__(self, name: str, installed: Iterable[str]) -> None:
+    def __init__(self, name: str, installed: Iterable[str], aliases: Mapping[str, str] | None = None) -> None:
+        """``aliases``: other names of the installed backends (from their records), to the backend's name."""
         names = sorted(installed)
-        guess = closest(name, [*names, *PLUGIN_INSTALL, *BACKEND_ALIASES])
-        meant = BACKEND_ALIASES.get(name.lower()) or BACKEND_ALIASES.get(guess or "", guess)
+        known = {alias: real for real, (_, others) in REPOSITORY_PLUGINS.items() for alias in others}
+        known.update(aliases or {})
+        guess = closest(name, [*names, *REPOSITORY_PLUGINS, *known])
+        meant = known.get(name.lower()) or known.get(guess or "", guess)
         if meant is None:
             advice = (
                 f"psdk has no {name} backend in this environment. Pick an installed one (backend=<name> below; "
@@ -70,7 +76,7 @@ class UnknownBackendError(ConfigError):
         elif meant in names:
             advice = f"did you mean backend={meant}?"
         else:
-            missing = f"plugin is not installed in this environment: {PLUGIN_INSTALL[meant]}"
+            missing = f"plugin is not installed in this environment: {REPOSITORY_PLUGINS[meant][0]}"
             advice = f"did you mean backend={meant}? Its {missing}" if meant != name else f"its {missing}"
         super().__init__("backend", f"no installed backend is called {name!r}; {advice}", names)
         self.name = name

@@ -68,8 +68,8 @@ def test_config_typos_name_the_key_and_the_fix(tmp_path: Path, args: list[str], 
 @pytest.mark.parametrize(
     "backend, fragments",
     [
-        ("pytorch", ["no installed backend is called 'pytorch'", "did you mean backend=torch?"]),
-        ("jax", ["no installed backend is called 'jax'", "python -m psdk plugins", "valid choices:", "numpy"]),
+        ("pytroch", ["no installed backend is called 'pytroch'", "did you mean backend=torch?"]),
+        ("mxnet", ["no installed backend is called 'mxnet'", "python -m psdk plugins", "valid choices:", "numpy"]),
     ],
 )
 def test_a_misnamed_or_missing_backend_says_which_exist(tmp_path: Path, backend: str, fragments: list[str]) -> None:

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from psdk.errors import ConfigError
-from psdk.optim import RULES, SGD, Adagrad, Adam, RMSProp, UpdateRule, rule_from_json
+from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule, rule_from_json
+from psdk.plugins import installed_rules
+
+RULES = installed_rules()
 
 
 def run(rule: UpdateRule, grads: list[np.ndarray], start: np.ndarray) -> np.ndarray:

@@ -26,12 +26,13 @@ from psdk.api import WorkerSession
 from psdk.client import ClientOptions, ParameterClient
 from psdk.config import build, schema
 from psdk.config.options import GROUPS, TaskOptions, options_from
+from psdk.config.schema import RULES
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError
 from psdk.jobs.mnist import run_worker
 from psdk.jobspec import JobSpec
 from psdk.models import init_weights
-from psdk.optim import RULES, SGD, NoOp
+from psdk.optim import SGD, NoOp
 from psdk.ps.main import run_ps
 from psdk.transport.lending import ATTACHED, REFUSED
 from psdk.transport.zeromq import ZmqServer, ZmqTransport

@@ -11,7 +11,7 @@ import pytest
 
 from psdk import hookspecs, plugins
 from psdk.backends.numpy_backend import NumpyBackend
-from psdk.errors import PluginError, UnknownBackendError
+from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.hookspecs import BackendRecord, hookimpl
 from psdk.optim import SGD
 
@@ -50,7 +50,7 @@ def test_two_plugins_claiming_one_name_are_both_named(monkeypatch: pytest.Monkey
     monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
     with pytest.raises(PluginError) as info:
         plugins.installed_backends()
-    assert "fake_plugin_0" in str(info.value) and "fake_plugin_1" in str(info.value)
+    assert "a:B" in str(info.value) and "c:D" in str(info.value)
 
 
 def test_a_backend_whose_module_is_missing_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +74,39 @@ def test_objects_of_a_frameworks_sibling_package_find_its_backend(monkeypatch: p
     target = "psdk.backends.numpy_backend:NumpyBackend"
     pm = fake_manager([BackendRecord("fake", target, "fakeflow", modules=("fakeras",))])
     monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setitem(sys.modules, "fakeras", types.ModuleType("fakeras"))  # its objects exist: it is loaded
     optimizer = type("SGD", (), {"__module__": "fakeras.optimizers"})()
     assert isinstance(plugins.backend_for(optimizer), NumpyBackend)
     with pytest.raises(UnknownBackendError):
         plugins.backend_for(type("SGD", (), {"__module__": "otherlib.optim"})())
+
+
+def test_an_alias_from_the_record_names_the_backend() -> None:
+    assert plugins.resolve_backend_name("np") == "numpy"
+    assert plugins.load_backend("NP").name == "numpy"
+
+
+def test_a_backend_made_directly_finds_its_record() -> None:
+    backend = NumpyBackend()
+    assert backend.name == "numpy" and backend.record.framework == "psdk"
+
+
+def test_a_backend_gets_its_options_from_the_record_and_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = "psdk.backends.numpy_backend:NumpyBackend"
+    pm = fake_manager([BackendRecord("opts", target, "psdk", options={"jit": True, "cache_dir": None})])
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    assert plugins.load_backend("opts").options == {"jit": True, "cache_dir": None}
+    assert plugins.load_backend("opts", {"jit": False}).option("jit") is False
+    with pytest.raises(ConfigError, match=r"backend_options\.opts: the opts backend has no option\(s\) jti"):
+        plugins.load_backend("opts", {"jti": False})
+
+
+def test_finding_a_backend_asks_its_owns_and_imports_no_other_framework() -> None:
+    code = (
+        "import sys, psdk.plugins as p\n"
+        "from psdk.optim import SGD\n"
+        "backend = p.backend_for(SGD(lr=0.1))\n"
+        "print(backend.name, sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "numpy []"

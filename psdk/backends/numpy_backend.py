@@ -66,9 +66,6 @@ class NumpyModel:
 
 
 class NumpyBackend(Backend):
-    name = "numpy"
-    framework = "psdk"
-
     def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
         self.device = "cpu"  # numpy has no GPU: soft placement
 

@@ -13,5 +13,6 @@ def psdk_register_backends() -> list[BackendRecord]:
             target="psdk.backends.numpy_backend:NumpyBackend",
             framework="psdk",
             description="reference backend in plain numpy (CPU only); documents the contract",
+            aliases=("np",),
         )
     ]

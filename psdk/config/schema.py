@@ -8,10 +8,15 @@ such as ``-m sync=sync,async sync.replicas_to_aggregate=2`` never fails on
 one of them.
 
 Where the code already has a dataclass for a group, the schema is derived
-from it (:func:`schema_of`) rather than copied: the update rules of
-:mod:`psdk.optim` (one schema per rule), :class:`~psdk.consistency.SyncSpec`,
-and the typed options of :mod:`psdk.config.options`. A field added there is
-a key here, with its type and default, and no key here lacks a field there.
+from it (:func:`schema_of`) rather than copied: the update rules (one schema
+per rule), :class:`~psdk.consistency.SyncSpec`, and the typed options of
+:mod:`psdk.config.options`. A field added there is a key here, with its type
+and default, and no key here lacks a field there.
+
+Plugins extend the tree (:mod:`psdk.plugins`): a rule or model a plugin
+registers is also a choice of its group (``optimizer=<rule>``,
+``model=<model>``) with its dataclass's defaults, unless ``conf/`` has a
+file of that name; a backend's options are ``backend_options.<backend>.*``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from psdk.config.options import (
     TransportOptions,
 )
 from psdk.consistency import SyncSpec
-from psdk.optim import RULES, NoOp
+from psdk.optim import NoOp
+from psdk.plugins import installed_backends, installed_models, installed_rules, load_target
 
 
 def schema_of(cls: type, name: str, target: bool = False) -> type:
@@ -64,10 +70,9 @@ def schema_of(cls: type, name: str, target: bool = False) -> type:
     return schema
 
 
+RULES = {name: rule for name, rule in installed_rules().items() if rule is not NoOp}  # NoOp: the ps's own
 OPTIMIZER_SCHEMAS = {
-    f"base_{rule.name}": schema_of(rule, f"{rule.__name__}Config", target=True)
-    for rule in RULES.values()
-    if rule is not NoOp  # the ps's internal no-op rule, not an optimizer to pick
+    f"base_{rule.name}": schema_of(rule, f"{rule.__name__}Config", target=True) for rule in RULES.values()
 }
 SyncConfig = schema_of(SyncSpec, "SyncConfig", target=True)
 TransportConfig = schema_of(TransportOptions, "TransportConfig")
@@ -118,6 +123,7 @@ class RayLauncherConfig:
 
 @dataclass
 class DataConfig:
+    name: str = "mnist"
     dir: Any = None
     cache_dir: Any = None
     download: bool = True
@@ -171,6 +177,12 @@ class PsdkConfig:
     placement: Any = field(default_factory=PlacementConfig)  # derived: typed by the instance
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    backend_options: Any = field(default_factory=lambda: backend_option_defaults())
+
+
+def backend_option_defaults() -> dict[str, dict[str, Any]]:
+    """Every installed backend's own options with their defaults: ``backend_options.<backend>.<key>``."""
+    return {name: dict(entry.record.options) for name, entry in sorted(installed_backends().items())}
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
@@ -182,10 +194,33 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
+def _has_file(group: str, name: str) -> bool:
+    from psdk.config import config_dir
+
+    return (config_dir() / group / f"{name}.yaml").is_file()
+
+
+def plugin_choices() -> dict[str, dict[str, Any]]:
+    """Rules and models that plugins add, as choices of their groups (those ``conf/`` has no file for)."""
+    choices: dict[str, dict[str, Any]] = {"optimizer": {}, "model": {}}
+    for name in RULES:
+        if not _has_file("optimizer", name):
+            choices["optimizer"][name] = OPTIMIZER_SCHEMAS[f"base_{name}"]
+    for name, record in installed_models().items():
+        if not _has_file("model", name):
+            spec = load_target(record.target, f"model {name!r}")
+            ident = "".join(c if c.isalnum() else "_" for c in name)
+            choices["model"][name] = schema_of(spec, f"{spec.__name__}Config_{ident}", target=True)(name=name)
+    return choices
+
+
 def register_configs() -> None:
-    """Put the schemas into Hydra's ConfigStore (idempotent)."""
+    """Put the schemas, and the choices plugins add, into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=PsdkConfig)
     for group, schemas in GROUP_SCHEMAS.items():
         for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)
+    for group, choices in plugin_choices().items():
+        for name, node in choices.items():
             cs.store(group=group, name=name, node=node)

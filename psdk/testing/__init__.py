@@ -22,17 +22,26 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "BackendConformance": "psdk.testing.conformance",
     "TransportConformance": "psdk.testing.transport_conformance",
+    "RuleAgreement": "psdk.testing.rule_agreement",
     "running_ps": "psdk.testing.ps",
     "run_job": "psdk.testing.jobs",
     "assert_every_worker_contributed": "psdk.testing.jobs",
 }
 
-__all__ = ["BackendConformance", "TransportConformance", "assert_every_worker_contributed", "run_job", "running_ps"]
+__all__ = [
+    "BackendConformance",
+    "RuleAgreement",
+    "TransportConformance",
+    "assert_every_worker_contributed",
+    "run_job",
+    "running_ps",
+]
 
 if TYPE_CHECKING:
     from psdk.testing.conformance import BackendConformance
     from psdk.testing.jobs import assert_every_worker_contributed, run_job
     from psdk.testing.ps import running_ps
+    from psdk.testing.rule_agreement import RuleAgreement
     from psdk.testing.transport_conformance import TransportConformance
 
 

@@ -1,17 +1,23 @@
-"""psdk's pytest plugin (entry point ``pytest11``): fixtures for backend authors' tests.
+"""psdk's pytest plugin (entry point ``pytest11``): fixtures for plugin authors' tests.
 
 Loaded automatically where psdk is installed; with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``
 set, add ``-p psdk.testing.pytest_plugin``. The conformance suite itself is a
 class to subclass (:class:`psdk.testing.BackendConformance`); it does not depend
-on these fixtures.
+on these fixtures. Nothing here knows where a plugin's folder is: a plugin's
+tests pass wherever the folder is copied, once psdk is installed and MNIST is
+given by ``PSDK_DATA_DIR``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 if TYPE_CHECKING:
     from psdk.testing.ps import RunningPs
@@ -24,3 +30,26 @@ def psdk_ps() -> Iterator[RunningPs]:
 
     with running_ps() as ps:
         yield ps
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    """The MNIST folder ``$PSDK_DATA_DIR`` names; the test fails, saying how to fix it, when it is not there."""
+    value = os.environ.get("PSDK_DATA_DIR")
+    if not value:
+        pytest.fail("set PSDK_DATA_DIR to a folder with the four MNIST IDX files (python -m psdk data fetches them)")
+    folder = Path(value).expanduser().resolve()
+    missing = [name for name in MNIST_FILES if not any(folder.glob(f"{name}*"))]
+    if missing:
+        pytest.fail(f"PSDK_DATA_DIR={value} lacks {', '.join(missing)} (gzipped or not)")
+    return folder
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One test per rule case for subclasses of :class:`psdk.testing.RuleAgreement`."""
+    if "rule_case" not in metafunc.fixturenames or metafunc.cls is None:
+        return
+    from psdk.testing.rule_agreement import RuleAgreement
+
+    if issubclass(metafunc.cls, RuleAgreement):
+        metafunc.parametrize("rule_case", list(metafunc.cls.cases))

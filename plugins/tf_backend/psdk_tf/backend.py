@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -29,11 +29,6 @@ EVAL_BATCH = 5000
 
 
 class TfBackend(Backend):
-    name = "tf"
-    framework = "tensorflow"
-    modules: ClassVar[tuple[str, ...]] = ("tensorflow", "keras")
-    """Top-level modules whose objects belong here: Keras optimizers are TensorFlow's."""
-
     def __init__(self) -> None:
         self.plan = placement.CPU
 
@@ -52,9 +47,6 @@ class TfBackend(Backend):
         self.plan = placement.plan(device, gpus, gpu_memory_fraction, total, growth_left_to_tf)
         placement.apply(self.plan, threads, tf)
         self.device = self.plan.device
-
-    def owns(self, obj: object) -> bool:
-        return type(obj).__module__.split(".")[0] in self.modules
 
     # ---------------------------------------------------------------- model
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> DenseStack:

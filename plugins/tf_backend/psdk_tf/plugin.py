@@ -14,5 +14,8 @@ def psdk_register_backends() -> list[BackendRecord]:
             framework="tensorflow",
             description="TensorFlow 2 with Keras 3 optimizers (CPU or GPU)",
             modules=("keras",),
+            aliases=("tensorflow", "tensorflow2", "keras"),
+            install="pip install -e 'plugins/tf_backend[cpu]' installs tensorflow-cpu with the plugin "
+            "([gpu] for tensorflow[and-cuda]), or pip install tensorflow-cpu",
         )
     ]

@@ -43,5 +43,5 @@ def test_psdk_plugins_lists_tf() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "psdk", "plugins"], capture_output=True, text=True, timeout=120, check=True
     )
-    line = next(row for row in out.stdout.splitlines() if row.startswith("tf "))
+    line = next(row for row in out.stdout.splitlines() if row.split()[:2] == ["backend", "tf"])
     assert "tensorflow" in line and "psdk-tf" in line

@@ -82,9 +82,6 @@ def _refuse(group: Mapping[str, Any], name: str, **unsupported: Any) -> None:
 
 
 class TorchBackend(Backend):
-    name = "torch"
-    framework = "torch"
-
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")
         self._named: dict[int, list[tuple[str, nn.Parameter]]] = {}

@@ -13,5 +13,8 @@ def psdk_register_backends() -> list[BackendRecord]:
             target="psdk_torch.backend:TorchBackend",
             framework="torch",
             description="PyTorch (CPU or CUDA)",
+            aliases=("pytorch",),
+            install="pip install torch (the CPU build: --index-url https://download.pytorch.org/whl/cpu), "
+            "or `make setup` in a psdk checkout",
         )
     ]

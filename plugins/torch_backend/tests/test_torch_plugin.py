@@ -36,5 +36,5 @@ def test_psdk_plugins_lists_torch() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "psdk", "plugins"], capture_output=True, text=True, timeout=120, check=True
     )
-    line = next(row for row in out.stdout.splitlines() if row.startswith("torch"))
+    line = next(row for row in out.stdout.splitlines() if row.split()[:2] == ["backend", "torch"])
     assert "psdk-torch" in line

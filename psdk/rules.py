@@ -1,0 +1,11 @@
+"""The ps's update rules under their public name: ``psdk.rules.Adam(lr=1e-3)``.
+
+Pass one to :class:`psdk.DistributedOptimizer` as ``rule=`` when your
+framework's optimizer cannot be inspected (optax's are closures) or when you
+want the ps's rule stated outright. Rules that plugins add are found with
+:func:`psdk.plugins.installed_rules`; see :mod:`psdk.optim` for the semantics.
+"""
+
+from psdk.optim import SGD, Adagrad, Adam, RMSProp, RuleState, UpdateRule
+
+__all__ = ["SGD", "Adagrad", "Adam", "RMSProp", "RuleState", "UpdateRule"]
