@@ -197,8 +197,12 @@ class LocalLauncher:
         self.max_restarts = self.options.recovery.restarts
         topology = build.topology(cfg)
         self.curves = CurvesInBackground(out) if cfg.get("report", {}).get("plot", True) else None
-        data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
-        common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
+        common = [*passed_on(overrides), f"output_dir={out}"]
+        if str(cfg.data.get("name", "mnist")) == "mnist":  # fetched once here, not by every worker at once
+            data = cfg.data
+            common.append(
+                f"data.dir={mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))}"
+            )
         self.handoffs = handoff.HandoffMaker.for_job(cfg, overrides, passed_on(overrides), OWN_KEYS)
         transport = self.options.transport
         if transport.secure:
