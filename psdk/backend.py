@@ -47,7 +47,7 @@ class Backend(ABC):
     def record(self) -> BackendRecord:
         """The plugin's record of this backend; found by class when the instance was made directly."""
         if self._record is None:
-            from psdk.plugins import record_of  # the registry imports this module
+            from psdk.registry import record_of
 
             self._record = record_of(type(self))
         return self._record

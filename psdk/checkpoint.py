@@ -36,7 +36,7 @@ import numpy as np
 
 from psdk.errors import DataError, PsdkError
 from psdk.numerics import all_finite
-from psdk.optim import rule_from_json
+from psdk.registry import rule_from_json
 
 log = logging.getLogger(__name__)
 

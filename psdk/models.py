@@ -79,7 +79,7 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
 
 def supporting_backends(model_name: str) -> tuple[str, ...] | None:
     """The backends a registered model has builders for; None when every backend builds it itself."""
-    from psdk.plugins import installed_models  # the registry imports the backend contract, which imports this
+    from psdk.registry import installed_models
 
     record = installed_models().get(model_name)
     return tuple(sorted(record.builders)) if record is not None and record.builders else None
@@ -102,7 +102,7 @@ def check_supported(model_name: str, backends: Sequence[str]) -> None:
 
 def build_model(backend: Backend, spec: Any, weights: Mapping[str, np.ndarray]) -> Any:
     """``spec`` built on ``backend`` holding ``weights``: by the model's plugin, or by the backend itself."""
-    from psdk.plugins import installed_models, load_target
+    from psdk.registry import installed_models, load_target
 
     record = installed_models().get(str(spec.name))
     if record is not None and record.builders:

@@ -419,29 +419,3 @@ class NoOp(UpdateRule):
 
     def apply(self, params: np.ndarray, grad: np.ndarray, state: RuleState) -> None:
         state.step += 1
-
-
-def rule_from_json(data: dict[str, Any]) -> UpdateRule:
-    """Rebuild a rule sent by the chief or read from a checkpoint; unknown names or keys are refused.
-
-    Rules come from every installed plugin (:func:`psdk.plugins.installed_rules`),
-    psdk's own among them: a ps runs a plugin's rule once that plugin is
-    installed where the ps runs.
-    """
-    from psdk.plugins import installed_rules  # the registry imports this module
-
-    rules = installed_rules()
-    values = dict(data)
-    name = values.pop("name", None)
-    if name not in rules:
-        raise ConfigError(
-            "optimizer",
-            f"unknown update rule {name!r}; is the plugin that provides it installed where this task runs?",
-            rules,
-        )
-    cls = rules[name]
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - known
-    if unknown:
-        raise ConfigError("optimizer", f"{name} has no option(s) {sorted(unknown)}", known)
-    return cls(**values)

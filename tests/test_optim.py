@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule, rule_from_json
+from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.plugins import installed_rules
+from psdk.registry import rule_from_json
 
 RULES = installed_rules()
 

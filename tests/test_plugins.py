@@ -9,7 +9,7 @@ import types
 import pluggy
 import pytest
 
-from psdk import hookspecs, plugins
+from psdk import hookspecs, plugins, registry
 from psdk.backends.numpy_backend import NumpyBackend
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.hookspecs import BackendRecord, hookimpl
@@ -47,7 +47,7 @@ def fake_manager(*records: list[BackendRecord]) -> pluggy.PluginManager:
 
 def test_two_plugins_claiming_one_name_are_both_named(monkeypatch: pytest.MonkeyPatch) -> None:
     pm = fake_manager([BackendRecord("torch", "a:B", "torch")], [BackendRecord("torch", "c:D", "torch")])
-    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     with pytest.raises(PluginError) as info:
         plugins.installed_backends()
     assert "a:B" in str(info.value) and "c:D" in str(info.value)
@@ -55,7 +55,7 @@ def test_two_plugins_claiming_one_name_are_both_named(monkeypatch: pytest.Monkey
 
 def test_a_backend_whose_module_is_missing_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     pm = fake_manager([BackendRecord("ghost", "psdk_ghost.backend:Ghost", "ghostlib")])
-    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     with pytest.raises(PluginError, match="ghostlib"):
         plugins.load_backend("ghost")
 
@@ -73,7 +73,7 @@ def test_objects_of_a_frameworks_sibling_package_find_its_backend(monkeypatch: p
     """TensorFlow's optimizers live in ``keras``: a record's ``modules`` claims them."""
     target = "psdk.backends.numpy_backend:NumpyBackend"
     pm = fake_manager([BackendRecord("fake", target, "fakeflow", modules=("fakeras",))])
-    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     monkeypatch.setitem(sys.modules, "fakeras", types.ModuleType("fakeras"))  # its objects exist: it is loaded
     optimizer = type("SGD", (), {"__module__": "fakeras.optimizers"})()
     assert isinstance(plugins.backend_for(optimizer), NumpyBackend)
@@ -94,7 +94,7 @@ def test_a_backend_made_directly_finds_its_record() -> None:
 def test_a_backend_gets_its_options_from_the_record_and_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     target = "psdk.backends.numpy_backend:NumpyBackend"
     pm = fake_manager([BackendRecord("opts", target, "psdk", options={"jit": True, "cache_dir": None})])
-    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     assert plugins.load_backend("opts").options == {"jit": True, "cache_dir": None}
     assert plugins.load_backend("opts", {"jit": False}).option("jit") is False
     with pytest.raises(ConfigError, match=r"backend_options\.opts: the opts backend has no option\(s\) jti"):

@@ -29,7 +29,7 @@ def register_configs() -> None:
     """The schemas in Hydra's ConfigStore (:mod:`psdk.config.schema`, imported only here: it imports Hydra)."""
     from psdk.config.schema import register_configs as register
 
-    register()
+    register(config_dir())
 
 
 def prepare_hydra() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -39,7 +40,7 @@ from psdk.config.options import (
 )
 from psdk.consistency import SyncSpec
 from psdk.optim import NoOp
-from psdk.plugins import installed_backends, installed_models, installed_rules, load_target
+from psdk.registry import installed_backends, installed_models, installed_rules, load_target
 
 
 def schema_of(cls: type, name: str, target: bool = False) -> type:
@@ -194,14 +195,12 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
-def _has_file(group: str, name: str) -> bool:
-    from psdk.config import config_dir
-
-    return (config_dir() / group / f"{name}.yaml").is_file()
-
-
-def plugin_choices() -> dict[str, dict[str, Any]]:
+def plugin_choices(conf: Path) -> dict[str, dict[str, Any]]:
     """Rules and models that plugins add, as choices of their groups (those ``conf/`` has no file for)."""
+
+    def _has_file(group: str, name: str) -> bool:
+        return (conf / group / f"{name}.yaml").is_file()
+
     choices: dict[str, dict[str, Any]] = {"optimizer": {}, "model": {}}
     for name in RULES:
         if not _has_file("optimizer", name):
@@ -214,13 +213,13 @@ def plugin_choices() -> dict[str, dict[str, Any]]:
     return choices
 
 
-def register_configs() -> None:
+def register_configs(conf: Path) -> None:
     """Put the schemas, and the choices plugins add, into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=PsdkConfig)
     for group, schemas in GROUP_SCHEMAS.items():
         for name, node in schemas.items():
             cs.store(group=group, name=name, node=node)
-    for group, choices in plugin_choices().items():
+    for group, choices in plugin_choices(conf).items():
         for name, node in choices.items():
             cs.store(group=group, name=name, node=node)

@@ -77,7 +77,7 @@ def idx_folder(data: Any) -> mnist.Mnist:
 
 def load_dataset(data: Any) -> mnist.Mnist:
     """The dataset ``data.name`` names (default ``mnist``), through the plugins that register datasets."""
-    from psdk.plugins import installed_datasets, load_target
+    from psdk.registry import installed_datasets, load_target
 
     name = str(_get(data, "name") or "mnist")
     datasets = installed_datasets()

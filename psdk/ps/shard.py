@@ -25,12 +25,12 @@ from psdk.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.errors import ConfigError, NonFiniteError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.numerics import magnitude
-from psdk.optim import rule_from_json
 from psdk.ps.membership import Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
+from psdk.registry import rule_from_json
 from psdk.store import ParameterStore, RestoreState
 from psdk.transport import ServerEndpoint
 from psdk.transport.wire import MAX_HEADER_BYTES, Message
