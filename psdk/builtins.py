@@ -30,7 +30,7 @@ def psdk_register_datasets() -> list[DatasetRecord]:
     return [
         DatasetRecord(
             "mnist",
-            "psdk.data.datasets:mnist",
+            "psdk.data.datasets:mnist_dataset",
             "MNIST: the four IDX files, checksummed, downloaded when missing",
         ),
         DatasetRecord(

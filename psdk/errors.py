@@ -60,8 +60,11 @@ class ConfigError(PsdkError):
 class UnknownBackendError(ConfigError):
     """``backend=`` names no installed plugin."""
 
-    def __init__(self, name: str, installed: Iterable[str], aliases: Mapping[str, str] | None = None) -> None:
-        """``aliases``: other names of the installed backends (from their records), to the backend's name."""
+    def __init__(
+        self, name: str, installed: Iterable[str], aliases: Mapping[str, str] | None = None, broken: Iterable[str] = ()
+    ) -> None:
+        """``aliases``: other names of the installed backends (from their records), to the backend's name;
+        ``broken``: why plugins that failed to load did (the backend may be in one of them)."""
         names = sorted(installed)
         known = {alias: real for real, (_, others) in REPOSITORY_PLUGINS.items() for alias in others}
         known.update(aliases or {})
@@ -78,7 +81,8 @@ class UnknownBackendError(ConfigError):
         else:
             missing = f"plugin is not installed in this environment: {REPOSITORY_PLUGINS[meant][0]}"
             advice = f"did you mean backend={meant}? Its {missing}" if meant != name else f"its {missing}"
-        super().__init__("backend", f"no installed backend is called {name!r}; {advice}", names)
+        notes = "".join(f"; note: {why}" for why in broken)
+        super().__init__("backend", f"no installed backend is called {name!r}; {advice}{notes}", names)
         self.name = name
 
 

@@ -5,16 +5,26 @@ initial weights come from :func:`init_weights` in numpy, so the same seed
 starts a torch worker, a TensorFlow worker and the numpy reference from the
 same point. Variable names and layouts are canonical: ``<layer>/kernel`` of
 shape (in, out) and ``<layer>/bias`` of shape (out,).
+
+Plugins add models (:class:`~psdk.hookspecs.ModelRecord`): a spec of the
+same shape as :class:`ModelSpec` (``name``, ``input_dim``, ``num_classes``,
+``variables()``, ``init_weights(seed)``) and, per backend, a builder;
+:func:`build_model` picks the builder for a backend, or the backend's own
+dense stack for :class:`ModelSpec`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from psdk.errors import ConfigError
+
+if TYPE_CHECKING:
+    from psdk.backend import Backend
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,9 @@ class ModelSpec:
     def num_parameters(self) -> int:
         return sum(int(np.prod(shape)) for _, shape in self.variables())
 
+    def init_weights(self, seed: int) -> dict[str, np.ndarray]:
+        return init_weights(self, seed)
+
 
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
     """Glorot-uniform kernels and zero biases (Keras' defaults), from ``seed``."""
@@ -62,3 +75,40 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
         weights[f"{name}/kernel"] = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)
         weights[f"{name}/bias"] = np.zeros(fan_out, np.float32)
     return weights
+
+
+def supporting_backends(model_name: str) -> tuple[str, ...] | None:
+    """The backends a registered model has builders for; None when every backend builds it itself."""
+    from psdk.plugins import installed_models  # the registry imports the backend contract, which imports this
+
+    record = installed_models().get(model_name)
+    return tuple(sorted(record.builders)) if record is not None and record.builders else None
+
+
+def check_supported(model_name: str, backends: Sequence[str]) -> None:
+    """Refuse a job whose backends cannot all build ``model_name`` (a mixed job needs every one)."""
+    supported = supporting_backends(model_name)
+    if supported is None:
+        return
+    missing = sorted(set(backends) - set(supported))
+    if missing:
+        raise ConfigError(
+            "model",
+            f"model={model_name} has no builder for the {', '.join(missing)} backend(s) of this job; "
+            f"it builds on {', '.join(supported)}",
+            supported,
+        )
+
+
+def build_model(backend: Backend, spec: Any, weights: Mapping[str, np.ndarray]) -> Any:
+    """``spec`` built on ``backend`` holding ``weights``: by the model's plugin, or by the backend itself."""
+    from psdk.plugins import installed_models, load_target
+
+    record = installed_models().get(str(spec.name))
+    if record is not None and record.builders:
+        check_supported(record.name, [backend.name])
+        builder = load_target(record.builders[backend.name], f"the {backend.name} builder of model {record.name!r}")
+        return builder(backend, spec, weights)
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError("model", f"model {spec.name!r} is not a dense stack and names no builder for {backend.name}")
+    return backend.build_model(spec, weights)

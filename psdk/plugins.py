@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ ENTRY_POINT_GROUP = "psdk"
 DEFAULT_PLUGINS = ("psdk.builtins", "psdk.backends.numpy_plugin")
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,16 +43,31 @@ class InstalledBackend:
     """Who provides it: ``"psdk-torch 0.1.0"``, or psdk itself."""
 
 
+BROKEN: dict[str, str] = {}
+"""Entry points that failed to load, by name, with why: they are skipped, each named once in the log."""
+
+
 @functools.cache
 def get_plugin_manager() -> pluggy.PluginManager:
+    """psdk's own plugins, then every ``psdk`` entry point that loads.
+
+    A plugin that fails to import is skipped with a warning naming it and its
+    distribution, rather than failing every job: a ps needs only the rules,
+    and a worker only its own backend, which it then reports as missing.
+    """
     pm = pluggy.PluginManager("psdk")
     pm.add_hookspecs(hookspecs)
     for module_name in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(module_name), name=module_name)
-    try:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    except Exception as exc:  # a broken third-party plugin must say who it is
-        raise PluginError(f"loading a plugin from the {ENTRY_POINT_GROUP!r} entry points failed: {exc}") from exc
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if pm.get_plugin(entry.name) is not None or pm.is_blocked(entry.name):
+            continue
+        try:
+            pm.register(entry.load(), name=entry.name)
+        except Exception as exc:  # a broken third-party plugin must say who it is, and spoil nothing else
+            who = f"{entry.dist.name} {entry.dist.version}" if entry.dist is not None else "an unknown distribution"
+            BROKEN[entry.name] = f"the plugin {entry.name!r} ({entry.value}, from {who}) failed to load: {exc}"
+            log.warning("%s; skipping it", BROKEN[entry.name])
     return pm
 
 
@@ -118,7 +135,7 @@ def resolve_backend_name(name: str, backends: Mapping[str, InstalledBackend] | N
     aliases = {alias.lower(): real for real, entry in backends.items() for alias in entry.record.aliases}
     if name.lower() in aliases:
         return aliases[name.lower()]
-    raise UnknownBackendError(name, backends, aliases)
+    raise UnknownBackendError(name, backends, aliases, BROKEN.values())
 
 
 def check_framework(name: str) -> None:
@@ -135,7 +152,7 @@ def check_framework(name: str) -> None:
         )
 
 
-def backend_options(record: BackendRecord, given: Mapping[str, Any] | None) -> dict[str, Any]:
+def merged_options(record: BackendRecord, given: Mapping[str, Any] | None) -> dict[str, Any]:
     """The record's option defaults overridden by ``given``; a key the plugin does not declare is refused."""
     options = dict(record.options)
     unknown = sorted(set(given or {}) - set(options))
@@ -166,7 +183,7 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
         raise PluginError(f"backend {record.name!r} points at {record.target}, which is not a Backend")
     backend: Backend = cls()
     backend.record = record
-    backend.options = backend_options(record, options)
+    backend.options = merged_options(record, options)
     return backend
 
 

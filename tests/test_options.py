@@ -126,7 +126,7 @@ def test_the_optimizer_and_sync_schemas_are_the_fields_of_their_dataclasses() ->
             continue
         base = schema.GROUP_SCHEMAS["optimizer"][f"base_{rule.name}"]
         fields = {f.name: f.default for f in dataclasses.fields(base)}
-        assert fields.pop("_target_") == f"psdk.optim.{rule.__name__}"
+        assert fields.pop("_target_") == f"{rule.__module__}.{rule.__qualname__}"
         assert fields == {f.name: f.default for f in dataclasses.fields(rule)}
     sync = {f.name: f.default for f in dataclasses.fields(schema.SyncConfig)}
     assert sync.pop("_target_") == "psdk.consistency.SyncSpec"

@@ -95,7 +95,17 @@ def topology(cfg: DictConfig) -> Topology:
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
+    """The job's model spec: a :class:`ModelSpec`, or the spec class of the plugin that provides the model."""
     return cast(ModelSpec, instantiate_node(cfg.model, _convert_="all"))
+
+
+def backend_options(cfg: DictConfig, backend: str) -> dict[str, Any]:
+    """What ``backend_options.<backend>`` sets (the plugin's defaults fill the rest, in ``load_backend``)."""
+    node = cfg.get("backend_options") or {}
+    from psdk.plugins import resolve_backend_name
+
+    chosen = node.get(resolve_backend_name(backend)) or {}
+    return dict(plain(chosen))
 
 
 def update_rule(cfg: DictConfig) -> UpdateRule:

@@ -60,12 +60,17 @@ KEY_ALIASES = {
 
 
 def group_options(conf: Path) -> dict[str, list[str]]:
-    """Each config group of the tree and its options (schemas, ``base_*``, left out)."""
-    return {
-        d.name: sorted(p.stem for p in d.glob("*.yaml") if not p.stem.startswith("base_"))
+    """Each config group of the tree and its options (schemas, ``base_*``, left out), plugins' rules and models too."""
+    from psdk.plugins import installed_models, installed_rules
+
+    groups = {
+        d.name: {p.stem for p in d.glob("*.yaml") if not p.stem.startswith("base_")}
         for d in sorted(conf.iterdir())
         if d.is_dir() and d.name != "hydra"
     }
+    groups.setdefault("optimizer", set()).update(name for name in installed_rules() if name != "noop")
+    groups.setdefault("model", set()).update(installed_models())
+    return {group: sorted(options) for group, options in groups.items()}
 
 
 def split_flags(args: Sequence[str]) -> tuple[list[str], bool] | None:

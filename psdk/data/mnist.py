@@ -47,7 +47,10 @@ MIRRORS = (
 
 @dataclass
 class Mnist:
-    """Images as float32 in [0, 1], flattened to 784; labels as int64."""
+    """Images as uint8 (0-255, scaled to [0, 1] by :func:`split`), flattened to 784 for MNIST; labels as int64.
+
+    Every dataset psdk trains on has this form (:mod:`psdk.data.datasets`).
+    """
 
     train_x: np.ndarray
     train_y: np.ndarray
@@ -84,7 +87,7 @@ def _find(folder: Path, stem: str) -> Path | None:
     return None
 
 
-def _raw_bytes(path: Path, gzipped: bool) -> bytes:
+def raw_bytes(path: Path, gzipped: bool) -> bytes:
     try:
         return gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
@@ -92,7 +95,7 @@ def _raw_bytes(path: Path, gzipped: bool) -> bytes:
 
 
 def _checked(path: Path, md5: str, gzipped: bool | None = None) -> bytes:
-    raw = _raw_bytes(path, path.suffix == ".gz" if gzipped is None else gzipped)
+    raw = raw_bytes(path, path.suffix == ".gz" if gzipped is None else gzipped)
     digest = hashlib.md5(raw).hexdigest()
     if digest != md5:
         raise DataError(
@@ -103,7 +106,7 @@ def _checked(path: Path, md5: str, gzipped: bool | None = None) -> bytes:
     return raw
 
 
-def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
+def parse_idx(raw: bytes, path: Path) -> np.ndarray:
     if len(raw) < 8 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
         raise DataError(f"{path} is not an IDX file of unsigned bytes")
     ndim = raw[3]
@@ -248,7 +251,7 @@ def verify(folder: Path) -> list[tuple[Path, str]]:
         path = _find(folder, stem)
         if path is None:
             raise DataError(_missing_message(folder, [key], ""))
-        _parse_idx(_checked(path, md5), path)
+        parse_idx(_checked(path, md5), path)
         checked.append((path, md5))
     return checked
 
@@ -281,7 +284,7 @@ def _decode(folder: Path) -> Mnist:
         path = _find(folder, stem)
         if path is None:
             raise DataError(_missing_message(folder, [key], ""))
-        arrays[key] = _parse_idx(_checked(path, md5), path)
+        arrays[key] = parse_idx(_checked(path, md5), path)
     return Mnist(
         train_x=arrays["train_images"].reshape(-1, 784),
         train_y=arrays["train_labels"].astype(np.int64),
@@ -362,7 +365,7 @@ def split(data: Mnist, worker: int, num_workers: int, validation_size: int = 500
         raise DataError(f"data.validation_size must be in [0, {len(data.train_x)}), got {validation_size}")
     rest = np.arange(validation_size, len(data.train_x))
     mine = np.array_split(rest, num_workers)[worker]
-    empty_x, empty_y = np.zeros((0, 784), np.float32), np.zeros(0, np.int64)
+    empty_x, empty_y = np.zeros((0, data.train_x.shape[1]), np.float32), np.zeros(0, np.int64)
     return Split(
         train_x=to_float(data.train_x[mine]),
         train_y=data.train_y[mine],

@@ -17,8 +17,10 @@ from psdk import checkpoint
 from psdk.config import build
 from psdk.config.options import options_from
 from psdk.data import mnist
+from psdk.data.datasets import check_fits, load_dataset
 from psdk.errors import ConfigError
 from psdk.metrics import write_json_atomic
+from psdk.models import build_model
 from psdk.plugins import load_backend
 
 log = logging.getLogger(__name__)
@@ -33,12 +35,12 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
     shapes = {n: tuple(v.shape) for n, v in weights.items()}
     if shapes != expected:
         raise ConfigError("model", f"{cfg.weights} holds {shapes}, not the variables of model={spec.name}")
-    backend = load_backend(str(cfg.backend))
+    backend = load_backend(str(cfg.backend), build.backend_options(cfg, str(cfg.backend)))
     options = options_from(cfg)
     backend.setup("cpu", options.train.threads, options.placement.gpu_memory_fraction)
-    folder = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
-    data = mnist.load(folder)
-    model = backend.build_model(spec, weights)
+    data = load_dataset(cfg.data)
+    check_fits(data, spec, str(cfg.data.get("name", "mnist")))
+    model = build_model(backend, spec, weights)
     accuracy = backend.accuracy(model, mnist.to_float(data.test_x), data.test_y)
     result = {"weights": str(cfg.weights), "backend": backend.name, "model": spec.name, "test_accuracy": accuracy}
     write_json_atomic(Path(cfg.output_dir) / "evaluation.json", result)

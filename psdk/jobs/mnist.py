@@ -28,11 +28,12 @@ from psdk.client import StepResult
 from psdk.config import build
 from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
+from psdk.data.datasets import check_fits, load_dataset
 from psdk.failpoints import TRAINED, failpoint
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
 from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
-from psdk.models import init_weights
+from psdk.models import build_model
 from psdk.placement import (
     RankPlacement,
     lower_thread_priority,
@@ -115,9 +116,10 @@ class WorkerReport:
         }
 
 
-def load_split(cfg: DictConfig, task: int, num_workers: int) -> mnist.Split:
-    folder = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
-    data = mnist.load(folder, cache_dir=mnist.cache_folder(cfg.data.cache_dir))
+def load_split(cfg: DictConfig, task: int, num_workers: int, spec: Any) -> mnist.Split:
+    """This worker's part of the job's dataset (``data.name``), once the model is known to fit it."""
+    data = load_dataset(cfg.data)
+    check_fits(data, spec, str(cfg.data.get("name", "mnist")))
     return mnist.split(data, task, num_workers, int(cfg.data.validation_size), with_test=task == 0)
 
 
@@ -131,16 +133,16 @@ def run_worker(cfg: DictConfig) -> None:
     build.check_training(cfg, options, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
     backend_name = build.topology(cfg).backend_of(task, str(cfg.backend))
     check_framework(backend_name)
-    backend = load_backend(backend_name)
+    backend = load_backend(backend_name, build.backend_options(cfg, backend_name))
     placement = options.placement
     device = RankPlacement(placement.device).devices(cluster, task, visible_gpus())[0]
     backend.setup(device, options.train.threads, placement.gpu_memory_fraction)
     log.info("worker %d: backend %s on %s, %d ps task(s)", task, backend.name, backend.device, cluster.num_ps)
 
     resume = checkpoint.load(cfg.resume) if cfg.resume and task == 0 else None
-    data = load_split(cfg, task, cluster.num_workers)
     spec = build.model_spec(cfg)
-    model = backend.build_model(spec, init_weights(spec, int(cfg.seed)))
+    data = load_split(cfg, task, cluster.num_workers, spec)
+    model = build_model(backend, spec, spec.init_weights(int(cfg.seed)))
     rule = build.update_rule(cfg)  # named directly: no framework optimizer to build and inspect
     metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
     cluster = build.with_announced_ps(cfg, cluster, options.transport)

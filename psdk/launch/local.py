@@ -38,8 +38,9 @@ from psdk.launch import LAUNCHED_ENV, handoff
 from psdk.launch.curves import CurvesInBackground
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
 from psdk.metrics import summary_line, write_json_atomic
+from psdk.models import check_supported
 from psdk.placement import RankPlacement, visible_gpus
-from psdk.plugins import check_framework
+from psdk.plugins import check_framework, installed_backends, merged_options, resolve_backend_name
 from psdk.transport import security
 
 log = logging.getLogger(__name__)
@@ -172,10 +173,12 @@ class LocalLauncher:
         """Fail before starting anything, naming the key and the valid choices."""
         self.options = options_from(cfg)
         topology = build.topology(cfg)
-        for name in sorted({topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)}):
+        backends = sorted({topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)})
+        for name in backends:
             check_framework(name)
+            merged_options(installed_backends()[resolve_backend_name(name)].record, build.backend_options(cfg, name))
         build.sync_spec(cfg).resolved(topology.num_workers)
-        build.model_spec(cfg)
+        check_supported(str(build.model_spec(cfg).name), [resolve_backend_name(name) for name in backends])
         build.update_rule(cfg)
         build.check_training(cfg, self.options, topology.num_workers)
         if cfg.resume:
@@ -194,8 +197,12 @@ class LocalLauncher:
         self.max_restarts = self.options.recovery.restarts
         topology = build.topology(cfg)
         self.curves = CurvesInBackground(out) if cfg.get("report", {}).get("plot", True) else None
-        data_dir = mnist.resolve_dir(cfg.data.dir, cfg.data.cache_dir, bool(cfg.data.download), list(cfg.data.mirrors))
-        common = [*passed_on(overrides), f"output_dir={out}", f"data.dir={data_dir}"]
+        common = [*passed_on(overrides), f"output_dir={out}"]
+        if str(cfg.data.get("name", "mnist")) == "mnist":  # fetched once here, not by every worker at once
+            data = cfg.data
+            common.append(
+                f"data.dir={mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))}"
+            )
         self.handoffs = handoff.HandoffMaker.for_job(cfg, overrides, passed_on(overrides), OWN_KEYS)
         transport = self.options.transport
         if transport.secure:

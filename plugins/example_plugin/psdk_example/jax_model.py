@@ -1,0 +1,41 @@
+"""``resmlp`` on the JAX backend: psdk-jax's compiled model with this network as its pure function.
+
+psdk-jax's :class:`~psdk_jax.models.DenseStack` holds the canonical params
+dict and compiles one training step around two pure functions, ``apply``
+(the logits) and ``loss``; a model with another architecture overrides
+them and inherits the rest (staging, one transfer per step, evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from psdk_jax.models import DenseStack
+
+from psdk_example.resmlp import ResMlpSpec
+
+
+class ResMlp(DenseStack):
+    def apply(self, params: Mapping[str, Any], x: Any) -> Any:
+        def dense(name: str, h: Any) -> Any:
+            return jnp.matmul(h, params[f"{name}/kernel"], precision=self.precision) + params[f"{name}/bias"]
+
+        h = jax.nn.relu(dense("stem", x))
+        for i in range(self.spec.blocks):  # type: ignore[attr-defined]
+            h = h + jax.nn.relu(dense(f"block{i + 1}", h))
+        return dense("logits", h)
+
+    def loss(self, params: Mapping[str, Any], x: Any, y: Any) -> Any:
+        log_probs = jax.nn.log_softmax(self.apply(params, x))
+        return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
+
+
+def build(backend: Any, spec: ResMlpSpec, weights: Mapping[str, np.ndarray]) -> ResMlp:
+    """The model on the backend's device, compiled as the backend's options say (``jit``, precision)."""
+    return ResMlp(
+        spec, weights, backend.device_handle(), jit=bool(backend.option("jit")), precision=backend.precision()
+    )  # type: ignore[arg-type]
