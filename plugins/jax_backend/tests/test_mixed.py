@@ -40,7 +40,7 @@ def run(out: Path, mnist_dir: Path, *args: str) -> tuple[dict, str]:
 @pytest.mark.parametrize("other", ["torch", "tf"])
 def test_a_jax_worker_and_another_frameworks_train_one_model(tmp_path: Path, mnist_dir: Path, other: str) -> None:
     needs(other)
-    summary, stdout = run(tmp_path, mnist_dir, f"topology.worker_backends=[jax,{other}]", "train.steps=2000")
+    summary, stdout = run(tmp_path, mnist_dir, f"topology.worker_backends=[jax,{other}]", "train.steps=1500")
     assert {w["backend"] for w in summary["workers"].values()} == {"jax", other}
     assert_every_worker_contributed(summary, tmp_path / "metrics.jsonl")
     by_backend = summary["test_accuracy_by_backend"]
