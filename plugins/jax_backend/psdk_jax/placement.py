@@ -80,8 +80,13 @@ def client_started() -> bool:
     return bool(started()) if callable(started) else False
 
 
-def start(device: str, threads: int | None, memory_fraction: float | None, jax: Any) -> bool:
-    """Start JAX's clients for ``device`` with ``threads`` CPU threads; False if they had already started."""
+def start(
+    device: str, threads: int | None, memory_fraction: float | None, jax: Any, *, in_line: bool = True
+) -> bool:
+    """Start JAX's clients for ``device`` with ``threads`` CPU threads; False if they had already started.
+
+    ``in_line=False`` keeps JAX's asynchronous CPU dispatch (for a loop that does not wait for each step).
+    """
     env = memory_env(device, memory_fraction, os.environ)
     if client_started():
         log.info("JAX had already started in this process; its devices, memory and CPU threads stay as they are")
@@ -89,7 +94,7 @@ def start(device: str, threads: int | None, memory_fraction: float | None, jax: 
     os.environ.update(env)
     # Read when the CPU client starts. A worker waits for every step's result, so asynchronous
     # dispatch would only hand the work to another thread and back.
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    jax.config.update("jax_cpu_enable_async_dispatch", not in_line)
     cpus = thread_cpus(threads, os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if cpus is None:
         jax.devices()
