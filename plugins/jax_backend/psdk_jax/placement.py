@@ -80,9 +80,7 @@ def client_started() -> bool:
     return bool(started()) if callable(started) else False
 
 
-def start(
-    device: str, threads: int | None, memory_fraction: float | None, jax: Any, *, in_line: bool = True
-) -> bool:
+def start(device: str, threads: int | None, memory_fraction: float | None, jax: Any, *, in_line: bool = True) -> bool:
     """Start JAX's clients for ``device`` with ``threads`` CPU threads; False if they had already started.
 
     ``in_line=False`` keeps JAX's asynchronous CPU dispatch (for a loop that does not wait for each step).
