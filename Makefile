@@ -43,13 +43,13 @@ test-core: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-torch: setup
-	$(PY) -m pytest plugins/torch_backend/tests $(PYTEST_ARGS)
+	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/torch_backend/tests $(PYTEST_ARGS)
 
 test-tf: setup
-	$(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
+	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
 
 test-jax: setup
-	$(PY) -m pytest plugins/jax_backend/tests $(PYTEST_ARGS)
+	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/jax_backend/tests $(PYTEST_ARGS)
 
 # The peer scripts psdk is compared against (benchmarks/peers): short smoke runs, each in a subprocess.
 test-bench: setup

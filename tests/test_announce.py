@@ -72,8 +72,10 @@ def test_a_rule_named_directly_is_the_one_the_ps_runs() -> None:
             assert ps.servers[0].store.rule == rule
             with pytest.raises(PsdkError, match="a framework optimizer or a rule=, not both"):
                 psdk.DistributedOptimizer(rule, model, session, backend=backend, rule=rule)
-            with pytest.raises(PsdkError, match="needs a framework optimizer, or a rule= and a backend="):
-                psdk.DistributedOptimizer(None, model, session, rule=rule)
+            with pytest.raises(PsdkError, match=r"needs a framework optimizer, or the ps's rule: rule=psdk\.rules"):
+                psdk.DistributedOptimizer(None, model, session)
+            found = psdk.DistributedOptimizer(model=model, session=session, rule=psdk.rules.SGD(lr=0.125))
+            assert found.backend.name == "numpy"  # no backend=: the one that owns the model
 
 
 def test_a_second_launcher_in_the_same_run_folder_is_refused_before_it_starts_anything(tmp_path: Path) -> None:

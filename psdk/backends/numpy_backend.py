@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from psdk.backend import Backend
+from psdk.backends import kit
 from psdk.errors import ConfigError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
@@ -98,8 +99,4 @@ class NumpyBackend(Backend):
         return model.forward_backward(x, y)
 
     def accuracy(self, model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
-        correct = 0
-        for start in range(0, len(x), 2000):
-            logits, _ = model.logits(x[start : start + 2000])
-            correct += int(np.sum(np.argmax(logits, axis=1) == y[start : start + 2000]))
-        return correct / max(1, len(x))
+        return kit.batched_accuracy(lambda batch: np.argmax(model.logits(batch)[0], axis=1), x, y)

@@ -14,14 +14,30 @@ reference is :class:`psdk.backends.numpy_backend.NumpyBackend`, the contract
 at its plainest: same :func:`~psdk.models.init_weights`, same batch, so any
 difference is the backend's. Tolerances are class attributes a subclass may
 loosen, with a comment saying why.
+
+The one line is enough; a subclass may also say more:
+
+* :meth:`BackendConformance.refused_optimizers`: framework optimizers the ps
+  must refuse (``torch.optim.SGD(..., dampening=0.5)``), each under the
+  option its error must name;
+* :attr:`BackendConformance.inspectable_optimizers` ``= False`` for a
+  framework whose optimizers cannot be read (optax's are closures): an
+  optimizer the backend did not make must then be refused with a message
+  that shows ``rule=``, the way to state the ps rule instead.
+
+The suite builds models on a backend fresh from :func:`psdk.plugins.load_backend`,
+without :meth:`~psdk.backend.Backend.setup` (only the placement checks call it):
+a backend must build, train and evaluate on its default device as it is made.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,15 +47,32 @@ import psdk
 from psdk import plugins
 from psdk.backend import Backend
 from psdk.backends.numpy_backend import NumpyBackend
+from psdk.errors import ConfigError
+from psdk.hookspecs import ModelRecord
 from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD, Adam, UpdateRule
+from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.placement import visible_gpus
 from psdk.sharding import flat_size, layout, views
 from psdk.testing.ps import RunningPs, running_ps
 
 # Frameworks that listing backends must never import, whichever plugin is tested.
 KNOWN_FRAMEWORKS = ("jax", "keras", "tensorflow", "torch")
-MAPPED_RULES = (SGD(lr=0.1), SGD(lr=0.05, momentum=0.9), Adam(lr=0.001))
+MAPPED_RULES: dict[str, UpdateRule] = {
+    "sgd": SGD(lr=0.1),
+    "momentum": SGD(lr=0.05, momentum=0.9),
+    "nesterov-l2": SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "adam": Adam(lr=0.001),
+    "adam-options": Adam(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1),
+    "adam-tf-epsilon": Adam(lr=0.001, eps=1e-7, epsilon_mode="tf"),
+    "adagrad": Adagrad(lr=0.1, initial_accumulator_value=0.1, weight_decay=1e-4),
+    "rmsprop": RMSProp(lr=0.01),
+    "rmsprop-centered": RMSProp(lr=0.01, alpha=0.9, centered=True),
+    "rmsprop-momentum": RMSProp(lr=0.01, momentum=0.9, weight_decay=1e-4),
+    "rmsprop-centered-momentum": RMSProp(lr=0.001, momentum=0.5, centered=True, eps=1e-7),
+    "exponential-decay": SGD(lr=0.1, momentum=0.9, decay_rate=0.5, decay_steps=100),
+    "cosine-decay": Adam(lr=0.001, decay="cosine", decay_rate=0.0, decay_steps=6000),
+}
+"""Every built-in rule, plain and with each of its options: what make_optimizer/optimizer_rule must round-trip."""
 
 
 def _batch(spec: ModelSpec, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,10 +80,22 @@ def _batch(spec: ModelSpec, size: int, seed: int) -> tuple[np.ndarray, np.ndarra
     return rng.random((size, spec.input_dim), dtype=np.float32), rng.integers(0, spec.num_classes, size)
 
 
-def _random_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+def _random_weights(spec: Any, seed: int) -> dict[str, np.ndarray]:
     """Weights no backend would start from: every bias non-zero, so a dropped bias shows."""
     rng = np.random.default_rng(seed)
     return {name: rng.normal(0, 0.3, shape).astype(np.float32) for name, shape in spec.variables()}
+
+
+def _plugin_spec(record: ModelRecord) -> Any:
+    """The spec of a model a plugin registered, with its defaults (as ``model=<name>`` alone gives it)."""
+    cls = plugins.load_target(record.target, f"the spec of model {record.name!r}")
+    named = dataclasses.is_dataclass(cls) and any(f.name == "name" for f in dataclasses.fields(cls))
+    return cls(name=record.name) if named else cls()
+
+
+def _initial_weights(spec: Any, seed: int) -> dict[str, np.ndarray]:
+    made = getattr(spec, "init_weights", None)
+    return dict(made(seed)) if callable(made) else init_weights(spec, seed)
 
 
 def _flat_views(spec: ModelSpec) -> dict[str, np.ndarray]:
@@ -64,6 +109,16 @@ class BackendConformance:
     """The name the backend is registered under (``backend=`` in a job)."""
 
     spec: ClassVar[ModelSpec] = ModelSpec(name="conformance", hidden=(32, 16), input_dim=50, num_classes=10)
+    """The MLP-like network most checks build: two hidden layers, so a mistake between layers shows."""
+    softmax_spec: ClassVar[ModelSpec] = ModelSpec(name="softmax", hidden=(), input_dim=50, num_classes=10)
+    """Softmax regression (``model=softmax``): one layer, no ReLU."""
+    inspectable_optimizers: ClassVar[bool] = True
+    """Whether :meth:`~psdk.backend.Backend.optimizer_rule` can read a framework optimizer's kind and settings.
+
+    ``False`` for closures (optax): only optimizers ``make_optimizer`` made map
+    back (it remembers their rule, :func:`psdk.backends.kit.remember_rule`), and
+    any other must be refused with a message showing ``rule=``.
+    """
     loss_rtol: ClassVar[float] = 1e-5
     grad_rtol: ClassVar[float] = 1e-4
     grad_atol: ClassVar[float] = 1e-6
@@ -87,12 +142,35 @@ class BackendConformance:
     def build(self, backend: Backend, weights: dict[str, np.ndarray] | None = None) -> Any:
         return backend.build_model(self.spec, init_weights(self.spec, 0) if weights is None else weights)
 
+    def refused_optimizers(self, model: Any) -> Mapping[str, Any]:
+        """Framework optimizers for ``model`` that the ps must refuse, each under the text its error must show.
+
+        The text is the option the ps cannot run (``"dampening"``), or the
+        optimizer's name for a type without a rule (``"AdamW"``)::
+
+            def refused_optimizers(self, model):
+                params = list(model.parameters())
+                return {"dampening": torch.optim.SGD(params, lr=0.1, dampening=0.5),
+                        "AdamW": torch.optim.AdamW(params)}
+        """
+        return {}
+
     # ---------------------------------------------------------- registration
     def test_it_is_registered_under_its_name(self) -> None:
         installed = plugins.installed_backends()
         assert self.backend_name in installed, f"no backend {self.backend_name!r} among {sorted(installed)}"
         backend = plugins.load_backend(self.backend_name)
         assert isinstance(backend, Backend) and backend.name == self.backend_name
+
+    def test_its_identity_is_its_records(self, backend: Backend) -> None:
+        """Name, framework and aliases come from the plugin's record, also for an instance made directly."""
+        record = plugins.installed_backends()[self.backend_name].record
+        assert backend.record == record and backend.name == self.backend_name
+        direct = type(backend)()  # no load_backend: the record is found by the class, i.e. by its target
+        assert direct.record == record, f"{record.target} does not name {type(backend).__qualname__}"
+        for alias in record.aliases:
+            assert plugins.resolve_backend_name(alias) == self.backend_name, alias
+        assert importlib.util.find_spec(record.framework) is not None, f"framework {record.framework!r} is no module"
 
     def test_registering_it_imports_no_framework(self) -> None:
         """Listing every kind of plugin (which imports each registration module) loads no framework.
@@ -150,6 +228,48 @@ class BackendConformance:
         for name, value in backend.read_weights(model).items():
             np.testing.assert_array_equal(value, kept[name], err_msg=name)
 
+    @pytest.mark.parametrize("model", ["mlp", "softmax"])
+    def test_each_builtin_model_builds_and_matches_the_reference(
+        self, backend: Backend, reference: NumpyBackend, model: str
+    ) -> None:
+        """Both dense specs psdk ships (hidden layers, and none: softmax regression) build as numpy's do."""
+        spec = self.spec if model == "mlp" else self.softmax_spec
+        weights = _random_weights(spec, 11)
+        built, ref = backend.build_model(spec, weights), reference.build_model(spec, weights)
+        assert list(backend.variables(built).items()) == spec.variables()
+        for name, value in backend.read_weights(built).items():
+            np.testing.assert_array_equal(value, weights[name], err_msg=name)
+        x, y = _batch(spec, 64, 12)
+        assert backend.forward_backward(built, x, y) == pytest.approx(
+            reference.forward_backward(ref, x, y), rel=self.loss_rtol
+        )
+        grads, expected = _flat_views(spec), _flat_views(spec)
+        backend.read_gradients(built, grads)
+        reference.read_gradients(ref, expected)
+        for name in expected:
+            np.testing.assert_allclose(
+                grads[name], expected[name], rtol=self.grad_rtol, atol=self.grad_atol, err_msg=name
+            )
+
+    def test_models_from_plugins_build_on_it(self, backend: Backend) -> None:
+        """Every installed model plugin with a builder for this backend: canonical variables, weights both ways."""
+        records = [r for r in plugins.installed_models().values() if self.backend_name in r.builders]
+        if not records:
+            pytest.skip(f"no installed model plugin has a builder for {self.backend_name}")
+        for record in records:
+            spec = _plugin_spec(record)
+            builder = plugins.load_target(record.builders[self.backend_name], f"the builder of {record.name!r}")
+            weights = _initial_weights(spec, 0)
+            model = builder(backend, spec, weights)
+            expected = [(name, tuple(shape)) for name, shape in spec.variables()]
+            assert list(backend.variables(model).items()) == expected, record.name
+            for name, value in backend.read_weights(model).items():
+                np.testing.assert_array_equal(value, weights[name], err_msg=f"{record.name}: {name}")
+            written = _random_weights(spec, 13)
+            backend.write_weights(model, written)
+            for name, value in backend.read_weights(model).items():
+                np.testing.assert_array_equal(value, written[name], err_msg=f"{record.name}: {name}")
+
     # --------------------------------------------------- loss and gradients
     def test_loss_and_gradients_match_the_numpy_reference(
         self,
@@ -201,12 +321,39 @@ class BackendConformance:
         assert np.isfinite(backend.forward_backward(self.build(backend), x, y))
 
     # ------------------------------------------------------------- optimizer
-    @pytest.mark.parametrize("rule", MAPPED_RULES, ids=["sgd", "momentum", "adam"])
-    def test_its_optimizer_maps_back_to_the_same_rule(self, backend: Backend, rule: UpdateRule) -> None:
+    @pytest.mark.parametrize("case", list(MAPPED_RULES))
+    def test_its_optimizer_maps_back_to_the_same_rule(self, backend: Backend, case: str) -> None:
+        """make_optimizer then optimizer_rule gives the rule back, every option included."""
+        rule = MAPPED_RULES[case]
         optimizer = backend.make_optimizer(self.build(backend), rule)
-        assert backend.optimizer_rule(optimizer) == rule
+        try:
+            assert backend.optimizer_rule(optimizer) == rule
+        except ConfigError as exc:
+            if self.inspectable_optimizers or "rule=" not in str(exc):
+                raise
         assert backend.owns(optimizer)
         assert plugins.backend_for(optimizer).name == self.backend_name  # as DistributedOptimizer finds it
+
+    def test_optimizers_the_ps_cannot_run_are_refused_by_name(self, backend: Backend) -> None:
+        """Not an optimizer at all, and each of :meth:`refused_optimizers`: a ConfigError that names the problem."""
+        with pytest.raises(ConfigError) as refused:
+            backend.optimizer_rule(object())
+        if not self.inspectable_optimizers:
+            assert "rule=" in str(refused.value), f"the refusal does not say how to pass the rule: {refused.value}"
+        for option, optimizer in self.refused_optimizers(self.build(backend)).items():
+            with pytest.raises(ConfigError) as refused:
+                backend.optimizer_rule(optimizer)
+            assert option in str(refused.value), f"refusing {option}: {refused.value}"
+
+    def test_it_owns_its_own_objects_and_no_others(self, backend: Backend) -> None:
+        """``owns`` (how DistributedOptimizer finds the backend) says yes to its model and optimizer only."""
+        model = self.build(backend)
+        optimizer = backend.make_optimizer(model, SGD(lr=0.1))
+        assert backend.owns(model) and backend.owns(optimizer)
+        assert plugins.backend_for(model).name == self.backend_name  # rule= without an optimizer
+        assert not backend.owns(np.zeros(3, np.float32))
+        if not isinstance(optimizer, UpdateRule):  # numpy's optimizers are psdk's rules themselves
+            assert not backend.owns(SGD(lr=0.1))
 
     # ------------------------------------------------------------ public API
     def test_it_trains_through_a_ps_as_numpy_does(

@@ -50,11 +50,16 @@ class JaxBackend(Backend):
         self.device, self.jax_device = placement.choose(device, placement.gpu_devices(jax), jax.devices("cpu")[0])
         jax.config.update("jax_default_device", self.jax_device)
 
-    def _device(self) -> Any:
-        """The device of ``setup``; the default one for a backend used without it (as the suite does)."""
+    def device_handle(self) -> Any:
+        """The JAX device of ``setup``; the default one for a backend used without it (as the suite does).
+
+        For a model plugin's builder, with :meth:`precision` and ``option("jit")``: what
+        :class:`psdk_jax.models.DenseStack` (and a subclass of it) is built with.
+        """
         return self.jax_device if self.jax_device is not None else jax.devices()[0]
 
-    def _precision(self) -> str:
+    def precision(self) -> str:
+        """``backend_options.jax.matmul_precision``, checked."""
         value = str(self.option("matmul_precision")).lower()
         if value not in PRECISIONS:
             raise ConfigError("backend_options.jax.matmul_precision", f"got {value!r}", PRECISIONS)
@@ -62,7 +67,7 @@ class JaxBackend(Backend):
 
     # ---------------------------------------------------------------- model
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> DenseStack:
-        return DenseStack(spec, weights, self._device(), jit=bool(self.option("jit")), precision=self._precision())
+        return DenseStack(spec, weights, self.device_handle(), jit=bool(self.option("jit")), precision=self.precision())
 
     def variables(self, model: DenseStack) -> dict[str, tuple[int, ...]]:
         return dict(model.shapes)

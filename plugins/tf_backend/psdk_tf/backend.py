@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 
 from psdk.backend import Backend
+from psdk.backends import kit
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
 from psdk_tf import optimizers, placement
 from psdk_tf._tf import tf
 from psdk_tf.models import DenseStack, binding
-
-EVAL_BATCH = 5000
 
 
 class TfBackend(Backend):
@@ -39,9 +38,9 @@ class TfBackend(Backend):
         gpu_memory_fraction: float | None = None,
     ) -> None:
         gpus = len(tf.config.list_physical_devices("GPU"))
-        index = placement.gpu_index(device)
+        index = placement.gpu_to_use(device, gpus)
         total = None
-        if gpu_memory_fraction is not None and index is not None and index < gpus:
+        if gpu_memory_fraction is not None and index is not None:
             total = placement.total_memory_mb(placement.physical_id(index))
         growth_left_to_tf = "TF_FORCE_GPU_ALLOW_GROWTH" in os.environ
         self.plan = placement.plan(device, gpus, gpu_memory_fraction, total, growth_left_to_tf)
@@ -69,12 +68,7 @@ class TfBackend(Backend):
         return binding(model).forward_backward(x, y)
 
     def accuracy(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
-        bound = binding(model)
-        correct = sum(
-            bound.correct(x[start : start + EVAL_BATCH], y[start : start + EVAL_BATCH])
-            for start in range(0, len(x), EVAL_BATCH)
-        )
-        return correct / max(1, len(x))
+        return kit.batched_accuracy(binding(model).predict, x, y)
 
     # ------------------------------------------------------------ optimizer
     def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:

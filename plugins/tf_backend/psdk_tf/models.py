@@ -44,8 +44,8 @@ def _cross_entropy(logits: Any, y: Any) -> Any:
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
 
-def _correct(logits: Any, y: Any) -> Any:
-    return tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.int64))
+def _predicted(logits: Any) -> Any:
+    return tf.argmax(logits, axis=1)
 
 
 def _traced(function: Callable[..., Any], *signature: Any) -> Any:
@@ -82,7 +82,7 @@ class DenseStack(tf.Module):
         self._step = _traced(self._gradients, x, y)
         self._assign_step = _traced(self._assign_gradients, flat, x, y)
         self._assign = _traced(self._assign_flat, flat)
-        self._count = _traced(self._count_correct, x, y)
+        self._predict = _traced(self._classes, x)
 
     @property
     def trainable_variables(self) -> tuple[Any, ...]:
@@ -112,8 +112,8 @@ class DenseStack(tf.Module):
         self._assign_flat(flat)  # tf.function orders it before the reads below
         return self._gradients(x, y)
 
-    def _count_correct(self, x: Any, y: Any) -> Any:
-        return _correct(self.logits(x), y)
+    def _classes(self, x: Any) -> Any:
+        return _predicted(self.logits(x))
 
     # -------------------------------------------------------- the interface
     def __call__(self, x: Any) -> Any:
@@ -157,9 +157,10 @@ class DenseStack(tf.Module):
         for name, view in out.items():
             np.copyto(view, self._grad_views[name])
 
-    def correct(self, x: np.ndarray, y: np.ndarray) -> int:
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """The class each image is given (for :func:`psdk.backends.kit.batched_accuracy`)."""
         self.flush()
-        return int(self._count(*batch_arrays(x, y)).numpy())
+        return self._predict(tf.convert_to_tensor(np.asarray(x, np.float32))).numpy()
 
 
 class ForeignModel:
@@ -174,7 +175,7 @@ class ForeignModel:
         self.gradients: list[Any] | None = None
         # A model from outside may take any input shape: let tf.function generalise it.
         self._step = tf.function(self._gradients, reduce_retracing=True)
-        self._count = tf.function(self._count_correct, reduce_retracing=True)
+        self._predict = tf.function(self._classes, reduce_retracing=True)
 
     def _call(self, x: Any, training: bool) -> Any:
         model = self._model()
@@ -189,8 +190,8 @@ class ForeignModel:
             loss = _cross_entropy(self._call(x, True), y)
         return loss, tape.gradient(loss, self._variables)
 
-    def _count_correct(self, x: Any, y: Any) -> Any:
-        return _correct(self._call(x, False), y)
+    def _classes(self, x: Any) -> Any:
+        return _predicted(self._call(x, False))
 
     def flush(self) -> None:
         """Writes reach the variables at once: a script calls the model itself."""
@@ -227,8 +228,8 @@ class ForeignModel:
         for name, view in out.items():
             _copy_gradient(view, self.gradients[self._index[name]])
 
-    def correct(self, x: np.ndarray, y: np.ndarray) -> int:
-        return int(self._count(*batch_arrays(x, y)).numpy())
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return self._predict(tf.convert_to_tensor(np.asarray(x, np.float32))).numpy()
 
 
 Binding = DenseStack | ForeignModel

@@ -16,21 +16,25 @@ differences, each handled here:
   (not staircase) is psdk's ``decay_rate``/``decay_steps``, and ``CosineDecay``
   (no warm-up) its ``decay="cosine"`` with ``alpha`` as ``decay_rate``; other
   schedules are refused.
+* **Momentum under a decaying rate**: Keras scales each step by the rate
+  before adding it to the velocity, the ps (as torch) after, so in Keras past
+  steps keep the rate they were taken at. The ps runs its own rule; a constant
+  rate makes the two the same.
 
 An optimizer made by :func:`make_optimizer` carries its exact psdk rule
-(``psdk_rule``), so options Keras cannot express (L2 ``weight_decay``,
-``epsilon_mode="torch"``) survive the round trip, unless the optimizer has
-been changed since.
+(:func:`psdk.backends.kit.remember_rule`), so options Keras cannot express
+(L2 ``weight_decay``, ``epsilon_mode="torch"``) survive the round trip,
+unless the optimizer has been changed since.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from psdk.backends import kit
 from psdk.errors import ConfigError
 from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk_tf._tf import keras
@@ -71,8 +75,12 @@ def make_optimizer(rule: UpdateRule) -> Any:
             lr, rho=rule.alpha, momentum=rule.momentum, epsilon=rule.eps, centered=rule.centered
         )
     else:
-        raise ConfigError("optimizer", f"no Keras optimizer for {rule.name}")
-    optimizer.psdk_rule = rule
+        raise ConfigError(
+            "optimizer",
+            f"Keras has no optimizer for the ps rule {rule.name!r}; pass the rule itself: "
+            "DistributedOptimizer(None, model, session, rule=...)",
+        )
+    kit.remember_rule(optimizer, rule)
     return optimizer
 
 
@@ -111,6 +119,11 @@ RULE_OF: dict[type, Callable[[Mapping[str, Any], dict[str, Any]], UpdateRule]] =
     keras.optimizers.Adagrad: _adagrad,
     keras.optimizers.RMSprop: _rmsprop,
 }
+SUPPORTED = tuple(f"keras.optimizers.{kind.__name__}" for kind in RULE_OF)
+WEIGHT_DECAY_NOTE = (
+    " (Keras decays weights decoupled, as AdamW; the ps's weight_decay is L2 on the "
+    "gradient: set optimizer.weight_decay in psdk's config or add the L2 term to the loss)"
+)
 
 
 def optimizer_rule(optimizer: Any) -> UpdateRule:
@@ -118,32 +131,28 @@ def optimizer_rule(optimizer: Any) -> UpdateRule:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ConfigError(
             "optimizer",
-            f"expected a Keras optimizer (keras.optimizers.SGD, ...), got {type(optimizer).__name__}",
+            f"expected a Keras optimizer (keras.optimizers.SGD, ...), got {type(optimizer).__name__}; or pass "
+            "the ps rule itself: DistributedOptimizer(None, model, session, rule=psdk.rules.SGD(lr=...))",
         )
     kind = type(optimizer)
-    if kind not in RULE_OF:  # subclasses too: AdamW is an Adam whose decay the ps cannot run
-        raise ConfigError(
-            "optimizer",
-            f"keras.optimizers.{kind.__name__} has no ps update rule",
-            [f"keras.optimizers.{k.__name__}" for k in RULE_OF],
-        )
+    if kind not in RULE_OF:  # exact types: AdamW is an Adam whose decoupled decay the ps cannot run
+        raise kit.no_rule_for(_qualified(kind), SUPPORTED)
     config = optimizer.get_config()
-    for key, neutral in NEUTRAL.items():
-        value = config.get(key, neutral)
-        if value not in (neutral, 0):  # weight_decay=0.0 is as good as None
-            raise ConfigError(f"optimizer.{key}", _refusal(kind.__name__, key, value, neutral))
+    try:
+        kit.refuse_options(kind.__name__, config, NEUTRAL)
+    except ConfigError as exc:
+        if exc.key != "optimizer.weight_decay":
+            raise
+        raise ConfigError(exc.key, exc.problem + WEIGHT_DECAY_NOTE) from None
     rule = RULE_OF[kind](config, _learning_rate(config["learning_rate"]))
-    return _kept_if_same(rule, getattr(optimizer, "psdk_rule", None))
+    return kit.kept_if_same(rule, kit.remembered_rule(optimizer), PSDK_ONLY)
 
 
-def _refusal(name: str, key: str, value: Any, neutral: Any) -> str:
-    message = f"{name}({key}={value!r}) has no ps update rule; leave it at {neutral!r}"
-    if key == "weight_decay":
-        message += (
-            " (Keras decays weights decoupled, as AdamW; the ps's weight_decay is L2 on the "
-            "gradient: set optimizer.weight_decay in psdk's config or add the L2 term to the loss)"
-        )
-    return message
+def _qualified(kind: type) -> str:
+    """``keras.optimizers.AdamW`` for Keras's own optimizers, else the class's module and name."""
+    if getattr(keras.optimizers, kind.__name__, None) is kind:
+        return f"keras.optimizers.{kind.__name__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _learning_rate(value: Any) -> dict[str, Any]:
@@ -171,19 +180,3 @@ def _learning_rate(value: Any) -> dict[str, Any]:
         "decay_rate": float(config["decay_rate"]),
         "decay_steps": int(config["decay_steps"]),
     }
-
-
-def _kept_if_same(rule: UpdateRule, kept: UpdateRule | None) -> UpdateRule:
-    """``kept`` (the rule the optimizer was made from) while Keras's own settings still agree with it."""
-    if kept is None or type(kept) is not type(rule):
-        return rule
-    for field in dataclasses.fields(rule):
-        if field.name in PSDK_ONLY:
-            continue
-        ours, theirs = getattr(kept, field.name), getattr(rule, field.name)
-        if isinstance(ours, float):
-            if np.float32(ours) != np.float32(theirs):
-                return rule
-        elif ours != theirs:
-            return rule
-    return kept

@@ -10,7 +10,8 @@ devices (at the first op).
   (``tf.config.set_visible_devices``), so the worker allocates nothing on the
   others; inside TensorFlow that GPU is then ``/GPU:0``. ``cpu`` hides every
   GPU. No GPU, or fewer than N + 1, means the CPU and a log line, like soft
-  placement.
+  placement: the device string is read, and the fallback decided and logged,
+  by :mod:`psdk.backends.kit`, as for every backend.
 * Memory: ``placement.gpu_memory_fraction`` becomes a hard limit of that share
   of the GPU's memory (TensorFlow 2 takes megabytes, so the size is asked of
   ``nvidia-smi``); without it memory grows on demand (TF 1's
@@ -29,12 +30,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from psdk.errors import ConfigError
+from psdk.backends import kit
 from psdk.placement import check_memory_fraction, visible_gpus
 
 log = logging.getLogger(__name__)
-
-DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
 
 
 @dataclass(frozen=True)
@@ -54,18 +53,6 @@ class Plan:
 CPU = Plan("cpu", "/CPU:0")
 
 
-def gpu_index(device: str) -> int | None:
-    """N of ``cuda:N`` (``cuda`` is ``cuda:0``); None for ``cpu``."""
-    if device == "cpu":
-        return None
-    if device == "cuda":
-        return 0
-    kind, _, index = device.partition(":")
-    if kind == "cuda" and index.isdigit():
-        return int(index)
-    raise ConfigError("placement.device", f"the tf backend cannot place a worker on {device!r}", DEVICE_FORMS)
-
-
 def plan(
     device: str,
     gpus_seen: int,
@@ -73,17 +60,15 @@ def plan(
     total_memory_mb: int | None = None,
     growth_left_to_tf: bool = False,
 ) -> Plan:
-    """The device setup for ``device`` on a machine where TensorFlow sees ``gpus_seen`` GPUs."""
-    index = gpu_index(device)
+    """The device setup for ``device`` on a machine where TensorFlow sees ``gpus_seen`` GPUs.
+
+    A GPU TensorFlow does not see means the CPU, with a warning logged here.
+    """
     check_memory_fraction(memory_fraction)
+    chosen = kit.fall_back_to_cpu(device, gpus_seen, "TensorFlow")
+    index = kit.gpu_index(chosen)
     if index is None:
         return CPU
-    if gpus_seen == 0:
-        return Plan("cpu", "/CPU:0", notes=(f"TensorFlow sees no GPU; {device} falls back to the CPU",))
-    if index >= gpus_seen:
-        note = f"TensorFlow sees {gpus_seen} GPU(s), so there is no {device}; falling back to the CPU"
-        return Plan("cpu", "/CPU:0", notes=(note,))
-    chosen = f"cuda:{index}"
     if memory_fraction is not None:
         if total_memory_mb:
             limit = max(1, int(memory_fraction * total_memory_mb))
@@ -116,6 +101,12 @@ def total_memory_mb(gpu_id: str) -> int | None:
         return None
     first = out.stdout.strip().splitlines()[:1]
     return int(first[0]) if out.returncode == 0 and first and first[0].strip().isdigit() else None
+
+
+def gpu_to_use(device: str, gpus_seen: int) -> int | None:
+    """Index of the GPU ``device`` names, if TensorFlow sees it (asked before planning, for its memory size)."""
+    index = kit.gpu_index(device)
+    return index if index is not None and index < gpus_seen else None
 
 
 def apply(chosen: Plan, threads: int | None, tf: Any) -> None:

@@ -1,21 +1,31 @@
-"""Fixtures of the TensorFlow plugin's tests (a pytest process of their own: no torch here).
+"""Fixtures of the TensorFlow plugin's tests, which run in a pytest process of their own (never with torch).
 
-A ps to train against comes from psdk's pytest plugin (``psdk_ps``).
+Nothing here knows where this folder is: MNIST comes from psdk's pytest
+plugin (``mnist_dir``, from ``$PSDK_DATA_DIR``) and a ps to train against
+from ``psdk_ps``, so the folder's tests pass wherever it is copied once psdk
+is installed.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
+import numpy as np
 import pytest
+from psdk_tf.backend import TfBackend
 
-REPO = Path(__file__).resolve().parents[3]
-MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+from psdk import plugins
+from psdk.models import ModelSpec
+
+SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)
 
 
-@pytest.fixture(scope="session")
-def mnist_dir() -> Path:
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.fail(f"MNIST is expected in {MNIST_DIR} (../shared/data/mnist beside the repo)")
-    return MNIST_DIR
+def batch(size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((size, SPEC.input_dim), dtype=np.float32), rng.integers(0, SPEC.num_classes, size)
+
+
+@pytest.fixture
+def backend() -> TfBackend:
+    """The tf backend as a job gets it (record and options attached), not set up."""
+    made = plugins.load_backend("tf")
+    assert isinstance(made, TfBackend)
+    return made

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import keras
+
 from psdk.testing import BackendConformance
 
 
 class TestTfBackendConformance(BackendConformance):
     backend_name = "tf"
+
+    def refused_optimizers(self, model: Any) -> dict[str, Any]:
+        staircase = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5, staircase=True)
+        return {
+            "keras.optimizers.AdamW": keras.optimizers.AdamW(),
+            "keras.optimizers.Nadam": keras.optimizers.Nadam(),
+            "amsgrad": keras.optimizers.Adam(amsgrad=True),
+            "weight_decay": keras.optimizers.SGD(weight_decay=0.01),  # decoupled in Keras, L2 on the ps
+            "clipnorm": keras.optimizers.SGD(clipnorm=1.0),
+            "global_clipnorm": keras.optimizers.Adam(global_clipnorm=1.0),
+            "use_ema": keras.optimizers.SGD(use_ema=True),
+            "staircase": keras.optimizers.SGD(staircase),
+        }

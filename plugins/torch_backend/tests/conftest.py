@@ -1,42 +1,31 @@
-"""Fixtures of the torch plugin's tests (a pytest process of their own: no TensorFlow here)."""
+"""Fixtures of the torch plugin's tests, which run in a pytest process of their own (never with TensorFlow).
+
+Nothing here knows where this folder is: MNIST comes from psdk's pytest
+plugin (``mnist_dir``, from ``$PSDK_DATA_DIR``) and a ps to train against
+from ``psdk_ps``, so the folder's tests pass wherever it is copied once psdk
+is installed (psdk's ``tests/test_plugin_folder.py`` copies it out to check).
+"""
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Iterator
-from pathlib import Path
-
+import numpy as np
 import pytest
-import zmq
+from psdk_torch.backend import TorchBackend
 
-from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.transport.zeromq import ZmqTransport
+from psdk import plugins
+from psdk.models import ModelSpec
 
-REPO = Path(__file__).resolve().parents[3]
-MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)
 
 
-@pytest.fixture(scope="session")
-def mnist_dir() -> Path:
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.fail(f"MNIST is expected in {MNIST_DIR} (../shared/data/mnist beside the repo)")
-    return MNIST_DIR
+def batch(size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((size, SPEC.input_dim), dtype=np.float32), rng.integers(0, SPEC.num_classes, size)
 
 
 @pytest.fixture
-def ps_thread() -> Iterator[tuple[ZmqTransport, str]]:
-    """One ps task as a thread, over inproc ZeroMQ."""
-    context = zmq.Context()
-    transport = ZmqTransport(context=context)
-    endpoint = transport.serve("inproc://torch-ps", "ps 0")
-    server = ParameterServer(endpoint, 0, ServerOptions(poll_s=0.02))
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield transport, endpoint.address
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        context.destroy(linger=0)
+def backend() -> TorchBackend:
+    """The torch backend as a job gets it (record and options attached), not set up."""
+    made = plugins.load_backend("torch")
+    assert isinstance(made, TorchBackend)
+    return made

@@ -1,39 +1,49 @@
-"""psdk's network and Keras models in the tf backend: canonical layout, naming, gradients."""
+"""The tf backend beyond the conformance suite: its registration, Keras models, recorded gradients, the public API.
+
+psdk's own network is canonical by construction (``hidden1/kernel`` (in, out),
+...); a Keras model from a training script is named from its variables'
+paths and kept in Keras's layout, which for ``Dense`` is already (in, out).
+"""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
+import keras
 import numpy as np
+import psdk_tf
 import pytest
 import tensorflow as tf
 from psdk_tf.backend import TfBackend
 from psdk_tf.models import DenseStack, binding, canonical_names, record_gradients
 
+import psdk
+from psdk import plugins
 from psdk.backends.numpy_backend import NumpyBackend
+from psdk.data import mnist
 from psdk.errors import PsdkError
 from psdk.models import ModelSpec, init_weights
+from psdk.optim import SGD
+from psdk.testing.ps import RunningPs
 
-SPEC = ModelSpec(hidden=(32, 16), input_dim=50, num_classes=10)
-
-
-def batch(size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return rng.random((size, 50), dtype=np.float32), rng.integers(0, 10, size)
+from .conftest import SPEC, batch
 
 
 def zeros() -> dict[str, np.ndarray]:
     return {name: np.zeros(shape, np.float32) for name, shape in SPEC.variables()}
 
 
-def keras_mlp(name: str = "net") -> tf.keras.Model:
+def keras_mlp(name: str = "net") -> keras.Model:
     """psdk's MLP written as a Keras user would, with the layers named as psdk names them."""
-    model = tf.keras.Sequential(
+    model = keras.Sequential(
         [
-            tf.keras.layers.Dense(32, activation="relu", name="hidden1"),
-            tf.keras.layers.Dense(16, activation="relu", name="hidden2"),
-            tf.keras.layers.Dense(10, name="logits"),
+            keras.layers.Dense(32, activation="relu", name="hidden1"),
+            keras.layers.Dense(16, activation="relu", name="hidden2"),
+            keras.layers.Dense(10, name="logits"),
         ],
         name=name,
     )
@@ -41,9 +51,25 @@ def keras_mlp(name: str = "net") -> tf.keras.Model:
     return model
 
 
-def test_psdk_models_are_canonical_by_construction() -> None:
+# ------------------------------------------------------------ registration
+def test_the_backend_is_registered_by_its_distribution() -> None:
+    entry = plugins.installed_backends()["tf"]
+    assert entry.distribution.startswith("psdk-tf") and entry.record.framework == "tensorflow"
+    assert plugins.resolve_backend_name("keras") == "tf"
+
+
+def test_psdk_plugins_lists_tf() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "psdk", "plugins"], capture_output=True, text=True, timeout=120, check=True
+    )
+    line = next(row for row in out.stdout.splitlines() if row.split()[:2] == ["backend", "tf"])
+    assert "tensorflow" in line and "psdk-tf" in line
+
+
+# ------------------------------------------------------------ psdk's model
+def test_psdk_models_are_canonical_by_construction(backend: TfBackend) -> None:
     """tf.Variables named and shaped as the ps keeps them: no transposes anywhere."""
-    model = TfBackend().build_model(SPEC, init_weights(SPEC, 1))
+    model = backend.build_model(SPEC, init_weights(SPEC, 1))
     assert [(v.name, tuple(v.shape)) for v in model.trainable_variables] == [
         (f"{name}:0", shape) for name, shape in SPEC.variables()
     ]
@@ -54,9 +80,8 @@ def test_psdk_models_are_canonical_by_construction() -> None:
     np.testing.assert_allclose(model(x).numpy(), h @ w["logits/kernel"] + w["logits/bias"], rtol=1e-5)
 
 
-def test_a_write_reaches_the_variables_before_they_are_next_used() -> None:
+def test_a_write_reaches_the_variables_before_they_are_next_used(backend: TfBackend) -> None:
     """Writes are staged and assigned inside the next step; every other reader sees them too."""
-    backend = TfBackend()
     model = backend.build_model(SPEC, init_weights(SPEC, 1))
     new = init_weights(SPEC, 2)
     backend.write_weights(model, new)
@@ -66,21 +91,21 @@ def test_a_write_reaches_the_variables_before_they_are_next_used() -> None:
     np.testing.assert_array_equal(model.trainable_variables[0].numpy(), new["hidden1/kernel"])
 
 
-def test_writing_an_unknown_variable_names_the_known_ones() -> None:
-    backend = TfBackend()
+def test_writing_an_unknown_variable_names_the_known_ones(backend: TfBackend) -> None:
     model = backend.build_model(SPEC, init_weights(SPEC, 0))
     with pytest.raises(PsdkError, match=r"'dense/kernel'.*hidden1/bias"):
         backend.write_weights(model, {"dense/kernel": np.zeros((50, 32), np.float32)})
 
 
+# ----------------------------------------------------------- Keras models
 def test_keras_variables_are_named_from_their_paths() -> None:
     named = canonical_names(keras_mlp("net"))
     assert [name for name, _ in named] == [name for name, _ in SPEC.variables()]
-    plain = tf.keras.Sequential([tf.keras.layers.Dense(4, name="a"), tf.keras.layers.Dense(2, name="b")])
+    plain = keras.Sequential([keras.layers.Dense(4, name="a"), keras.layers.Dense(2, name="b")])
     plain.build((None, 3))
     assert [name for name, _ in canonical_names(plain)] == ["a/kernel", "a/bias", "b/kernel", "b/bias"]
-    inputs = tf.keras.Input((3,))
-    functional = tf.keras.Model(inputs, tf.keras.layers.Dense(2, name="out")(inputs), name="f")
+    inputs = keras.Input((3,))
+    functional = keras.Model(inputs, keras.layers.Dense(2, name="out")(inputs), name="f")
     assert [name for name, _ in canonical_names(functional)] == ["out/kernel", "out/bias"]
 
 
@@ -96,14 +121,14 @@ def test_a_tf_module_is_named_from_its_variable_names() -> None:
 
 def test_models_that_cannot_be_named_are_refused_clearly() -> None:
     with pytest.raises(PsdkError, match="build it first"):
-        canonical_names(tf.keras.Sequential([tf.keras.layers.Dense(2)]))
+        canonical_names(keras.Sequential([keras.layers.Dense(2)]))
     with pytest.raises(PsdkError, match="distinct names"):
         canonical_names(type("M", (), {"trainable_variables": [tf.Variable(1.0), tf.Variable(2.0)]})())
 
 
-def test_a_keras_model_matches_the_numpy_reference() -> None:
+def test_a_keras_model_matches_the_numpy_reference(backend: TfBackend) -> None:
     """Keras Dense kernels are (in, out) already: psdk's weights go in unchanged."""
-    backend, reference = TfBackend(), NumpyBackend()
+    reference = NumpyBackend()
     weights = init_weights(SPEC, 3)
     model, ref = keras_mlp(), reference.build_model(SPEC, weights)
     backend.write_weights(model, weights)
@@ -119,15 +144,14 @@ def test_a_keras_model_matches_the_numpy_reference() -> None:
     assert backend.accuracy(model, x, y) == reference.accuracy(ref, x, y)
 
 
-def test_recorded_gradients_are_what_a_step_pushes() -> None:
-    backend = TfBackend()
+def test_recorded_gradients_are_what_a_step_pushes(backend: TfBackend) -> None:
     model = keras_mlp()
     out = zeros()
     with pytest.raises(PsdkError, match="record_gradients"):
         backend.read_gradients(model, out)
     x, y = batch()
     with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
     grads = tape.gradient(loss, model.trainable_variables)
     with pytest.raises(PsdkError, match="got 2 gradients for 6"):
         record_gradients(model, grads[:2])
@@ -137,8 +161,7 @@ def test_recorded_gradients_are_what_a_step_pushes() -> None:
     assert not out["logits/bias"].any()
 
 
-def test_record_gradients_works_for_psdk_models_too() -> None:
-    backend = TfBackend()
+def test_record_gradients_works_for_psdk_models_too(backend: TfBackend) -> None:
     model = backend.build_model(SPEC, init_weights(SPEC, 0))
     grads = [tf.ones(v.shape) * i for i, v in enumerate(model.trainable_variables)]
     record_gradients(model, grads)
@@ -147,8 +170,7 @@ def test_record_gradients_works_for_psdk_models_too() -> None:
     assert [float(v.mean()) for v in out.values()] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-def test_batches_of_other_sizes_and_label_dtypes_do_not_retrace() -> None:
-    backend = TfBackend()
+def test_batches_of_other_sizes_and_label_dtypes_do_not_retrace(backend: TfBackend) -> None:
     model = keras_mlp("retrace")
     for size, dtype in ((64, np.int64), (100, np.int32), (7, np.uint8), (64, np.int64)):
         x, y = batch(size)
@@ -160,10 +182,56 @@ def test_batches_of_other_sizes_and_label_dtypes_do_not_retrace() -> None:
         backend.forward_backward(stack, *batch(size))  # traced once, at build, for any batch size
 
 
-def test_binding_a_keras_model_does_not_keep_it_alive() -> None:
+def test_binding_a_keras_model_does_not_keep_it_alive(backend: TfBackend) -> None:
     model = keras_mlp("transient")
-    TfBackend().forward_backward(model, *batch(4))
+    backend.forward_backward(model, *batch(4))
     model_ref = weakref.ref(model)
     del model
     gc.collect()
     assert model_ref() is None
+
+
+def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TfBackend, mnist_dir: Path) -> None:
+    """Real data, in this process: the backend's network with its own Keras optimizer, 300 steps of 100."""
+    data = mnist.split(mnist.load(mnist_dir), 0, 1)
+    spec = ModelSpec(hidden=(100,))
+    model = backend.build_model(spec, init_weights(spec, 0))
+    optimizer = backend.make_optimizer(model, SGD(lr=0.1, momentum=0.9))
+    grads = {name: np.zeros(shape, np.float32) for name, shape in spec.variables()}
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = rng.integers(0, len(data.train_x), 100)
+        backend.forward_backward(model, data.train_x[rows], data.train_y[rows])
+        backend.read_gradients(model, grads)
+        optimizer.apply_gradients(zip(map(tf.constant, grads.values()), model.trainable_variables, strict=True))
+    assert backend.accuracy(model, data.test_x, data.test_y) > 0.9
+
+
+# ------------------------------------------------------------- public API
+def test_a_keras_model_trains_through_the_public_api(psdk_ps: RunningPs) -> None:
+    x, y = batch(seed=5)
+    net, reference = keras_mlp("net"), keras_mlp("reference")
+    reference.set_weights(net.get_weights())
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    with psdk.connect(psdk_ps.cluster(1), 0, steps=5, transport=psdk_ps.transport) as session:
+        opt = psdk.DistributedOptimizer(keras.optimizers.SGD(0.5), net, session)
+        assert opt.backend.name == "tf" and next(iter(opt.backend.variables(net))) == "hidden1/kernel"
+        opt.broadcast_parameters()
+        while not session.should_stop():
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, net(x, training=True))
+            psdk_tf.record_gradients(net, tape.gradient(loss, net.trainable_variables))
+            opt.step()
+        session.finish()
+        opt.pull()
+    assert session.global_step == 5
+
+    local = keras.optimizers.SGD(0.5)
+    for _ in range(5):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, reference(x, training=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        local.apply_gradients(zip(grads, reference.trainable_variables, strict=True))
+    for ours, theirs in zip(net.trainable_variables, reference.trainable_variables, strict=True):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6, err_msg=ours.path)

@@ -1,28 +1,40 @@
 """TensorFlow and PyTorch workers on one set of parameters, and checkpoints that cross frameworks.
 
 Every framework runs in its own process (the jobs are subprocesses); this
-pytest process imports neither.
+pytest process imports neither. They need the torch plugin too, and are
+skipped where it is not installed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
 from psdk.testing import assert_every_worker_contributed, run_job
 
-from .conftest import MNIST_DIR, REPO
+pytestmark = pytest.mark.skipif(
+    find_spec("torch") is None or find_spec("psdk_torch") is None, reason="needs torch and the psdk-torch plugin"
+)
 
 
-def run(out: Path, *args: str) -> tuple[dict, str]:
-    return run_job(out, *args, "train.validate_every=500", data_dir=MNIST_DIR, timeout_s=300, cwd=REPO)
+@pytest.fixture
+def run(tmp_path: Path, mnist_dir: Path) -> Callable[..., tuple[dict, str]]:
+    """A job into ``tmp_path / out``, run from ``tmp_path`` with MNIST from psdk's fixture."""
+
+    def job(out: str, *args: str) -> tuple[dict, str]:
+        overrides = (*args, "train.validate_every=500")
+        return run_job(tmp_path / out, *overrides, data_dir=mnist_dir, timeout_s=300, cwd=tmp_path)
+
+    return job
 
 
-def test_a_torch_worker_and_a_tf_worker_train_one_model(tmp_path: Path) -> None:
-    summary, stdout = run(tmp_path, "topology.worker_backends=[torch,tf]")
+def test_a_torch_worker_and_a_tf_worker_train_one_model(tmp_path: Path, run: Callable[..., tuple[dict, str]]) -> None:
+    summary, stdout = run("run", "topology.worker_backends=[torch,tf]")
     assert {w["backend"] for w in summary["workers"].values()} == {"torch", "tf"}
-    assert_every_worker_contributed(summary, tmp_path / "metrics.jsonl")
+    assert_every_worker_contributed(summary, tmp_path / "run" / "metrics.jsonl")
     by_backend = summary["test_accuracy_by_backend"]
     assert set(by_backend) == {"torch", "tf"} and min(by_backend.values()) >= 0.97
     assert abs(by_backend["torch"] - by_backend["tf"]) <= 0.001
@@ -30,11 +42,13 @@ def test_a_torch_worker_and_a_tf_worker_train_one_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("first, second", [("torch", "tf"), ("tf", "torch")])
-def test_a_checkpoint_written_by_one_framework_resumes_on_the_other(tmp_path: Path, first: str, second: str) -> None:
-    before, _ = run(tmp_path / "a", f"backend={first}", "optimizer=adam", "train.steps=1500")
+def test_a_checkpoint_written_by_one_framework_resumes_on_the_other(
+    tmp_path: Path, run: Callable[..., tuple[dict, str]], first: str, second: str
+) -> None:
+    before, _ = run("a", f"backend={first}", "optimizer=adam", "train.steps=1500")
     saved = tmp_path / "a" / "checkpoints" / "ckpt-1500.npz"
     after, stdout = run(
-        tmp_path / "b",
+        "b",
         f"backend={second}",
         "optimizer=adam",
         "train.steps=3000",

@@ -1,4 +1,4 @@
-"""psdk's device string to TensorFlow's device setup, decided without a GPU."""
+"""psdk's device string to TensorFlow's device setup, decided without a GPU (the plan is plain values)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ def test_cuda_n_keeps_only_gpu_n_visible_which_tensorflow_then_calls_gpu_0() -> 
 
 
 @pytest.mark.parametrize("device, seen", [("cuda:0", 0), ("cuda:2", 2)])
-def test_a_missing_gpu_falls_back_to_the_cpu_and_says_why(device: str, seen: int) -> None:
-    chosen = plan(device, gpus_seen=seen)
-    assert (chosen.device, chosen.gpu) == ("cpu", None)
-    assert len(chosen.notes) == 1 and device in chosen.notes[0]
+def test_a_missing_gpu_falls_back_to_the_cpu_and_says_why(
+    device: str, seen: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="psdk.backends.kit"):
+        chosen = plan(device, gpus_seen=seen)
+    assert chosen == CPU
+    assert device in caplog.text and "TensorFlow" in caplog.text and "CPU" in caplog.text
 
 
 def test_a_memory_fraction_becomes_a_limit_in_megabytes() -> None:
@@ -58,14 +61,14 @@ def test_nvidia_smi_is_asked_about_the_gpu_cuda_visible_devices_names() -> None:
     assert physical_id(1, {}) == "1"
 
 
-def test_setup_on_a_machine_without_a_gpu_logs_the_fallback(caplog: pytest.LogCaptureFixture) -> None:
-    if visible_gpus():
-        pytest.skip("this machine has a GPU")
-    backend = TfBackend()
-    with caplog.at_level(logging.WARNING, logger="psdk_tf.placement"):
-        backend.setup("cuda:0", threads=1)
+def test_setup_with_a_gpu_tensorflow_does_not_see_logs_the_fallback(
+    backend: TfBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = f"cuda:{len(visible_gpus())}"  # one past the last GPU: there is none on a CPU machine
+    with caplog.at_level(logging.WARNING, logger="psdk.backends.kit"):
+        backend.setup(missing, threads=1)
     assert backend.device == "cpu" and backend.plan.tf_device == "/CPU:0"
-    assert "falls back to the CPU" in caplog.text
+    assert missing in caplog.text and "CPU" in caplog.text
 
 
 def test_setup_pins_tensorflows_threads_in_a_fresh_process() -> None:

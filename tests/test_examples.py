@@ -1,0 +1,86 @@
+"""The repository's example scripts run as their docstrings say.
+
+examples/torch_worker.py is the README's "your own PyTorch script" example:
+keys, one ps, two workers, each a process of its own (so torch never loads
+in this pytest process). It lives here, not in the torch plugin's tests,
+because it is a file of this repository, not of the plugin's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from psdk import announce
+
+from .conftest import REPO
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_spec("torch") is None, reason="torch is not installed"),
+    pytest.mark.timeout(300),
+]
+
+
+def test_the_readme_example_script_trains(tmp_path: Path, mnist_dir: Path) -> None:
+    """The example's docstring, command by command (a free port instead of 2222)."""
+    env = dict(os.environ, PSDK_DATA_DIR=str(mnist_dir), PYTHONUNBUFFERED="1")
+    announced = announce.file_for(tmp_path, 0)
+    made = subprocess.run(
+        [sys.executable, "-m", "psdk", "keys", "keys_dir=keys", "workers=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    ps = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psdk",
+            "ps",
+            "ps_hosts=127.0.0.1:0",
+            "worker_hosts=localhost,localhost",
+            f"transport.keys_dir={tmp_path / 'keys'}",
+            "transport.startup_timeout_s=60",
+            f"ps.announce_file={announced}",
+            f"hydra.run.dir={tmp_path / 'ps'}",
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    workers: list[subprocess.Popen[str]] = []
+    ps_log = ""
+    try:
+
+        def ps_alive() -> None:
+            assert ps.poll() is None, "the ps exited before it listened"
+
+        (address,) = announce.wait_for(tmp_path, 1, 60.0, ps_alive)  # psdk's own wait, as `run` uses it
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(REPO / "examples" / "torch_worker.py"), str(i), address, "keys"],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        outputs = [w.communicate(timeout=180)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], outputs
+        ps_log = ps.communicate(timeout=30)[0]
+    finally:
+        for p in (ps, *workers):
+            p.kill()
+    assert ps.returncode == 0
+    assert "CURVE on: 2 worker key(s) accepted" in ps_log, ps_log
+    accuracy = float(outputs[0].strip().splitlines()[-1].rsplit(" ", 1)[1])
+    assert accuracy > 0.93
