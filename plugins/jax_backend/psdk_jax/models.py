@@ -22,6 +22,12 @@ How a step moves data (the ps sends the whole parameter set every step):
 * anything that reads ``params`` (evaluation, :meth:`DenseStack.read`) first
   loads a pending write with one compiled call.
 
+Another architecture is a subclass overriding :meth:`DenseStack.apply` and
+:meth:`DenseStack.loss` (its spec needs ``variables()`` and ``layers()``); the
+staging, the compiled step and the evaluation come with it. A model plugin's
+builder for ``jax`` does that (``plugins/example_plugin/psdk_example/jax_model.py``),
+built with the backend's ``device_handle()``, ``precision()`` and ``option("jit")``.
+
 JAX returns gradients instead of keeping them on the parameters (torch's
 ``.grad``), so a training script that computes its own hands them over with
 :func:`record_gradients` where torch's ``loss.backward()`` would leave them;
