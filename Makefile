@@ -1,10 +1,11 @@
 # Two commands do everything on a fresh machine:
-#   make run    set up .venv (psdk + the torch and TensorFlow plugins) and train MNIST on 1 ps + 2 workers
+#   make run    set up .venv (psdk + the torch, TensorFlow and JAX plugins) and train MNIST on 1 ps + 2 workers
 #   make test   set up .venv and run lint, type checks and every test suite
 # Extra Hydra overrides go in ARGS:  make run ARGS="backend=tf sync=sync optimizer=adam"
 # The torch build comes from TORCH (CPU by default):  make setup TORCH="torch==2.13.0"
 # TensorFlow comes from the tf plugin's extra TF_EXTRA: cpu (tensorflow-cpu, the default),
 # gpu (tensorflow[and-cuda]), or empty to keep a TensorFlow you installed yourself.
+# JAX comes with the jax plugin from PyPI: plain `jax` is the CPU build (add jax[cuda12] yourself for GPUs).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,15 +15,17 @@ TF_EXTRA ?= cpu
 TF_PLUGIN := plugins/tf_backend$(if $(TF_EXTRA),[$(TF_EXTRA)])
 STAMP := $(VENV)/.psdk-installed
 
-.PHONY: setup run test lint typecheck test-core test-torch test-tf test-bench clean
+.PHONY: setup run test lint typecheck test-core test-torch test-tf test-jax test-bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml plugins/tf_backend/pyproject.toml
+$(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml plugins/tf_backend/pyproject.toml \
+		plugins/jax_backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,lint,ray]" -e plugins/torch_backend -e "$(TF_PLUGIN)"
+	$(PY) -m pip install --quiet -e ".[test,lint,ray]" -e plugins/torch_backend -e "$(TF_PLUGIN)" \
+		-e plugins/jax_backend
 	touch $@
 
 run: setup
@@ -35,7 +38,7 @@ lint: setup
 typecheck: setup
 	$(PY) -m mypy
 
-# Each suite runs in its own pytest process: torch and TensorFlow never share one.
+# Each suite runs in its own pytest process: torch, TensorFlow and JAX never share one.
 test-core: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
@@ -45,11 +48,14 @@ test-torch: setup
 test-tf: setup
 	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
 
+test-jax: setup
+	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/jax_backend/tests $(PYTEST_ARGS)
+
 # The peer scripts psdk is compared against (benchmarks/peers): short smoke runs, each in a subprocess.
 test-bench: setup
 	$(PY) -m pytest benchmarks/tests $(PYTEST_ARGS)
 
-test: lint typecheck test-core test-torch test-tf test-bench
+test: lint typecheck test-core test-torch test-tf test-jax test-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache outputs multirun

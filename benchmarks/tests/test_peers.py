@@ -101,6 +101,7 @@ def check_contract(out: str, err: str, system: str, framework: str, mode: str, h
 RUNS = [
     ("single.py", ["--framework", "torch"], "single", "torch", "single", False),
     ("single.py", ["--framework", "tf"], "single", "tensorflow", "single", False),
+    ("single.py", ["--framework", "jax"], "single", "jax", "single", False),
     ("torch_ddp.py", ["--mode", "sync"], "torch_ddp", "torch", "sync", False),
     ("torch_rpc_ps.py", ["--mode", "async"], "torch_rpc_ps", "torch", "async", True),
     ("torch_rpc_ps.py", ["--mode", "sync"], "torch_rpc_ps", "torch", "sync", True),

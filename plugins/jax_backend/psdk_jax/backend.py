@@ -1,0 +1,95 @@
+"""The JAX backend. This module imports JAX and optax; psdk loads it only when it is used.
+
+What lives where:
+
+* :mod:`psdk_jax.models`: psdk's dense networks as a params dict of jax arrays
+  with one ``jax.jit``-compiled ``value_and_grad`` step, canonical by
+  construction;
+* :mod:`psdk_jax.optimizers`: psdk update rules as optax transformations, and
+  why an optax optimizer alone cannot name the ps's rule;
+* :mod:`psdk_jax.placement`: psdk's device string and thread count to JAX's
+  setup.
+
+The plugin's options (``backend_options.jax.<key>``, defaults in
+:data:`psdk_jax.plugin.OPTIONS`) pick ``jit``, the matmul precision and the
+persistent compilation cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from psdk.backend import Backend
+from psdk.backends import kit
+from psdk.errors import ConfigError
+from psdk.models import ModelSpec
+from psdk.optim import UpdateRule
+from psdk_jax import optimizers, placement
+from psdk_jax.models import DenseStack
+
+PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+"""The ``matmul_precision`` values offered (``jax.lax.Precision`` names and ``jax_default_matmul_precision``'s)."""
+
+
+class JaxBackend(Backend):
+    def __init__(self) -> None:
+        self.jax_device: Any = None
+
+    # ------------------------------------------------------------ placement
+    def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
+        cache = self.option("compilation_cache_dir")
+        if cache:
+            jax.config.update("jax_compilation_cache_dir", str(cache))
+            # psdk's programs compile in well under JAX's default threshold of 1 s: cache them all.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        placement.start(device, threads, gpu_memory_fraction, jax)
+        self.device, self.jax_device = placement.choose(device, placement.gpu_devices(jax), jax.devices("cpu")[0])
+        jax.config.update("jax_default_device", self.jax_device)
+
+    def device_handle(self) -> Any:
+        """The JAX device of ``setup``; the default one for a backend used without it (as the suite does).
+
+        For a model plugin's builder, with :meth:`precision` and ``option("jit")``: what
+        :class:`psdk_jax.models.DenseStack` (and a subclass of it) is built with.
+        """
+        return self.jax_device if self.jax_device is not None else jax.devices()[0]
+
+    def precision(self) -> str:
+        """``backend_options.jax.matmul_precision``, checked."""
+        value = str(self.option("matmul_precision")).lower()
+        if value not in PRECISIONS:
+            raise ConfigError("backend_options.jax.matmul_precision", f"got {value!r}", PRECISIONS)
+        return value
+
+    # ---------------------------------------------------------------- model
+    def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> DenseStack:
+        return DenseStack(spec, weights, self.device_handle(), jit=bool(self.option("jit")), precision=self.precision())
+
+    def variables(self, model: DenseStack) -> dict[str, tuple[int, ...]]:
+        return dict(model.shapes)
+
+    def read_weights(self, model: DenseStack) -> dict[str, np.ndarray]:
+        return model.read()
+
+    def write_weights(self, model: DenseStack, weights: Mapping[str, np.ndarray]) -> None:
+        model.write(weights)
+
+    def read_gradients(self, model: DenseStack, out: Mapping[str, np.ndarray]) -> None:
+        model.read_gradients(out)
+
+    def forward_backward(self, model: DenseStack, x: np.ndarray, y: np.ndarray) -> float:
+        return model.forward_backward(x, y)
+
+    def accuracy(self, model: DenseStack, x: np.ndarray, y: np.ndarray) -> float:
+        return kit.batched_accuracy(model.predict, x, y)
+
+    # ------------------------------------------------------------ optimizer
+    def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:
+        return optimizers.make_optimizer(rule)
+
+    def optimizer_rule(self, optimizer: Any) -> UpdateRule:
+        return optimizers.optimizer_rule(optimizer)
