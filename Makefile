@@ -15,17 +15,17 @@ TF_EXTRA ?= cpu
 TF_PLUGIN := plugins/tf_backend$(if $(TF_EXTRA),[$(TF_EXTRA)])
 STAMP := $(VENV)/.psdk-installed
 
-.PHONY: setup run test lint typecheck test-core test-torch test-tf test-jax test-bench clean
+.PHONY: setup run test lint typecheck test-core test-torch test-tf test-jax test-example test-bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml plugins/torch_backend/pyproject.toml plugins/tf_backend/pyproject.toml \
-		plugins/jax_backend/pyproject.toml
+		plugins/jax_backend/pyproject.toml plugins/example_plugin/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[test,lint,ray]" -e plugins/torch_backend -e "$(TF_PLUGIN)" \
-		-e plugins/jax_backend
+		-e plugins/jax_backend -e plugins/example_plugin
 	touch $@
 
 run: setup
@@ -51,11 +51,15 @@ test-tf: setup
 test-jax: setup
 	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/jax_backend/tests $(PYTEST_ARGS)
 
+# The example plugin (a rule and a model): its jobs run every backend, each in a subprocess of its own.
+test-example: setup
+	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/example_plugin/tests $(PYTEST_ARGS)
+
 # The peer scripts psdk is compared against (benchmarks/peers): short smoke runs, each in a subprocess.
 test-bench: setup
 	$(PY) -m pytest benchmarks/tests $(PYTEST_ARGS)
 
-test: lint typecheck test-core test-torch test-tf test-jax test-bench
+test: lint typecheck test-core test-torch test-tf test-jax test-example test-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache outputs multirun

@@ -100,22 +100,39 @@ _REMEMBERED: weakref.WeakKeyDictionary[Any, UpdateRule] = weakref.WeakKeyDiction
 _REMEMBERED_BY_ID: dict[int, tuple[Any, UpdateRule]] = {}
 
 
+def _weak_key(optimizer: Any) -> Any:
+    """What a rule can be kept beside, dying with the optimizer: the optimizer, or its ``update`` function.
+
+    A NamedTuple of closures (optax's optimizers) takes no weak reference, but
+    its ``update`` closure does and lives exactly as long as it.
+    """
+    for candidate in (optimizer, getattr(optimizer, "update", None)):
+        if candidate is None:
+            continue
+        try:
+            weakref.ref(candidate)
+        except TypeError:
+            continue
+        return candidate
+    return None
+
+
 def remember_rule(optimizer: Any, rule: UpdateRule) -> None:
     """Keep the exact ``rule`` an optimizer was made from, for options its framework cannot express.
 
-    Held beside the optimizer (an attribute, or a weak reference), so it dies
-    with it. Objects that take neither (a NamedTuple of closures, as optax's
-    are) are kept alive in a table with the rule; there are a handful per
-    process, made by :meth:`psdk.backend.Backend.make_optimizer`.
+    Held beside the optimizer (an attribute, or a weak reference to it or to
+    its ``update`` function), so it dies with it; an object that allows none
+    of these is kept alive in a table with its rule.
     """
     try:
         optimizer.psdk_rule = rule
         return
     except (AttributeError, TypeError):
         pass
-    try:
-        _REMEMBERED[optimizer] = rule
-    except TypeError:  # neither attributes nor weak references: keep the object itself alive with its rule
+    key = _weak_key(optimizer)
+    if key is not None:
+        _REMEMBERED[key] = rule
+    else:
         _REMEMBERED_BY_ID[id(optimizer)] = (optimizer, rule)
 
 
@@ -124,10 +141,8 @@ def remembered_rule(optimizer: Any) -> UpdateRule | None:
     kept = getattr(optimizer, "psdk_rule", None)
     if isinstance(kept, UpdateRule):
         return kept
-    try:
-        found = _REMEMBERED.get(optimizer)
-    except TypeError:
-        found = None
+    key = _weak_key(optimizer)
+    found = _REMEMBERED.get(key) if key is not None else None
     if found is not None:
         return found
     pair = _REMEMBERED_BY_ID.get(id(optimizer))

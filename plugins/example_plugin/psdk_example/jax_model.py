@@ -36,6 +36,6 @@ class ResMlp(DenseStack):
 
 def build(backend: Any, spec: ResMlpSpec, weights: Mapping[str, np.ndarray]) -> ResMlp:
     """The model on the backend's device, compiled as the backend's options say (``jit``, precision)."""
-    return ResMlp(
-        spec, weights, backend.device_handle(), jit=bool(backend.option("jit")), precision=backend.precision()
-    )  # type: ignore[arg-type]
+    device, precision = backend.device_handle(), backend.precision()
+    # DenseStack takes any spec with layers() and variables(); it is typed for psdk's own ModelSpec.
+    return ResMlp(spec, weights, device, jit=bool(backend.option("jit")), precision=precision)  # type: ignore[arg-type]
