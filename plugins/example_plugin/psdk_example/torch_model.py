@@ -1,4 +1,8 @@
-"""``resmlp`` on the torch backend: an ``nn.Module`` whose parameters carry the canonical names."""
+"""``resmlp`` on the torch backend: an ``nn.Module`` whose parameters carry the canonical names.
+
+Built from the torch plugin's ``Dense`` layer, which stores its kernel (in, out)
+as the ps does, so nothing is transposed between this model and the ps.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from psdk_torch.models import Dense  # the torch plugin's (in, out) dense layer: canonical by construction
 from torch import nn
 
 from psdk_example.resmlp import ResMlpSpec
-
-
-class Dense(nn.Module):
-    """``x @ kernel + bias``, the kernel stored (in, out) as the ps keeps it."""
-
-    def __init__(self, fan_in: int, fan_out: int):
-        super().__init__()
-        self.kernel = nn.Parameter(torch.zeros(fan_in, fan_out))
-        self.bias = nn.Parameter(torch.zeros(fan_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x, self.kernel)
 
 
 class ResMlp(nn.Module):
