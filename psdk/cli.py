@@ -17,9 +17,9 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,9 +27,6 @@ from psdk import tf_config
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
-
-if TYPE_CHECKING:
-    from psdk.optim import UpdateRule
 
 log = logging.getLogger("psdk")
 
@@ -431,37 +428,12 @@ def check_data(args: Sequence[str]) -> int:
 
 def list_plugins() -> int:
     """Every kind of thing plugins add, psdk's own built-ins among them, with who provides each."""
-    from psdk import plugins
+    from psdk.plugins import listing
 
-    rows: list[tuple[str, str, str, str]] = []
-    for name, entry in sorted(plugins.installed_backends().items()):
-        r = entry.record
-        extra = f" (also: {', '.join(r.aliases)})" if r.aliases else ""
-        options = f"; options: {', '.join(f'{k}={v!r}' for k, v in r.options.items())}" if r.options else ""
-        rows.append(("backend", name, entry.distribution, f"{r.framework}: {r.description}{extra}{options}"))
-    for name, rule in sorted(plugins.installed_rules().items()):
-        doc = (rule.__doc__ or "").strip().splitlines()[0] if rule.__doc__ else ""
-        instance = _with_defaults(rule)
-        slots = ", ".join(instance.slot_names()) if instance is not None else "?"
-        target = f"{rule.__module__}:{rule.__qualname__}"
-        rows.append(("rule", name, plugins.distribution_of(target), f"{doc} [slots: {slots or 'none'}]"))
-    for name, model in sorted(plugins.installed_models().items()):
-        builds = f" (backends: {', '.join(sorted(model.builders))})" if model.builders else " (every backend)"
-        rows.append(("model", name, plugins.distribution_of(model.target), f"{model.description}{builds}"))
-    for name, dataset in sorted(plugins.installed_datasets().items()):
-        rows.append(("dataset", name, plugins.distribution_of(dataset.target), dataset.description))
     print(f"{'kind':<8} {'name':<10} {'provided by':<28} description")
-    for kind, name, provider, description in rows:
+    for kind, name, provider, description in listing():
         print(f"{kind:<8} {name:<10} {provider:<28} {description}")
     return 0
-
-
-def _with_defaults(rule: Callable[[], UpdateRule]) -> UpdateRule | None:
-    """The rule with its default hyper-parameters (to list its slots), None when it has required ones."""
-    try:
-        return rule()
-    except Exception:  # a required hyper-parameter, or a check that refuses the defaults
-        return None
 
 
 def unknown_command(command: str) -> str:

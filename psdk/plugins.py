@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from psdk.backend import Backend
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
+from psdk.optim import UpdateRule
 from psdk.registry import (
     BROKEN,
     DEFAULT_PLUGINS,
@@ -47,6 +48,7 @@ __all__ = [
     "installed_datasets",
     "installed_models",
     "installed_rules",
+    "listing",
     "load_backend",
     "load_target",
     "merged_options",
@@ -109,3 +111,33 @@ def backend_for(obj: object) -> Backend:
 
 
 # ------------------------------------------------------------- other kinds
+
+
+def listing() -> list[tuple[str, str, str, str]]:
+    """(kind, name, provider, description) of every backend, rule, model and dataset: ``python -m psdk plugins``."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, entry in sorted(installed_backends().items()):
+        r = entry.record
+        extra = f" (also: {', '.join(r.aliases)})" if r.aliases else ""
+        options = f"; options: {', '.join(f'{k}={v!r}' for k, v in r.options.items())}" if r.options else ""
+        rows.append(("backend", name, entry.distribution, f"{r.framework}: {r.description}{extra}{options}"))
+    for name, rule in sorted(installed_rules().items()):
+        doc = (rule.__doc__ or "").strip().splitlines()[0] if rule.__doc__ else ""
+        instance = _with_defaults(rule)
+        slots = ", ".join(instance.slot_names()) if instance is not None else "?"
+        target = f"{rule.__module__}:{rule.__qualname__}"
+        rows.append(("rule", name, distribution_of(target), f"{doc} [slots: {slots or 'none'}]"))
+    for name, model in sorted(installed_models().items()):
+        builds = f" (backends: {', '.join(sorted(model.builders))})" if model.builders else " (every backend)"
+        rows.append(("model", name, distribution_of(model.target), f"{model.description}{builds}"))
+    for name, dataset in sorted(installed_datasets().items()):
+        rows.append(("dataset", name, distribution_of(dataset.target), dataset.description))
+    return rows
+
+
+def _with_defaults(rule: Callable[[], UpdateRule]) -> UpdateRule | None:
+    """The rule with its default hyper-parameters (to list its slots), None when it has required ones."""
+    try:
+        return rule()
+    except Exception:  # a required hyper-parameter, or a check that refuses the defaults
+        return None
