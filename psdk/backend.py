@@ -76,13 +76,14 @@ class Backend(ABC):
     def owns(self, obj: object) -> bool:
         """Whether ``obj`` (a model or optimizer) belongs to this backend.
 
-        By default: it comes from the record's framework, one of its
-        ``modules``, or the plugin's own package (a model class the plugin
-        defines). Override to be stricter.
+        By default: its class, or one of its base classes, comes from the
+        record's framework, one of its ``modules``, or the plugin's own package,
+        so a user's ``class Net(torch.nn.Module)`` defined in a script belongs
+        to torch. Override to be stricter.
         """
         record = self.record
-        package = type(obj).__module__.split(".")[0]
-        return package in (record.framework, *record.modules, record.target.split(".")[0])
+        packages = {record.framework, *record.modules, record.target.split(".")[0]}
+        return any(cls.__module__.split(".")[0] in packages for cls in type(obj).__mro__ if cls is not object)
 
     @abstractmethod
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> Any:

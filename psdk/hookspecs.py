@@ -98,8 +98,9 @@ class DatasetRecord:
 
     ``target`` is ``"package.module:function"``, called as ``function(data)``
     with the job's ``data`` config node (``dir``, ``cache_dir``, ...) and
-    returning a :class:`psdk.data.Dataset`: flat float32 images and int labels
-    for training and test, which psdk splits between the workers.
+    returning a :class:`psdk.data.mnist.Mnist`: flat uint8 images (0-255,
+    which psdk scales to [0, 1]) and int labels for training and test, which
+    psdk splits between the workers.
     """
 
     name: str

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psdk.errors import ConfigError
+from psdk.errors import ConfigError, PluginError, PsdkError
 
 if TYPE_CHECKING:
     from psdk.backend import Backend
@@ -107,8 +107,14 @@ def build_model(backend: Backend, spec: Any, weights: Mapping[str, np.ndarray]) 
     record = installed_models().get(str(spec.name))
     if record is not None and record.builders:
         check_supported(record.name, [backend.name])
-        builder = load_target(record.builders[backend.name], f"the {backend.name} builder of model {record.name!r}")
-        return builder(backend, spec, weights)
+        target = record.builders[backend.name]
+        builder = load_target(target, f"the {backend.name} builder of model {record.name!r}")
+        try:
+            return builder(backend, spec, weights)
+        except PsdkError:
+            raise
+        except Exception as exc:  # the plugin's own code failed: say whose it is
+            raise PluginError(f"the {backend.name} builder of model {record.name!r} ({target}) failed: {exc}") from exc
     if not isinstance(spec, ModelSpec):
         raise ConfigError("model", f"model {spec.name!r} is not a dense stack and names no builder for {backend.name}")
     return backend.build_model(spec, weights)

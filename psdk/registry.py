@@ -94,15 +94,53 @@ def distribution_of(target: str) -> str:
     return _distributions().get(package, f"{package}, not an installed distribution")
 
 
-def _collected(results: Iterable[list[T] | None], kind: type | tuple[type, ...], what: str) -> list[T]:
-    """Every plugin's answers to one hook, flattened; anything of the wrong type is refused by name."""
-    found: list[T] = []
-    for answer in results:
-        for item in answer or []:
-            if not isinstance(item, kind):
-                raise PluginError(f"a plugin registered {item!r} as a {what}, which is not a {kind}")
-            found.append(item)
-    return found
+def _items(answer: Any, what: str) -> list[Any]:
+    if answer is None:
+        return []
+    if not isinstance(answer, (list, tuple)):
+        raise PluginError(f"it returned {answer!r} from its {what} hook, not a list")
+    return list(answer)
+
+
+def _is_rule(item: Any) -> bool:
+    return isinstance(item, type) and issubclass(item, UpdateRule) and isinstance(getattr(item, "name", None), str)
+
+
+def _collected(hook_name: str, valid: Callable[[Any], bool], what: str) -> list[Any]:
+    """Every plugin's answers to one hook (called through pluggy), checked; a plugin that misbehaves is dropped.
+
+    When the hook call fails, or an answer is not what the hook promises, each
+    plugin is asked on its own to find which: those that fail are unregistered
+    and named in :data:`BROKEN` and the log, and the hook is called again
+    without them, so one broken plugin never breaks jobs that do not use it.
+    psdk's own plugins are never dropped: an error there is psdk's, and raised.
+    """
+    pm = get_plugin_manager()
+    hook = getattr(pm.hook, hook_name)
+    try:
+        found = [item for answer in hook() for item in _items(answer, hook_name)]
+        bad = next((item for item in found if not valid(item)), None)
+        if bad is None:
+            return found
+        problem: Exception = PluginError(f"{bad!r} is not a {what}")
+    except Exception as exc:  # a hook that raises, or returns no list
+        problem = exc
+    dropped = False
+    for impl in hook.get_hookimpls():
+        try:
+            bad_items = [item for item in _items(impl.function(), hook_name) if not valid(item)]
+            if bad_items:
+                raise PluginError(f"it registered {bad_items[0]!r} as a {what}, which is not one")
+        except Exception as exc:
+            if impl.plugin_name in DEFAULT_PLUGINS:
+                raise
+            BROKEN[impl.plugin_name] = f"the plugin {impl.plugin_name!r} is skipped: {exc}"
+            log.warning("%s", BROKEN[impl.plugin_name])
+            pm.unregister(name=impl.plugin_name)
+            dropped = True
+    if not dropped:  # it failed as a whole but no plugin alone: nothing to blame, so nothing to hide
+        raise PluginError(f"the {hook_name} hook failed: {problem}") from problem
+    return _collected(hook_name, valid, what)
 
 
 def _unique(items: Iterable[T], name_of: Callable[[T], str], origin: Callable[[T], str], what: str) -> dict[str, T]:
@@ -124,7 +162,7 @@ def _unique(items: Iterable[T], name_of: Callable[[T], str], origin: Callable[[T
 # ------------------------------------------------------------------ backends
 def installed_backends() -> dict[str, InstalledBackend]:
     """Every registered backend by name; two plugins claiming one name is an error."""
-    records = _collected(get_plugin_manager().hook.psdk_register_backends(), BackendRecord, "backend")
+    records = _collected("psdk_register_backends", lambda r: isinstance(r, BackendRecord), "BackendRecord")
     entries = [InstalledBackend(record, distribution_of(record.target)) for record in records]
     return _unique(entries, lambda e: e.record.name, lambda e: f"{e.record.target} ({e.distribution})", "backend")
 
@@ -166,22 +204,24 @@ def record_of(cls: type) -> BackendRecord:
 # ------------------------------------------------------------- other kinds
 def installed_rules() -> dict[str, type[UpdateRule]]:
     """Every registered ps update rule by name (``optimizer=<name>``)."""
-    rules = _collected(get_plugin_manager().hook.psdk_register_rules(), type, "rule")
-    for rule in rules:
-        if not issubclass(rule, UpdateRule):
-            raise PluginError(f"a plugin registered {rule!r} as an update rule; it is not a psdk.optim.UpdateRule")
-    return _unique(rules, lambda r: r.name, lambda r: f"{r.__module__}.{r.__qualname__}", "update rule")
+    rules = _collected("psdk_register_rules", _is_rule, "psdk.optim.UpdateRule subclass with a name")
+    return _unique(rules, lambda r: r.name, _rule_origin, "update rule")
+
+
+def _rule_origin(rule: type) -> str:
+    target = f"{rule.__module__}:{rule.__qualname__}"
+    return f"{target} ({distribution_of(target)})"
 
 
 def installed_models() -> dict[str, ModelRecord]:
     """Every registered model by name (``model=<name>``)."""
-    records = _collected(get_plugin_manager().hook.psdk_register_models(), ModelRecord, "model")
+    records = _collected("psdk_register_models", lambda r: isinstance(r, ModelRecord), "ModelRecord")
     return _unique(records, lambda r: r.name, lambda r: f"{r.target} ({distribution_of(r.target)})", "model")
 
 
 def installed_datasets() -> dict[str, DatasetRecord]:
     """Every registered dataset by name (``data.name=<name>``)."""
-    records = _collected(get_plugin_manager().hook.psdk_register_datasets(), DatasetRecord, "dataset")
+    records = _collected("psdk_register_datasets", lambda r: isinstance(r, DatasetRecord), "DatasetRecord")
     return _unique(records, lambda r: r.name, lambda r: f"{r.target} ({distribution_of(r.target)})", "dataset")
 
 

@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from psdk import registry
 from psdk.data import datasets
+from psdk.data.mnist import Mnist
 from psdk.errors import ConfigError, DataError
+from psdk.hookspecs import DatasetRecord
 from psdk.models import ModelSpec
 
 from .jobs import FAST_FLAGS
@@ -185,3 +188,60 @@ def test_a_job_on_an_idx_folder(tmp_path: Path) -> None:
 def test_an_unknown_dataset_lists_the_installed_ones() -> None:
     with pytest.raises(ConfigError, match=r"data\.name: no installed plugin provides a dataset called 'cifar'"):
         datasets.load_dataset({"name": "cifar"})
+
+
+MISBEHAVING = """
+from psdk.hookspecs import hookimpl
+
+
+class Nameless:  # no UpdateRule, no name
+    pass
+
+
+@hookimpl
+def psdk_register_rules():
+    return [Nameless]
+
+
+@hookimpl
+def psdk_register_models():
+    raise RuntimeError("model registry exploded")
+
+
+@hookimpl
+def psdk_register_datasets():
+    return "not a list"
+"""
+
+
+def test_a_plugin_whose_hooks_misbehave_is_dropped_and_jobs_without_it_run(tmp_path: Path) -> None:
+    site = install(tmp_path / "site", "psdk_rogue", "[psdk]\nrogue = psdk_rogue\n", MISBEHAVING)
+    listed = run(site, "plugins", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "the plugin 'rogue' is skipped" in listed.stderr
+    assert any(line.split()[:2] == ["rule", "sgd"] for line in listed.stdout.splitlines())
+    composed = run(site, "run", "--cfg", "job", "backend=numpy", cwd=tmp_path)
+    assert composed.returncode == 0, composed.stderr
+    assert "momentum" in composed.stdout
+
+
+def floaty(data: object) -> Mnist:
+    """A dataset that hands over images already scaled, which psdk would scale again."""
+    x = np.random.default_rng(0).random((20, 4), dtype=np.float32)
+    return Mnist(x, np.zeros(20, np.int64), x, np.zeros(20, np.int64))
+
+
+def test_a_dataset_of_float_images_is_refused_not_scaled_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        registry, "installed_datasets", lambda: {"floaty": DatasetRecord("floaty", f"{__name__}:floaty")}
+    )
+    with pytest.raises(DataError, match=r"gave train_x as float32\[20, 4\]; psdk takes flat uint8 images"):
+        datasets.load_dataset({"name": "floaty"})
+
+
+def test_an_unknown_dataset_is_refused_before_any_task_starts(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = run(tmp_path, "run", "backend=numpy", "data.name=cifar", f"hydra.run.dir={out}", cwd=tmp_path, timeout=60)
+    assert done.returncode != 0
+    assert "data.name: no installed plugin provides a dataset called 'cifar'" in done.stdout + done.stderr
+    assert not list((out / "tasks").glob("*.pid"))

@@ -10,9 +10,10 @@ import pluggy
 import pytest
 
 from psdk import hookspecs, plugins, registry
-from psdk.backends.numpy_backend import NumpyBackend
+from psdk.backends.numpy_backend import NumpyBackend, NumpyModel
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.hookspecs import BackendRecord, hookimpl
+from psdk.models import ModelSpec, init_weights
 from psdk.optim import SGD
 
 
@@ -110,3 +111,13 @@ def test_finding_a_backend_asks_its_owns_and_imports_no_other_framework() -> Non
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "numpy []"
+
+
+class ScriptModel(NumpyModel):
+    """A user's model class defined outside any framework's package (here: in a test module)."""
+
+
+def test_a_users_own_model_class_finds_its_backend_through_its_base_classes() -> None:
+    spec = ModelSpec(hidden=(4,), input_dim=3, num_classes=2)
+    model = ScriptModel(spec, init_weights(spec, 0))
+    assert type(model).__module__.split(".")[0] != "psdk" and plugins.backend_for(model).name == "numpy"

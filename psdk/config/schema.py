@@ -22,6 +22,7 @@ file of that name; a backend's options are ``backend_options.<backend>.*``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ from psdk.config.options import (
 from psdk.consistency import SyncSpec
 from psdk.optim import NoOp
 from psdk.registry import installed_backends, installed_models, installed_rules, load_target
+
+log = logging.getLogger(__name__)
 
 
 def schema_of(cls: type, name: str, target: bool = False) -> type:
@@ -72,8 +75,21 @@ def schema_of(cls: type, name: str, target: bool = False) -> type:
 
 
 RULES = {name: rule for name, rule in installed_rules().items() if rule is not NoOp}  # NoOp: the ps's own
+
+
+def _ident(name: str) -> str:
+    """``name`` as a Python identifier, for a schema class's module-level name."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+# Psdk's own rules keep their familiar names (SGDConfig); a plugin's gets its rule name too, so no two collide.
 OPTIMIZER_SCHEMAS = {
-    f"base_{rule.name}": schema_of(rule, f"{rule.__name__}Config", target=True) for rule in RULES.values()
+    f"base_{rule.name}": schema_of(
+        rule,
+        f"{rule.__name__}Config" if rule.__module__ == "psdk.optim" else f"PluginRuleConfig_{_ident(rule.name)}",
+        target=True,
+    )
+    for rule in RULES.values()
 }
 SyncConfig = schema_of(SyncSpec, "SyncConfig", target=True)
 TransportConfig = schema_of(TransportOptions, "TransportConfig")
@@ -206,10 +222,15 @@ def plugin_choices(conf: Path) -> dict[str, dict[str, Any]]:
         if not _has_file("optimizer", name):
             choices["optimizer"][name] = OPTIMIZER_SCHEMAS[f"base_{name}"]
     for name, record in installed_models().items():
-        if not _has_file("model", name):
+        if _has_file("model", name):
+            continue
+        try:
             spec = load_target(record.target, f"model {name!r}")
-            ident = "".join(c if c.isalnum() else "_" for c in name)
-            choices["model"][name] = schema_of(spec, f"{spec.__name__}Config_{ident}", target=True)(name=name)
+            choices["model"][name] = schema_of(spec, f"PluginModelConfig_{_ident(name)}", target=True)(name=name)
+        except Exception as exc:  # a plugin's broken model must not break jobs that do not use it
+            log.warning(
+                "model %r (%s) is skipped: its spec is no dataclass psdk can configure: %s", name, record.target, exc
+            )
     return choices
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from psdk.data import mnist
-from psdk.errors import ConfigError, DataError
+from psdk.errors import ConfigError, DataError, PluginError, PsdkError
 
 IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -75,17 +75,41 @@ def idx_folder(data: Any) -> mnist.Mnist:
     )
 
 
-def load_dataset(data: Any) -> mnist.Mnist:
-    """The dataset ``data.name`` names (default ``mnist``), through the plugins that register datasets."""
-    from psdk.registry import installed_datasets, load_target
+def check_dataset_name(data: Any) -> str:
+    """``data.name``, refused before a job starts when no plugin provides it (or ``idx`` lacks its folder)."""
+    from psdk.registry import installed_datasets
 
     name = str(_get(data, "name") or "mnist")
     datasets = installed_datasets()
     if name not in datasets:
         raise ConfigError("data.name", f"no installed plugin provides a dataset called {name!r}", datasets)
-    loaded = load_target(datasets[name].target, f"dataset {name!r}")(data)
+    if name == "idx" and not _get(data, "dir"):
+        raise ConfigError("data.dir", "data.name=idx reads a folder of IDX files: give it as data.dir=<folder>")
+    return name
+
+
+def load_dataset(data: Any) -> mnist.Mnist:
+    """The dataset ``data.name`` names (default ``mnist``), through the plugins that register datasets."""
+    from psdk.registry import installed_datasets, load_target
+
+    name = check_dataset_name(data)
+    datasets = installed_datasets()
+    target = datasets[name].target
+    try:
+        loaded = load_target(target, f"dataset {name!r}")(data)
+    except PsdkError:
+        raise
+    except Exception as exc:  # the plugin's own code failed: say whose it is
+        raise PluginError(f"dataset {name!r} ({target}) failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(loaded, mnist.Mnist):
-        raise DataError(f"dataset {name!r} ({datasets[name].target}) returned {type(loaded).__name__}, not arrays")
+        raise DataError(f"dataset {name!r} ({target}) returned {type(loaded).__name__}, not psdk.data.mnist.Mnist")
+    for split in ("train_x", "test_x"):
+        images = getattr(loaded, split)
+        if images.dtype != np.uint8 or images.ndim != 2:
+            raise DataError(
+                f"dataset {name!r} ({target}) gave {split} as {images.dtype}{list(images.shape)}; psdk takes flat "
+                "uint8 images (0-255, rows of pixels) and scales them to [0, 1] itself"
+            )
     return loaded
 
 

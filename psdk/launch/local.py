@@ -33,6 +33,7 @@ from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.config.options import TaskOptions, options_from
 from psdk.data import mnist
+from psdk.data.datasets import check_dataset_name
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
 from psdk.launch import LAUNCHED_ENV, handoff
 from psdk.launch.curves import CurvesInBackground
@@ -178,6 +179,7 @@ class LocalLauncher:
             check_framework(name)
             merged_options(installed_backends()[resolve_backend_name(name)].record, build.backend_options(cfg, name))
         build.sync_spec(cfg).resolved(topology.num_workers)
+        check_dataset_name(cfg.data)
         check_supported(str(build.model_spec(cfg).name), [resolve_backend_name(name) for name in backends])
         build.update_rule(cfg)
         build.check_training(cfg, self.options, topology.num_workers)
