@@ -38,7 +38,8 @@ from psdk.transport.wire import Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 from tests.conftest import running_ps
 from tests.helpers import FAST
-from tests.test_shm import CapturingEndpoint, lender, ps_endpoint
+from tests.test_shm import lender, ps_endpoint
+from tests.test_shm_training import CapturingEndpoint
 
 pytestmark = pytest.mark.timeout(60)
 
