@@ -22,6 +22,7 @@ from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PsdkError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
+from psdk.registry import resolve_backend_name
 from psdk.transport import security
 from psdk.transport.security import CurveKeys
 
@@ -102,8 +103,6 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
 def backend_options(cfg: DictConfig, backend: str) -> dict[str, Any]:
     """What ``backend_options.<backend>`` sets (the plugin's defaults fill the rest, in ``load_backend``)."""
     node = cfg.get("backend_options") or {}
-    from psdk.plugins import resolve_backend_name
-
     chosen = node.get(resolve_backend_name(backend)) or {}
     return dict(plain(chosen))
 

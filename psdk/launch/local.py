@@ -174,13 +174,15 @@ class LocalLauncher:
         """Fail before starting anything, naming the key and the valid choices."""
         self.options = options_from(cfg)
         topology = build.topology(cfg)
-        backends = sorted({topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)})
+        installed = installed_backends()
+        named = {topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)}
+        backends = sorted({resolve_backend_name(name, installed) for name in named})
         for name in backends:
             check_framework(name)
-            merged_options(installed_backends()[resolve_backend_name(name)].record, build.backend_options(cfg, name))
+            merged_options(installed[name].record, build.backend_options(cfg, name))
         build.sync_spec(cfg).resolved(topology.num_workers)
         check_dataset_name(cfg.data)
-        check_supported(str(build.model_spec(cfg).name), [resolve_backend_name(name) for name in backends])
+        check_supported(str(build.model_spec(cfg).name), backends)
         build.update_rule(cfg)
         build.check_training(cfg, self.options, topology.num_workers)
         if cfg.resume:

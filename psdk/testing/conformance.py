@@ -75,7 +75,8 @@ MAPPED_RULES: dict[str, UpdateRule] = {
 """Every built-in rule, plain and with each of its options: what make_optimizer/optimizer_rule must round-trip."""
 
 
-def _batch(spec: ModelSpec, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def random_batch(spec: ModelSpec, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``size`` random inputs of ``spec`` and labels, from ``seed``: the batches every backend is held to."""
     rng = np.random.default_rng(seed)
     return rng.random((size, spec.input_dim), dtype=np.float32), rng.integers(0, spec.num_classes, size)
 
@@ -239,7 +240,7 @@ class BackendConformance:
         assert list(backend.variables(built).items()) == spec.variables()
         for name, value in backend.read_weights(built).items():
             np.testing.assert_array_equal(value, weights[name], err_msg=name)
-        x, y = _batch(spec, 64, 12)
+        x, y = random_batch(spec, 64, 12)
         assert backend.forward_backward(built, x, y) == pytest.approx(
             reference.forward_backward(ref, x, y), rel=self.loss_rtol
         )
@@ -282,7 +283,7 @@ class BackendConformance:
             if weights is not None:  # a write must reach the next forward pass
                 backend.write_weights(model, weights)
                 reference.write_weights(ref, weights)
-            x, y = _batch(self.spec, 64, step)
+            x, y = random_batch(self.spec, 64, step)
             loss = backend.forward_backward(model, x, y)
             assert loss == pytest.approx(reference.forward_backward(ref, x, y), rel=self.loss_rtol)
             grads, expected = _flat_views(self.spec), _flat_views(self.spec)
@@ -300,7 +301,7 @@ class BackendConformance:
         weights = _random_weights(self.spec, 4)
         backend.write_weights(model, weights)
         reference.write_weights(ref, weights)
-        x, y = _batch(self.spec, 600, 5)
+        x, y = random_batch(self.spec, 600, 5)
         logits, _ = ref.logits(x)
         y[::2] = np.argmax(logits, axis=1)[::2]  # half right by construction: not a trivial 0.1
         expected = reference.accuracy(ref, x, y)
@@ -317,7 +318,7 @@ class BackendConformance:
             pytest.skip("this machine has a GPU")
         backend.setup("cuda:0", threads=1)
         assert backend.device == "cpu"
-        x, y = _batch(self.spec, 8, 0)
+        x, y = random_batch(self.spec, 8, 0)
         assert np.isfinite(backend.forward_backward(self.build(backend), x, y))
 
     # ------------------------------------------------------------- optimizer
@@ -361,7 +362,7 @@ class BackendConformance:
     ) -> None:
         """Five SGD steps of one worker through a real ps equal five local numpy steps."""
         rule, steps = SGD(lr=0.5), 5
-        batches = [_batch(self.spec, 32, 10 + t) for t in range(steps)]
+        batches = [random_batch(self.spec, 32, 10 + t) for t in range(steps)]
         model = self.build(backend)
         with psdk.connect(ps.cluster(1), 0, steps=steps, transport=ps.transport) as session:
             opt = psdk.DistributedOptimizer(backend.make_optimizer(model, rule), model, session)

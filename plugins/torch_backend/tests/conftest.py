@@ -14,13 +14,13 @@ from psdk_torch.backend import TorchBackend
 
 from psdk import plugins
 from psdk.models import ModelSpec
+from psdk.testing.conformance import random_batch
 
 SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)
 
 
 def batch(size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return rng.random((size, SPEC.input_dim), dtype=np.float32), rng.integers(0, SPEC.num_classes, size)
+    return random_batch(SPEC, size, seed)
 
 
 @pytest.fixture
