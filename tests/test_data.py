@@ -38,6 +38,16 @@ def test_workers_get_disjoint_shards_and_validation_is_held_out(data: mnist.Mnis
     assert splits[1].train_x.min() >= 0.0 and splits[1].train_x.max() <= 1.0
 
 
+def test_a_split_keeps_bytes_and_scales_each_batch_as_cut(data: mnist.Mnist) -> None:
+    split = mnist.split(data, 1, 2, 5000, with_test=False)
+    assert split.train_images.dtype == np.uint8 and "train_x" not in vars(split)  # nothing scaled up front
+    rows = np.array([3, 0, 27499])
+    x, y = split.batch(rows)
+    assert x.dtype == np.float32 and x.shape == (3, 784)
+    np.testing.assert_array_equal(x, mnist.to_float(data.train_x[5000 + 27500 + rows]))
+    np.testing.assert_array_equal(y, data.train_y[5000 + 27500 + rows])
+
+
 def test_uncompressed_files_work_too(mnist_dir: Path, tmp_path: Path) -> None:
     for stem, _ in mnist.FILES.values():
         (tmp_path / stem).write_bytes(gzip.decompress((mnist_dir / f"{stem}.gz").read_bytes()))

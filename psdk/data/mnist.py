@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -60,14 +61,37 @@ class Mnist:
 
 @dataclass
 class Split:
-    """One worker's view: its shard of the training set, the validation and test sets."""
+    """One worker's view: its shard of the training set, the validation and test sets.
 
-    train_x: np.ndarray
+    Images stay uint8 (``*_images``) until used: scaling a worker's 27,500
+    training images and the test set to float32 up front cost each worker
+    about 0.25 s of start-up, on the path to its first gradient. Training
+    scales each batch as it is cut (:meth:`batch`); ``val_x`` and ``test_x``
+    are scaled once, when first read.
+    """
+
+    train_images: np.ndarray
     train_y: np.ndarray
-    val_x: np.ndarray
+    val_images: np.ndarray
     val_y: np.ndarray
-    test_x: np.ndarray
+    test_images: np.ndarray
     test_y: np.ndarray
+
+    def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Training images ``rows`` scaled to [0, 1], and their labels."""
+        return to_float(self.train_images[rows]), self.train_y[rows]
+
+    @cached_property
+    def train_x(self) -> np.ndarray:
+        return to_float(self.train_images)
+
+    @cached_property
+    def val_x(self) -> np.ndarray:
+        return to_float(self.val_images)
+
+    @cached_property
+    def test_x(self) -> np.ndarray:
+        return to_float(self.test_images)
 
 
 def cache_folder(cache_dir: str | None) -> Path:
@@ -365,12 +389,12 @@ def split(data: Mnist, worker: int, num_workers: int, validation_size: int = 500
         raise DataError(f"data.validation_size must be in [0, {len(data.train_x)}), got {validation_size}")
     rest = np.arange(validation_size, len(data.train_x))
     mine = np.array_split(rest, num_workers)[worker]
-    empty_x, empty_y = np.zeros((0, data.train_x.shape[1]), np.float32), np.zeros(0, np.int64)
+    empty_x, empty_y = np.zeros((0, data.train_x.shape[1]), np.uint8), np.zeros(0, np.int64)
     return Split(
-        train_x=to_float(data.train_x[mine]),
+        train_images=data.train_x[mine],  # a copy (an index array), out of the memory map
         train_y=data.train_y[mine],
-        val_x=to_float(data.train_x[:validation_size]),
+        val_images=data.train_x[:validation_size],
         val_y=data.train_y[:validation_size],
-        test_x=to_float(data.test_x) if with_test else empty_x,
+        test_images=data.test_x if with_test else empty_x,
         test_y=data.test_y if with_test else empty_y,
     )

@@ -47,23 +47,23 @@ log = logging.getLogger(__name__)
 
 
 class Batches:
-    """Shuffled mini-batches of one worker's shard, epoch after epoch."""
+    """Shuffled mini-batches of one worker's shard, epoch after epoch, scaled as they are cut."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
-        if len(x) < batch_size:
-            raise ValueError(f"a shard of {len(x)} images cannot fill a batch of {batch_size}")
-        self.x, self.y, self.batch_size = x, y, batch_size
+    def __init__(self, data: mnist.Split, batch_size: int, seed: int):
+        if len(data.train_images) < batch_size:
+            raise ValueError(f"a shard of {len(data.train_images)} images cannot fill a batch of {batch_size}")
+        self.data, self.batch_size = data, batch_size
         self.rng = np.random.default_rng(seed)
         self.epoch = 0
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        per_epoch = len(self.x) // self.batch_size
+        size = len(self.data.train_images)
+        per_epoch = size // self.batch_size
         while True:
             self.epoch += 1
-            order = self.rng.permutation(len(self.x))
+            order = self.rng.permutation(size)
             for i in range(per_epoch):
-                idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-                yield self.x[idx], self.y[idx]
+                yield self.data.batch(order[i * self.batch_size : (i + 1) * self.batch_size])
 
 
 @dataclass
@@ -223,7 +223,7 @@ class WorkerJob:
 
     def train(self) -> None:
         train = self.train_options
-        batches = Batches(self.data.train_x, self.data.train_y, train.batch_size, int(self.cfg.seed) * 1000 + self.task)
+        batches = Batches(self.data, train.batch_size, int(self.cfg.seed) * 1000 + self.task)
         log_every, validate_every = train.log_every, train.validate_every
         began = window_start = time.time()
         window_steps = 0
