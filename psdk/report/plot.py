@@ -33,7 +33,7 @@ def warm_up() -> None:
     import io
 
     prepare()
-    fig = _figure(1, 1, (2, 2))
+    fig = _figure(1, 1, (2, 2), CURVES_MARGINS)
     ax = fig.axes[0]
     ax.plot([1, 2], [1, 2], "o-", label="warm-up")
     ax.set_yscale("log")
@@ -43,18 +43,25 @@ def warm_up() -> None:
     fig.savefig(io.BytesIO(), format="png", dpi=100)
 
 
-def _figure(rows: int, cols: int, size: tuple[float, float]) -> Figure:
+CURVES_MARGINS = {"left": 0.08, "right": 0.985, "bottom": 0.075, "top": 0.93, "wspace": 0.24, "hspace": 0.26}
+"""The run figure's fixed layout: laying it out anew ("constrained") took 0.12 of its 0.34 s at every job's end."""
+
+
+def _figure(rows: int, cols: int, size: tuple[float, float], margins: dict[str, float] | None = None) -> Figure:
+    """A figure of ``rows`` x ``cols`` axes: laid out by matplotlib, or with fixed ``margins`` (fractions)."""
     prepare()
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=size, layout="constrained")
+    fig = Figure(figsize=size, layout=None if margins else "constrained")
     fig.subplots(rows, cols, squeeze=False)
+    if margins:
+        fig.subplots_adjust(**margins)
     return fig
 
 
 def plot_curves(run: Run, path: Path, title: str | None = None) -> Path:
     """Loss and validation accuracy per worker, against the global step and against seconds of training."""
-    fig = _figure(2, 2, (11, 7.5))
+    fig = _figure(2, 2, (11, 7.5), CURVES_MARGINS)
     axes = fig.axes
     start = run.start_time or 0.0
     for task, points in run.by_task().items():
