@@ -151,9 +151,62 @@ def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str])
     return [*added, *args]
 
 
+class _HydraErrorsRaised:
+    """Hydra's errors before the task starts reach psdk as exceptions; the task's are Hydra's to print, as usual.
+
+    Hydra prints an exception and exits unless ``HYDRA_FULL_ERROR=1``. psdk
+    sets it while Hydra composes, so that a composition that fails can be
+    explained (:func:`_composition_failure`), and gives the user's value back
+    as the task starts (before it starts any process, which would inherit it).
+    """
+
+    def __init__(self) -> None:
+        self.saved: str | None = None
+        self.active = False
+        self.task_started = False
+
+    def __enter__(self) -> None:
+        self.saved, self.active, self.task_started = os.environ.get("HYDRA_FULL_ERROR"), True, False
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self.saved is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = self.saved
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+HYDRA_ERRORS = _HydraErrorsRaised()
+
+
+def _composition_failure(exc: Exception, checker: object, args: Sequence[str]) -> BaseException:
+    """What to raise when Hydra failed before the task started: psdk's explanation, else Hydra's own message."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from psdk.config.check import OverrideChecker
+
+    explained = checker.explain(args) if isinstance(checker, OverrideChecker) else None
+    if explained is not None:
+        return explained
+    if not isinstance(exc, CompactHydraException):
+        return exc
+    cause = f"\n{exc.__cause__}" if isinstance(exc.__cause__, OmegaConfBaseException) else ""
+    print(f"{exc}{cause}", file=sys.stderr)  # as Hydra prints it
+    return SystemExit(1)
+
+
 def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    HYDRA_ERRORS.task_started = True
+    HYDRA_ERRORS.restore()
     _run_task(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
@@ -241,7 +294,7 @@ def run_hydra(command: str, args: list[str]) -> None:
     import hydra
 
     from psdk.config import config_dir, prepare_hydra
-    from psdk.config.check import check_overrides, hydra_order
+    from psdk.config.check import OverrideChecker, hydra_order
 
     prepare_hydra()
     if command in ("ps", "worker", "task"):
@@ -272,14 +325,22 @@ def run_hydra(command: str, args: list[str]) -> None:
     if "-m" in args or "--multirun" in args:
         # First as well: after the prepended override, argparse would take the sweep's overrides for extra arguments.
         args = ["--multirun", *(a for a in args if a not in ("-m", "--multirun"))]
+    checker = None
     if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
-        check_overrides(args, config_dir())
+        checker = OverrideChecker(config_dir())
+        checker.check(args, compose=False)  # what needs composing is explained if Hydra's composition fails
         if command == "run" and surely_one_run(args):
             _one_run_only()
     elif command in ("ps", "worker", "task") and "--multirun" not in args:
         _one_run_only()
     sys.argv = [f"psdk {command}", *hydra_order(args)]
-    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    try:
+        with HYDRA_ERRORS:
+            hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    except Exception as exc:
+        if HYDRA_ERRORS.task_started:
+            raise
+        raise _composition_failure(exc, checker, args) from None
     if FAILED_RUNS:
         print(f"psdk: {len(FAILED_RUNS)} run(s) of the multirun failed: {', '.join(map(str, FAILED_RUNS))}")
         raise SystemExit(1)
@@ -314,126 +375,6 @@ def _one_run_only() -> None:
         # None, as the probe finds in a config that sets no hydra.mode: Hydra then runs once and records
         # hydra.mode=RUN among its overrides, as it would have.
         Hydra.get_mode = lambda self, config_name, overrides: None
-
-
-def _bench(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from psdk.bench.suite import run_suite
-
-    set_task_label("bench")
-    try:
-        run_suite(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except PsdkError as exc:
-        log.error("%s", exc)
-        raise SystemExit(1) from None
-
-
-def run_bench(args: list[str]) -> None:
-    import hydra
-
-    from psdk.config import config_dir, prepare_hydra
-
-    prepare_hydra()
-    sys.argv = ["psdk bench", *args]
-    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")(_bench)()
-
-
-def _options(args: Sequence[str], defaults: dict[str, str]) -> dict[str, str]:
-    options = dict(defaults)
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in options:
-            raise ConfigError(key, f"unknown argument {arg!r}", [f"{k}=..." for k in options])
-        options[key] = value
-    for key, value in options.items():
-        if defaults[key].isdigit() and not value.isdigit():
-            raise ConfigError(key, f"must be a whole number, got {value!r}")
-    return options
-
-
-def run_fuzz(args: Sequence[str]) -> int:
-    """``fuzz sequences=N steps=K count=M seed=S``: the stateful stages, then single messages; exit 1 on a failure."""
-    options = _options(args, {"sequences": "300", "steps": "50", "count": "100000", "seed": "0"})
-    logging.basicConfig(level=logging.ERROR)
-    psdk_log = logging.getLogger("psdk")
-    propagate, psdk_log.propagate = psdk_log.propagate, False  # the ps under fuzz logs every refusal: not output
-    try:
-        return _fuzz_stages(options)
-    finally:  # as it was: main() may run in a process that goes on (a test, a notebook)
-        psdk_log.propagate = propagate
-
-
-def _fuzz_stages(options: dict[str, str]) -> int:
-    from psdk.testing.fuzz import single
-
-    try:
-        from psdk.testing.fuzz import stateful
-    except ImportError as exc:
-        raise ConfigError("fuzz", str(exc)) from None
-    from psdk.testing.fuzz.alongside import run_alongside
-    from psdk.testing.fuzz.harness import Mode
-
-    seed, ok = int(options["seed"]), True
-    for mode in (Mode(False, False), Mode(False, True), Mode(True, True)):
-        result = stateful.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed)
-        print(result.line(), flush=True)
-        ok = ok and result.failure is None
-    alongside = run_alongside(steps=3000, seed=seed, curve=True)
-    print(alongside.line(), flush=True)
-    report = single.run(int(options["count"]), seed)
-    print("single messages from a stranger: " + "\n".join(report.lines()))
-    return 0 if ok and alongside.ok and report.ok else 1
-
-
-def make_keys(args: Sequence[str]) -> int:
-    """``keys keys_dir=DIR workers=N ps=M [overwrite=true]``: a keypair per ps task and per worker."""
-    from psdk.transport import security
-
-    options = _options(args, {"keys_dir": "keys", "workers": "2", "ps": "1", "overwrite": "false"})
-    for key in ("workers", "ps"):
-        if int(options[key]) < 1:
-            raise ConfigError(key, f"must be at least 1, got {options[key]!r}")
-    if options["overwrite"] not in ("true", "false"):
-        raise ConfigError("overwrite", f"must be true or false, got {options['overwrite']!r}")
-    folder = Path(options["keys_dir"])
-    security.generate(folder, int(options["workers"]), int(options["ps"]), overwrite=options["overwrite"] == "true")
-    print(f"keys for {options['ps']} ps task(s) and {options['workers']} workers in {folder}/:")
-    print(f"  ps task j needs   {folder}/ps/ps-<j>.key_secret and {folder}/workers/*.key")
-    print(f"  worker i needs    {folder}/workers/worker-<i>.key_secret and {folder}/ps/*.key")
-    print(f"  give every task   transport.keys_dir={folder} (a folder holding those files, on its own host)")
-    return 0
-
-
-def check_data(args: Sequence[str]) -> int:
-    """``data [data.dir=...]``: MNIST found (or downloaded) and every file's checksum verified; no training."""
-    from hydra import compose, initialize_config_dir
-
-    from psdk.config import config_dir, prepare_hydra
-    from psdk.config.check import check_overrides
-    from psdk.data import mnist
-
-    prepare_hydra()
-    check_overrides(args, config_dir())
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        data = compose("config", overrides=list(args)).data
-    folder = mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))
-    checked = mnist.verify(folder)
-    print(f"MNIST is in {folder}; the MD5 checksums of all four files are verified:")
-    for path, md5 in checked:
-        print(f"  {path.name:<28} md5 {md5}  ok")
-    print(f"train on it with data.dir={folder} (or PSDK_DATA_DIR={folder}), e.g. python -m psdk run data.dir={folder}")
-    return 0
-
-
-def list_plugins() -> int:
-    """Every kind of thing plugins add, psdk's own built-ins among them, with who provides each."""
-    from psdk.plugins import listing
-
-    print(f"{'kind':<8} {'name':<10} {'provided by':<28} description")
-    for kind, name, provider, description in listing():
-        print(f"{kind:<8} {name:<10} {provider:<28} {description}")
-    return 0
 
 
 def unknown_command(command: str) -> str:
@@ -472,21 +413,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if command not in COMMANDS:
             raise ConfigError("command", unknown_command(command), COMMANDS)
-        if command == "plugins":
-            return list_plugins()
+        if command in ("plugins", "fuzz", "keys", "data", "bench"):
+            from psdk.commands import run_command
+
+            return run_command(command, normalize_args(args[1:]))
         if command == "report":
             from psdk.report.command import report
 
             return report(args[1:])
-        if command == "fuzz":
-            return run_fuzz(normalize_args(args[1:]))
-        if command == "keys":
-            return make_keys(normalize_args(args[1:]))
-        if command == "data":
-            return check_data(normalize_args(args[1:]))
-        if command == "bench":
-            run_bench(normalize_args(args[1:]))
-            return 0
         if command in ("ps", "worker") and os.environ.get(HANDOFF_ENV):
             run_handed(args)
             return 0

@@ -70,6 +70,43 @@ def test_the_ps_and_launcher_import_no_ml_framework() -> None:
     assert out.stdout.strip() == "[]"
 
 
+COMPOSE_COUNTER = """
+import os, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+import psdk.cli
+
+calls = []
+load = ConfigLoaderImpl.load_configuration
+ConfigLoaderImpl.load_configuration = lambda self, *a, **k: calls.append(1) or load(self, *a, **k)
+seen = []
+psdk.cli._run_task = lambda cfg, out: seen.append((cfg.train.steps, os.environ.get("HYDRA_FULL_ERROR")))
+os.chdir(sys.argv[1])
+assert psdk.cli.main(["run", "train.steps=7", "model=softmax"]) == 0
+print(len(calls), seen, os.environ.get("HYDRA_FULL_ERROR"))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_run_with_right_overrides_composes_its_config_once(tmp_path: Path) -> None:
+    """The overrides' check costs no composition of its own; Hydra's errors setting is the user's in the task."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    out = subprocess.run(
+        [sys.executable, "-c", COMPOSE_COUNTER, str(tmp_path)], capture_output=True, text=True, timeout=50, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "1 [(7, None)] None"
+
+
+def test_a_hydra_error_psdk_cannot_explain_is_hydras_message_without_a_traceback(tmp_path: Path) -> None:
+    done = psdk("run", "hydra.no_such_key=1", "--cfg", "job", out=tmp_path / "run", timeout=60)
+    assert done.returncode == 1
+    assert "Could not override 'hydra.no_such_key'" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_job_name_must_agree_with_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ps", "job_name=worker"]) == 2
     assert "job_name" in capsys.readouterr().err

@@ -2,12 +2,14 @@
 
 Hydra's own composition errors are correct but terse ("Could not override
 'trian.steps'. To append to your config use +trian.steps=10 ...") and never
-suggest the name that was meant. :func:`check_overrides` composes the config
-once with the user's overrides and turns each failure into a
-:class:`~psdk.errors.ConfigError` naming the key or option, the closest valid
-one and, for config groups, every valid option. It costs one composition
-(about 0.1 s) and is skipped in the tasks a launcher starts, whose overrides
-it already checked.
+suggest the name that was meant. :class:`OverrideChecker` turns each failure
+into a :class:`~psdk.errors.ConfigError` naming the key or option, the
+closest valid one and, for config groups, every valid option. What needs no
+composition (parsing, sweeps without ``-m``, group options) is checked
+before Hydra runs; what does is explained only once Hydra's composition has
+failed (:meth:`OverrideChecker.explain`), so a job whose overrides are right
+pays for one composition, not two (about 0.3 s of its start-up). The tasks a
+launcher starts skip the checks: it checked the overrides it passes on.
 """
 
 from __future__ import annotations
@@ -151,14 +153,41 @@ class OverrideChecker:
         self.config_name = config_name
         self.groups = group_options(conf)
 
-    def check(self, args: Sequence[str]) -> None:
+    def check(self, args: Sequence[str], compose: bool = True) -> None:
+        """Raise a :class:`ConfigError` for the first override that is wrong; ``compose=False``: the cheap checks."""
         from hydra.core.global_hydra import GlobalHydra
+
+        if GlobalHydra.instance().is_initialized():
+            return  # a Hydra already running in this process: Hydra judges
+        plan = self._plan(args)
+        if compose and plan is not None and plan[0]:  # nothing overridden: the shipped config composes (tests say so)
+            self._compose(*plan)
+
+    def explain(self, args: Sequence[str]) -> ConfigError | None:
+        """Why Hydra could not compose the config with ``args``, in psdk's words; None if psdk finds no fault.
+
+        Called after Hydra's own composition failed: psdk composes again
+        (with the overrides it checks: not ``hydra.*`` ones) to name the key.
+        """
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()  # the failed run's: composing again needs a fresh one
+        try:
+            plan = self._plan(args)
+            if plan is not None and plan[0]:
+                self._compose(*plan)
+        except ConfigError as exc:
+            return exc
+        return None
+
+    def _plan(self, args: Sequence[str]) -> tuple[list[str], list[str]] | None:
+        """The checks without composition; the overrides to compose, and those choosing groups (None: Hydra's)."""
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from hydra.errors import HydraException
 
         split = split_flags(args)
-        if split is None or GlobalHydra.instance().is_initialized():
-            return  # a custom config, or a Hydra already running in this process: Hydra judges
+        if split is None:
+            return None  # a custom config: Hydra judges
         texts, multirun = split
         parser = OverridesParser.create()
         composed: list[str] = []
@@ -189,8 +218,7 @@ class OverrideChecker:
             composed.append(single)
             if key in self.groups:
                 group_choices.append(single)
-        if composed:  # nothing overridden: the shipped config composes (tests say so), no need to pay for it
-            self._compose(composed, group_choices)
+        return composed, group_choices
 
     def _check_option(self, group: str, value: object) -> None:
         if value is None or str(value) == "null":
