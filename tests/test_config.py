@@ -9,12 +9,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from psdk.cluster import Topology
 from psdk.config import config_dir, prepare_hydra
-from psdk.config.build import cluster_from, model_spec, sync_spec, update_rule
+from psdk.config.build import cluster_from, instantiate_node, model_spec, sync_spec, update_rule
 from psdk.config.options import options_from
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
@@ -49,7 +48,7 @@ def test_the_tree_has_the_documented_groups() -> None:
 @pytest.mark.parametrize("group, option", [(g, o) for g in COMPONENT_GROUPS for o in options(g)])
 def test_every_option_of_every_group_composes_and_instantiates(group: str, option: str) -> None:
     cfg = compose("config", overrides=[f"{group}={option}"])
-    obj = instantiate(cfg[group], _convert_="all")
+    obj = instantiate_node(cfg, group)
     expected = {
         "model": ModelSpec,
         "optimizer": UpdateRule,
@@ -58,6 +57,19 @@ def test_every_option_of_every_group_composes_and_instantiates(group: str, optio
         "launcher": LocalLauncher,
     }[group]
     assert isinstance(obj, expected)
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model._target_=psdk.models.NoSuchSpec", "model._target_: psdk.models.NoSuchSpec cannot be imported"),
+        ("model._target_=no_such_package.Spec", "model._target_: no_such_package.Spec cannot be imported"),
+        ("model._target_=psdk.cluster.Topology", "model: psdk.cluster.Topology refused the values given"),
+    ],
+)
+def test_a_group_that_names_no_buildable_class_is_a_config_error(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        model_spec(compose("config", overrides=[override]))
 
 
 def test_the_documented_overrides_compose_together() -> None:
