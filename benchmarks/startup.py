@@ -15,8 +15,10 @@ the run's files:
   evaluation and results, the tasks' exits, the figure, the last line).
 
 It prints one row per run and the median of the warm runs, with the
-overhead (wall minus training). Usage:
-``python benchmarks/startup.py [--reps 4] [-- overrides...]``, with
+overhead (wall minus training). With ``--cold`` (root only) the kernel's
+page cache is dropped before the first run, which then reads Python,
+torch and MNIST from disk as after a reboot. Usage:
+``python benchmarks/startup.py [--reps 4] [--cold] [overrides...]``, with
 ``PSDK_DATA_DIR`` set or MNIST in psdk's cache.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,21 +59,33 @@ def one_run(folder: Path, overrides: list[str]) -> dict[str, float]:
     }
 
 
+def drop_page_cache() -> None:
+    """Written pages to disk, then every clean page out of memory: the next run reads its files from disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise SystemExit(f"--cold drops the page cache, which needs root: {exc}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--reps", type=int, default=4, help="runs; the first is cold-ish, the rest warm")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before the first run (root)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. backend=tf")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="psdk-startup-") as tmp:
         for rep in range(args.reps):
+            if rep == 0 and args.cold:
+                drop_page_cache()
             rows.append(one_run(Path(tmp) / f"run{rep}", args.overrides))
     columns = [*PHASES, "wall", "overhead"]
     print(f"python -m psdk run {' '.join(args.overrides)}: seconds by phase")
     print("| run | " + " | ".join(columns) + " | test accuracy |")
     print("|---" * (len(columns) + 2) + "|")
     for number, row in enumerate(rows):
-        label = "first" if number == 0 else f"warm {number}"
+        label = ("cold" if args.cold else "first") if number == 0 else f"warm {number}"
         print(f"| {label} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + f" | {row['accuracy']:.4f} |")
     warm = rows[1:] or rows
     median = {c: statistics.median(r[c] for r in warm) for c in columns}
