@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     data = mnist.load(mnist.resolve_dir(None))
-    x_all, y_all = mnist.to_float(data.train_x[:30000]), data.train_y[:30000]
+    first_half = mnist.split(data, 0, 2, validation_size=0, with_test=False)  # 30,000 training images
     backend = TorchBackend()
     spec = ModelSpec()
     model = backend.build_model(spec, init_weights(spec, seed=0))
@@ -57,7 +57,7 @@ def main() -> None:
         param_views[name][...] = value
     if not backend.share_buffers(model, param_views, grad_views):
         raise SystemExit("the torch backend did not take psdk's buffers")
-    batches = iter(Batches(x_all, y_all, 100, seed=1))
+    batches = iter(Batches(first_half, 100, seed=1))
     buffers = [np.ones(params.size, np.float32) for _ in range(8)]
     sweep = np.ones(8_000_000, np.float32)
 
