@@ -254,28 +254,31 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
     except (ConfigError, DataError) as exc:  # the same command would fail again: a launcher does not retry it
         log.error("%s", exc)
-        _failed(job, USAGE_EXIT, str(exc))
+        _failed(job, USAGE_EXIT, str(exc), output_dir)
     except PsdkError as exc:
         log.error("%s", exc)
-        _failed(job, 1, str(exc))
+        _failed(job, 1, str(exc), output_dir)
     except KeyboardInterrupt:
         log.error("interrupted")
-        _failed(job, 130, "interrupted", stop=True)
+        _failed(job, 130, "interrupted", output_dir, stop=True)
 
 
-def _failed(job: object, code: int, error: str, stop: bool = False) -> None:
-    """A task ends with ``code``; a run records why in its folder, and in a multirun lets the sweep go on."""
+def _failed(job: object, code: int, error: str, output_dir: Path, stop: bool = False) -> None:
+    """A task or a launcher ends with ``code``, recording why in its folder; in a multirun the sweep goes on.
+
+    A launcher names a task's recorded reason in its own error (the chief
+    refused its configuration, and why), not only the task's exit code.
+    """
+    from psdk.report.runs import record_failure
+
+    with contextlib.suppress(OSError):  # the log line said it already
+        record_failure(output_dir, error)
     if job is None:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from psdk.report.runs import record_failure
-
-        hydra_cfg = HydraConfig.get()
-        out = Path(hydra_cfg.runtime.output_dir)
-        record_failure(out, error)
-        if hydra_cfg.mode == RunMode.MULTIRUN and not stop:
-            FAILED_RUNS.append(out)
+        if HydraConfig.get().mode == RunMode.MULTIRUN and not stop:
+            FAILED_RUNS.append(output_dir)
             return
     raise SystemExit(code) from None
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -110,6 +112,36 @@ def test_a_corrupt_data_file_stops_the_job_without_restarts(tmp_path: Path) -> N
         ["t10k-labels-idx1-ubyte.gz is corrupt", "put an intact copy there", "python -m psdk data"],
         code=None,  # the launcher reports the chief's exit code 2 and stops the job
     )
+
+
+def test_the_launcher_names_why_a_worker_refused_the_job(tmp_path: Path) -> None:
+    """Checked by the workers (they read the data): the launcher's own error carries a worker's reason.
+
+    Which worker the launcher sees exit first, and whether the ps was
+    listening by then, varies from run to run: its line says so either way.
+    """
+    reason = "model.input_dim: is 100, but the mnist images have 784 pixels"
+    text = fails_with(tmp_path, ["run", "backend=numpy", "model.input_dim=100", "train.steps=20"], [reason], code=1)
+    launcher = [line for line in text.splitlines() if "launcher ERROR" in line]
+    assert launcher and f"exited with code 2 ({reason})" in launcher[-1], text
+
+
+def test_a_task_exit_is_explained_only_by_what_this_start_of_it_recorded(tmp_path: Path) -> None:
+    from psdk.launch.local import Task, forget_failure
+    from psdk.report.runs import record_failure
+
+    ended = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+    ended.wait(timeout=30)
+    folder = tmp_path / "tasks" / "worker1"
+    record_failure(folder, "model.input_dim: is 100")
+    task = Task("worker", 1, ended, [], folder=folder)
+    assert task.describe_exit() == "exited with code 2 (model.input_dim: is 100)"
+    forget_failure(folder)  # what the launcher does before it starts (or restarts) the task
+    assert task.describe_exit() == "exited with code 2"
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    killed.wait(timeout=30)
+    record_failure(folder, "stale")
+    assert Task("worker", 1, killed, [], folder=folder).describe_exit() == "was killed by SIGKILL"
 
 
 def test_more_replicas_to_aggregate_than_workers(tmp_path: Path) -> None:

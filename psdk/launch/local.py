@@ -42,6 +42,7 @@ from psdk.metrics import summary_line, write_json_atomic
 from psdk.models import check_supported
 from psdk.placement import RankPlacement, visible_gpus
 from psdk.plugins import check_framework, installed_backends, merged_options, resolve_backend_name
+from psdk.report.runs import FAILED_FILE, recorded_failure
 from psdk.transport import security
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ def passed_on(overrides: Sequence[str]) -> list[str]:
 
 # Every task a launcher starts: unbuffered logs, one intra-op thread, and no summary line of its own.
 TASK_ENV = {"PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def forget_failure(folder: Path) -> None:
+    """A task's recorded failure from an earlier start (or run in this folder) must not explain this one's exit."""
+    (folder / FAILED_FILE).unlink(missing_ok=True)
 
 
 def task_args(job: str, index: int, out: Path, args: Sequence[str]) -> list[str]:
@@ -137,19 +143,22 @@ class Task:
     command: list[str]
     host: str | None = None  # where it runs, when that is not this machine
     env: dict[str, str] | None = None  # what it was started with, to start it again
+    folder: Path | None = None  # its own folder (out/tasks/<job><index>), when the launcher can read it
 
     @property
     def name(self) -> str:
         return f"{self.job} {self.index}" + (f" (on {self.host})" if self.host else "")
 
     def describe_exit(self) -> str:
+        """How the task ended, with the reason it recorded (a refused configuration, bad data) if it did."""
         lost = getattr(self.process, "lost", None)  # a remote process can be lost with its node
         if lost:
             return str(lost)
         code = self.process.returncode
         if code is not None and code < 0:
             return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
+        reason = recorded_failure(self.folder) if self.folder is not None and code else None
+        return f"exited with code {code}" + (f" ({reason})" if reason else "")
 
 
 class LocalLauncher:
@@ -349,9 +358,11 @@ class LocalLauncher:
         if given is not None:
             env[handoff.ENV] = given  # the task reads its config there instead of composing it again
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
+        folder = out / "tasks" / name
+        forget_failure(folder)
         process = self._popen(command, env)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
-        self.tasks.append(Task(job, index, process, command, env=env))
+        self.tasks.append(Task(job, index, process, command, env=env, folder=folder))
 
     def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
         def every_task_alive() -> None:
@@ -434,9 +445,10 @@ class LocalLauncher:
             task.env = {k: v for k, v in task.env.items() if k != handoff.ENV}
         if task.job == "ps" and self.ps_addresses:
             command = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in command]
+        run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        forget_failure(run_dir)
         task.process = self._popen(command, task.env)
         task.command = command
-        run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
         run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{task.process.pid}\n")
 
     def _fail(self, ps: Task, chief: Task) -> None:

@@ -31,9 +31,20 @@ def is_run(folder: Path) -> bool:
 
 
 def record_failure(folder: Path, error: str) -> None:
-    """Say in the run's folder why the run failed, for comparisons and ``psdk report``."""
+    """Say in a run's (or a task's) folder why it failed: for comparisons, ``psdk report`` and the launcher."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / FAILED_FILE).write_text(json.dumps({"error": error}) + "\n")
+
+
+def recorded_failure(folder: Path) -> str | None:
+    """Why the run or task of ``folder`` failed, as :func:`record_failure` wrote it; None if it wrote nothing."""
+    path = folder / FAILED_FILE
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_text()).get("error") or "failed")
+    except (OSError, ValueError, AttributeError):
+        return "failed"
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -150,7 +161,7 @@ def load_run(folder: Path) -> Run:
                 point = json.loads(line)
                 if isinstance(point, dict) and isinstance(point.get("time"), (int, float)):
                     points.append(point)
-    return Run(folder, summary, points, _overrides(folder), _config(folder), _error(folder))
+    return Run(folder, summary, points, _overrides(folder), _config(folder), recorded_failure(folder))
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -166,13 +177,3 @@ def _config(folder: Path) -> dict[str, Any]:
             if isinstance(loaded, dict):
                 return {str(k): v for k, v in loaded.items()}
     return {}
-
-
-def _error(folder: Path) -> str | None:
-    path = folder / FAILED_FILE
-    if not path.is_file():
-        return None
-    try:
-        return str(json.loads(path.read_text()).get("error") or "failed")
-    except (OSError, ValueError, AttributeError):
-        return "failed"
