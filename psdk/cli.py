@@ -224,9 +224,12 @@ def run_handed(args: Sequence[str]) -> None:
 def _run_task(cfg: DictConfig, output_dir: Path) -> None:
     """Run the task ``cfg.job_name`` names (None: the launcher); ``output_dir`` is its folder."""
     from psdk.config import build
+    from psdk.report.runs import forget_failure
 
     job = cfg.job_name
     set_task_label("launcher" if job is None else f"{job} {cfg.task_index}")
+    with contextlib.suppress(OSError):  # a folder used before: its last failure is not this start's
+        forget_failure(output_dir)
     try:
         from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
         if from_tf is not None:
@@ -331,7 +334,9 @@ def run_hydra(command: str, args: list[str]) -> None:
     checker = None
     if not os.environ.get(LAUNCHED_ENV):  # a launcher checked the overrides it passes on
         checker = OverrideChecker(config_dir())
-        checker.check(args, compose=False)  # what needs composing is explained if Hydra's composition fails
+        # What needs composing is explained once Hydra's composition fails; a multirun's is checked first, as
+        # Hydra writes the sweep's folder before it composes the jobs.
+        checker.check(args, compose="--multirun" in args)
         if command == "run" and surely_one_run(args):
             _one_run_only()
     elif command in ("ps", "worker", "task") and "--multirun" not in args:

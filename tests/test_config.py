@@ -59,6 +59,23 @@ def test_every_option_of_every_group_composes_and_instantiates(group: str, optio
     assert isinstance(obj, expected)
 
 
+def test_a_target_whose_module_lacks_a_dependency_names_the_dependency(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "torchy_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "spec.py").write_text("import torchy  # not installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="No module named 'torchy'"):
+        model_spec(compose("config", overrides=["model._target_=torchy_models.spec.Spec"]))
+
+
+def test_a_required_value_left_unset_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"model\.input_dim: must be given"):
+        model_spec(compose("config", overrides=["model.input_dim=???"]))
+
+
 @pytest.mark.parametrize(
     "override, fragment",
     [

@@ -144,6 +144,24 @@ def test_a_task_exit_is_explained_only_by_what_this_start_of_it_recorded(tmp_pat
     assert Task("worker", 1, killed, [], folder=folder).describe_exit() == "was killed by SIGKILL"
 
 
+def test_a_run_that_succeeds_where_one_failed_is_not_taken_for_failed(tmp_path: Path) -> None:
+    from psdk.report.runs import load_run, record_failure
+
+    out = tmp_path / "run"
+    record_failure(out, "an earlier run in this folder failed")
+    record_failure(out / "tasks" / "worker0", "so did its chief")
+    done = psdk("run", "backend=numpy", "train.steps=20", out=out, timeout=80)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = load_run(out)
+    assert run.status == "finished" and run.error is None
+    assert not (out / "tasks" / "worker0" / "failed.json").exists()
+
+
+def test_a_typo_in_a_sweep_is_explained_before_hydra_makes_its_folder(tmp_path: Path) -> None:
+    fails_with(tmp_path, ["run", "-m", "trian.steps=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}"], ["did you mean"])
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_more_replicas_to_aggregate_than_workers(tmp_path: Path) -> None:
     fails_with(
         tmp_path,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from psdk import announce
 from psdk.cluster import ClusterSpec, Topology
@@ -82,7 +83,7 @@ def locate(path: str) -> Any:
         try:
             found: Any = importlib.import_module(".".join(parts[:cut]))
         except ModuleNotFoundError as exc:
-            if exc.name is not None and not path.startswith(exc.name):
+            if exc.name is not None and path != exc.name and not path.startswith(f"{exc.name}."):
                 raise  # the module exists but imports one that does not: that is the error to see
             continue
         try:
@@ -101,7 +102,10 @@ def instantiate_node(cfg: DictConfig, group: str) -> Any:
     importing Hydra: a task that a launcher handed its config starts about
     50 ms sooner. Values arrive as plain lists and dicts.
     """
-    values = OmegaConf.to_container(cfg[group], resolve=True)
+    try:
+        values = OmegaConf.to_container(cfg[group], resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(str(exc.full_key or group), "must be given (it has no default)") from None
     if not isinstance(values, dict) or not isinstance(values.get("_target_"), str):
         raise ConfigError(group, "names no class to build (its _target_ is missing)")
     target = values.pop("_target_")

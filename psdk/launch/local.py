@@ -42,7 +42,7 @@ from psdk.metrics import summary_line, write_json_atomic
 from psdk.models import check_supported
 from psdk.placement import RankPlacement, visible_gpus
 from psdk.plugins import check_framework, installed_backends, merged_options, resolve_backend_name
-from psdk.report.runs import FAILED_FILE, recorded_failure
+from psdk.report.runs import forget_failure, recorded_failure
 from psdk.transport import security
 
 log = logging.getLogger(__name__)
@@ -83,11 +83,6 @@ def passed_on(overrides: Sequence[str]) -> list[str]:
 
 # Every task a launcher starts: unbuffered logs, one intra-op thread, and no summary line of its own.
 TASK_ENV = {"PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def forget_failure(folder: Path) -> None:
-    """A task's recorded failure from an earlier start (or run in this folder) must not explain this one's exit."""
-    (folder / FAILED_FILE).unlink(missing_ok=True)
 
 
 def task_args(job: str, index: int, out: Path, args: Sequence[str]) -> list[str]:
@@ -343,9 +338,13 @@ class LocalLauncher:
         ]
         log.info("launcher: evaluating the final parameters with the %s backend", backend)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1"}
+        forget_failure(folder)
         done = subprocess.run(command, env=env, timeout=600, preexec_fn=_die_with_parent, check=False)
         if done.returncode != 0:
-            raise JobFailedError(f"evaluating the final parameters with the {backend} backend failed")
+            reason = recorded_failure(folder)
+            raise JobFailedError(
+                f"evaluating the final parameters with the {backend} backend failed" + (f": {reason}" if reason else "")
+            )
         return float(json.loads((folder / "evaluation.json").read_text())["test_accuracy"])
 
     def _start(self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> None:

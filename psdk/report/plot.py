@@ -52,7 +52,8 @@ def _figure(rows: int, cols: int, size: tuple[float, float], margins: dict[str, 
     prepare()
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=size, layout=None if margins else "constrained")
+    # "none" (in matplotlib's docs, not its type stubs): no layout engine, whatever a matplotlibrc says.
+    fig = Figure(figsize=size, layout="none" if margins else "constrained")  # type: ignore[arg-type]
     fig.subplots(rows, cols, squeeze=False)
     if margins:
         fig.subplots_adjust(**margins)

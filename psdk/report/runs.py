@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psdk.metrics import write_json_atomic
+
 # Folders inside a run that hold no run of their own.
 INNER = {"tasks", "checkpoints", "tensorboard", ".hydra", "keys"}
 
@@ -33,7 +35,12 @@ def is_run(folder: Path) -> bool:
 def record_failure(folder: Path, error: str) -> None:
     """Say in a run's (or a task's) folder why it failed: for comparisons, ``psdk report`` and the launcher."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / FAILED_FILE).write_text(json.dumps({"error": error}) + "\n")
+    write_json_atomic(folder / FAILED_FILE, {"error": error})  # a task killed while writing leaves no half file
+
+
+def forget_failure(folder: Path) -> None:
+    """A run or task starts (again) in ``folder``: an earlier start's failure must not explain this one's."""
+    (folder / FAILED_FILE).unlink(missing_ok=True)
 
 
 def recorded_failure(folder: Path) -> str | None:
