@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +27,9 @@ from psdk import tf_config
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
+
+if TYPE_CHECKING:
+    from psdk.config.check import OverrideChecker
 
 log = logging.getLogger("psdk")
 
@@ -185,14 +188,12 @@ class _HydraErrorsRaised:
 HYDRA_ERRORS = _HydraErrorsRaised()
 
 
-def _composition_failure(exc: Exception, checker: object, args: Sequence[str]) -> BaseException:
+def _composition_failure(exc: Exception, checker: OverrideChecker | None, args: Sequence[str]) -> BaseException:
     """What to raise when Hydra failed before the task started: psdk's explanation, else Hydra's own message."""
     from hydra.errors import CompactHydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from psdk.config.check import OverrideChecker
-
-    explained = checker.explain(args) if isinstance(checker, OverrideChecker) else None
+    explained = checker.explain(args) if checker is not None else None
     if explained is not None:
         return explained
     if not isinstance(exc, CompactHydraException):

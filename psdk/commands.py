@@ -111,16 +111,12 @@ def make_keys(args: Sequence[str]) -> int:
 
 def check_data(args: Sequence[str]) -> int:
     """``data [data.dir=...]``: MNIST found (or downloaded) and every file's checksum verified; no training."""
-    from hydra import compose, initialize_config_dir
-
     from psdk.config import config_dir, prepare_hydra
-    from psdk.config.check import check_overrides
+    from psdk.config.check import OverrideChecker
     from psdk.data import mnist
 
     prepare_hydra()
-    check_overrides(args, config_dir())
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        data = compose("config", overrides=list(args)).data
+    data = OverrideChecker(config_dir()).composed(args).data
     folder = mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))
     checked = mnist.verify(folder)
     print(f"MNIST is in {folder}; the MD5 checksums of all four files are verified:")

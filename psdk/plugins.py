@@ -33,6 +33,7 @@ from psdk.registry import (
     record_of,
     resolve_backend_name,
     rule_from_json,
+    rule_target,
 )
 
 __all__ = [
@@ -76,15 +77,11 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
     """A fresh instance of the backend called ``name`` (or one of its aliases), given its options."""
     backends = installed_backends()
     record = backends[resolve_backend_name(name, backends)].record
-    module_name, _, class_name = record.target.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
+        cls = load_target(record.target, f"backend {record.name!r}")
+    except PluginError as exc:
         how = f" ({record.install})" if record.install else ""
-        raise PluginError(
-            f"backend {record.name!r} ({record.target}) could not be loaded: {exc}. Is {record.framework} "
-            f"installed in this environment?{how}"
-        ) from exc
+        raise PluginError(f"{exc}. Is {record.framework} installed in this environment?{how}") from exc.__cause__
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise PluginError(f"backend {record.name!r} points at {record.target}, which is not a Backend")
     backend: Backend = cls()
@@ -125,8 +122,7 @@ def listing() -> list[tuple[str, str, str, str]]:
         doc = (rule.__doc__ or "").strip().splitlines()[0] if rule.__doc__ else ""
         instance = _with_defaults(rule)
         slots = ", ".join(instance.slot_names()) if instance is not None else "?"
-        target = f"{rule.__module__}:{rule.__qualname__}"
-        rows.append(("rule", name, distribution_of(target), f"{doc} [slots: {slots or 'none'}]"))
+        rows.append(("rule", name, distribution_of(rule_target(rule)), f"{doc} [slots: {slots or 'none'}]"))
     for name, model in sorted(installed_models().items()):
         builds = f" (backends: {', '.join(sorted(model.builders))})" if model.builders else " (every backend)"
         rows.append(("model", name, distribution_of(model.target), f"{model.description}{builds}"))

@@ -208,9 +208,13 @@ def installed_rules() -> dict[str, type[UpdateRule]]:
     return _unique(rules, lambda r: r.name, _rule_origin, "update rule")
 
 
+def rule_target(rule: type) -> str:
+    """Where a rule class lives, as a record's ``target`` says it (``package.module:Name``)."""
+    return f"{rule.__module__}:{rule.__qualname__}"
+
+
 def _rule_origin(rule: type) -> str:
-    target = f"{rule.__module__}:{rule.__qualname__}"
-    return f"{target} ({distribution_of(target)})"
+    return f"{rule_target(rule)} ({distribution_of(rule_target(rule))})"
 
 
 def installed_models() -> dict[str, ModelRecord]:

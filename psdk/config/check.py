@@ -163,6 +163,11 @@ class OverrideChecker:
         if compose and plan is not None and plan[0]:  # nothing overridden: the shipped config composes (tests say so)
             self._compose(*plan)
 
+    def composed(self, args: Sequence[str]) -> DictConfig:
+        """The config composed with ``args``, checked as :meth:`check` checks them: one composition."""
+        overrides, group_choices = self._plan(args) or (list(args), [])
+        return self._compose(overrides, group_choices)
+
     def explain(self, args: Sequence[str]) -> ConfigError | None:
         """Why Hydra could not compose the config with ``args``, in psdk's words; None if psdk finds no fault.
 
@@ -278,8 +283,3 @@ class OverrideChecker:
             return ConfigError(key, f"there is no such key{hint} ({PRINT_KEYS})")
         detail = f": {str(cause).splitlines()[0]}" if cause is not None else ""
         return ConfigError(key, f"{str(exc).splitlines()[0]}{detail}")
-
-
-def check_overrides(args: Sequence[str], conf: Path, config_name: str = "config") -> None:
-    """Raise a :class:`ConfigError` that says how to fix the first override that does not compose."""
-    OverrideChecker(conf, config_name).check(args)
