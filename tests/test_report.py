@@ -138,6 +138,7 @@ def test_run_writes_curves_and_tensorboard_files_and_report_rebuilds_the_curves(
         logged = [e for e in events(path) if "scalars" in e]
         mine = [p for p in points if p["task"] == worker]
         assert [e["step"] for e in logged] == [p["global_step"] for p in mine]
+        # the same numbers rounded to float32 by the event file: a relative error, so rel= alone
         assert [e["scalars"]["loss"] for e in logged] == pytest.approx([p["loss"] for p in mine], rel=1e-6)
         accuracies = [e["scalars"].get("validation_accuracy") for e in logged]
         assert [a for a in accuracies if a is not None] == pytest.approx(
@@ -185,6 +186,7 @@ def test_multirun_ends_with_a_comparison_and_report_rebuilds_it_with_failed_and_
     ]
     for number, r in enumerate(rows):
         summary = json.loads((sweep / str(number) / "summary.json").read_text())
+        # the CSV holds the summary's own numbers, written with repr(): pytest.approx's defaults suffice
         assert float(r["test_accuracy"]) == pytest.approx(summary["test_accuracy"])
         assert float(r["steps_per_s"]) == pytest.approx(summary["global_steps_per_s"])
         assert float(r["wall_s"]) == pytest.approx(summary["wall_s"])
