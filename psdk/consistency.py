@@ -276,6 +276,8 @@ class SyncPolicy(ConsistencyPolicy):
         return released
 
     def blocked_round(self, live_workers: Collection[int]) -> str | None:
+        if not self.store.size:  # a shard with no variable gets no pushes, so it has no round to fill
+            return None
         contributed = {p.worker for p in self._waiting}
         possible = len(contributed) + len(set(live_workers) - contributed)
         if possible >= self.replicas:

@@ -73,6 +73,7 @@ def running_ps(
     shared_memory: bool = True,
     pause_lease_s: float = 3.0,
     recovery: bool = False,
+    recovery_timeout_s: float = 120.0,
 ) -> Iterator[PsCluster]:
     """Start ``num_ps`` ps threads; they are stopped and joined afterwards, whatever happens."""
     context = zmq.Context()
@@ -88,6 +89,7 @@ def running_ps(
         poll_s=0.02,
         pause_lease_s=pause_lease_s,
         recovery=recovery,
+        recovery_timeout_s=recovery_timeout_s,
     )
     try:
         for index in range(num_ps):

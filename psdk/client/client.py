@@ -307,6 +307,7 @@ class ParameterClient:
                 if grads[name] is not view:
                     np.copyto(view, grads[name], casting="same_kind")
         basis = basis or self.basis()
+        versions = self._round_versions(basis) if self._rounds else basis.versions
         self._seq += 1
         messages = {}
         for i in self._live():
@@ -315,10 +316,32 @@ class ParameterClient:
             if copy:  # the next gradient may be computed into grads while this one travels
                 np.copyto(shard.outbox, grad)
                 grad = shard.outbox
-            fields = {"version": basis.versions[i], "seq": self._seq, "epoch": basis.epoch}
+            fields = {"version": versions[i], "seq": self._seq, "epoch": basis.epoch}
             messages[i] = self.message("push_pull", [grad], **fields)
             messages[i].stable = True  # one of the shard's long-lived buffers (which the transport may have lent)
         return self.endpoint.start_many(messages)
+
+    @property
+    def _rounds(self) -> bool:
+        return self.job is not None and self.job.sync.waits_for_rounds
+
+    def _round_versions(self, basis: Basis) -> tuple[int, ...]:
+        """In sync mode, one version for every shard: the lowest of the basis.
+
+        Every shard runs its own rounds, but they must stay in lockstep, as
+        TensorFlow's one ``global_step`` kept every accumulator: a round that
+        closes on one shard then closes on all, because the pushes that closed
+        it were sent, for the same version, to every shard. A worker that
+        pushed each shard its own version (a reply from a shard one round
+        ahead) let the shards drift apart by tens of rounds with backup
+        workers, and then the last round of a lagging shard, or a checkpoint
+        pause at the leading shard's version, waited for pushes that never
+        came. The shard already past the lowest version drops the push as
+        stale, as it would any late push.
+        """
+        live = self._live()
+        floor = min((basis.versions[i] for i in live), default=0)
+        return tuple(floor if i in live else v for i, v in enumerate(basis.versions))
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
         """Wait for every shard's reply and take in the fresh parameters.
@@ -383,10 +406,19 @@ class ParameterClient:
         return [replies[i].fields for i in range(self.cluster.num_ps)]
 
     def wait_for_workers(self, timeout_s: float) -> dict[str, dict[str, str]]:
-        """Chief: wait until every other worker finished or is known dead."""
+        """Chief: wait until every other worker finished or is known dead; a failed shard ends the wait at once.
+
+        Every shard is asked, not only shard 0: a shard that failed the job
+        (a sync round that could not fill, a worker gone for good) would
+        otherwise be found only when the next request to it timed out.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
-            workers = self.status()["workers"]
+            replies = self.request(self.to_all("status"), "the shards' status")
+            for index, reply in sorted(replies.items()):
+                if reply.fields.get("failure"):
+                    raise PsdkError(f"{self.names[index]} failed the job: {reply.fields['failure']}")
+            workers = replies[0].fields["workers"]
             waiting = [
                 i for i, w in workers.items() if w["status"] in ("alive", "unseen") and int(i) != self.task_index
             ]

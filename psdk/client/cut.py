@@ -30,15 +30,22 @@ def checkpoint_cut(
     Every shard is asked to stop applying pushes once it reaches the
     highest version any shard has (pushes beyond it wait on the ps); a
     shard already past it raises the target. Once all stand at the same
-    version their variables and slots are read and the shards resume.
+    version their variables and slots are read and the shards resume. A
+    shard that holds no variable (more ps tasks than variables) is left out:
+    no push reaches it, so its version never moves.
     """
-    versions = client.request(client.to_all("status"), "shard versions for a checkpoint")
+    held = [index for index, shard in enumerate(shards) if shard.size]
+
+    def to_held(op: str, **fields: Any) -> dict[int, Message]:
+        return {index: client.message(op, **fields) for index in held}
+
+    versions = client.request(to_held("status"), "shard versions for a checkpoint")
     target = max(int(r.fields["version"]) for r in versions.values())
     failed = True
     try:
         for _ in range(max_rounds):
             replies = client.request(
-                client.to_all("pause_at", version=target),
+                to_held("pause_at", version=target),
                 f"every shard to reach version {target} for a checkpoint",
             )
             passed = [int(r.fields["version"]) for r in replies.values() if r.op == "passed"]
@@ -48,7 +55,7 @@ def checkpoint_cut(
         else:
             raise PsdkError(f"the shards did not settle on one version in {max_rounds} rounds")
         failpoint(CHECKPOINT_PAUSED)
-        states = client.request(client.to_all("state"), "the shards' state for a checkpoint")
+        states = client.request(to_held("state"), "the shards' state for a checkpoint")
         failed = False
     except RemoteError as exc:
         if exc.kind != "not_paused":
@@ -56,7 +63,7 @@ def checkpoint_cut(
         raise CheckpointAbandoned(f"the checkpoint pause ended before every state was read: {exc}") from exc
     finally:
         try:
-            client.request(client.to_all("resume"), "resuming after a checkpoint")
+            client.request(to_held("resume"), "resuming after a checkpoint")
         except TransportError:
             if not failed:
                 raise  # else the first error says more
@@ -74,7 +81,7 @@ def _assemble(
     slots: dict[str, dict[str, np.ndarray]] = {}
     rule: dict[str, Any] = {}
     rule_step = 0
-    for index in range(len(shards)):
+    for index in sorted(states):
         reply = states[index]
         if int(reply.fields["version"]) != version:  # a pause lapsed between the reads
             raise CheckpointAbandoned(

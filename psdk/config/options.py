@@ -279,6 +279,7 @@ class TaskOptions:
             idle_timeout_s=self.ps.idle_timeout_s,
             chief_host=cluster.worker_host(0) if cluster is not None else None,
             recovery=self.recovery.enabled,
+            recovery_timeout_s=self.recovery.timeout_s,
             max_workers=cluster.num_workers if cluster is not None else ServerOptions.max_workers,
             # A few heartbeats by default: the chief's heartbeats renew the lease while it writes the file.
             pause_lease_s=lease if lease is not None else 3 * self.transport.heartbeat_interval_s,

@@ -32,6 +32,9 @@ class Checkpoints:
         """Stop applying pushes once this shard reaches ``version``; answer when it has."""
         shard, store = self.shard, self.shard.store
         shard.require_init()
+        if shard.failure:  # the job has failed: a pause would wait for versions that never come
+            self.outbox.error(peer, message.rid, shard.failure, "failed")
+            return
         target = message.fields["version"]
         if store.version > target or (shard.done and store.version < target):
             self.outbox.send(peer, message.rid, "passed", {"version": store.version})

@@ -49,8 +49,24 @@ class Membership:
         """Drop a worker id that turned out not to be in the job."""
         self.workers.pop(worker, None)
 
-    def finish(self, worker: int) -> None:
-        self.workers.setdefault(worker, WorkerState()).status = FINISHED
+    def finish(self, worker: int, reason: str = "") -> None:
+        state = self.workers.setdefault(worker, WorkerState())
+        state.status, state.reason = FINISHED, reason
+
+    def rejoin(self, worker: int) -> None:
+        """A new process of a worker that finished (early) trains again: it is alive, not finished."""
+        state = self.workers.get(worker)
+        if state is not None and state.status == FINISHED:
+            state.status, state.reason = ALIVE, ""
+
+    def departed(self) -> str:
+        """The workers that will push no more, and why, for an error that must name them."""
+        gone = [
+            f"worker {i} {'finished' if s.status == FINISHED else 'is dead'}{f' ({s.reason})' if s.reason else ''}"
+            for i, s in sorted(self.workers.items())
+            if s.status in (FINISHED, DEAD)
+        ]
+        return "; ".join(gone) or "no worker has left"
 
     def check(self, now: float) -> list[tuple[int, str]]:
         """Newly dead workers with the reason, each reported once."""

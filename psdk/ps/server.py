@@ -59,6 +59,9 @@ class ServerOptions:
     poll_s: float = 0.1
     idle_timeout_s: float | None = 60.0  # a chief silent this long has vanished (ps.idle_timeout_s)
     recovery: bool = False  # dead tasks come back (recovery.enabled): wait for them instead of failing
+    recovery_timeout_s: float = 120.0
+    """With recovery, how long a sync round may wait for workers that left (dead, or finished early) to come
+    back before the job fails naming them (recovery.timeout_s)."""
     chief_host: str | None = None  # named in messages about the chief
     max_workers: int = 1024
     """Worker ids a ps accepts, before and after init (a per-task ps: the length of worker_hosts)."""
@@ -123,6 +126,8 @@ class ParameterServer:
         self.checkpoints = Checkpoints(self.shard)
         self.reports: dict[int, dict[str, Any]] = {}
         self.exit_code: int | None = None
+        self._blocked_since: float | None = None
+        """When a sync round became unable to fill (workers left); ``None`` while it can."""
         self._last_log = time.monotonic()
         self._next_housekeeping = 0.0
         shard, checkpoints = self.shard, self.checkpoints
@@ -247,6 +252,8 @@ class ParameterServer:
         """A worker that died is back as a new process: what belonged to the old one goes."""
         if worker == CHIEF:
             self.checkpoints.end_pause("the chief is back as a new process")
+        if not self.done:  # a worker that left early and is started again trains again
+            self.membership.rejoin(worker)
         self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
         self.endpoint.forget(old)  # what the old process lent the transport; the new one lends its own
 
@@ -258,6 +265,7 @@ class ParameterServer:
                 f"nothing heard from the chief's session for {self.pause.lease_s:g} s (ps.pause_lease_s)"
             )
         self._check_chief_idle(now)
+        self._check_blocked_round(now)
         if self.job is None and now - self.membership.started > self.options.startup_timeout_s:
             log.error(
                 "%s: no chief initialised the job within %.0f s; exiting (raise "
@@ -313,15 +321,50 @@ class ParameterServer:
             log.warning("%s: %s is gone (%s); waiting for it to come back", self.name, self._chief_label(), reason)
             self.checkpoints.end_pause(f"{self._chief_label()} is gone")
         log.warning("%s: worker %d is gone: %s", self.name, worker, reason)
-        if self.policy is not None:
-            for push in self.policy.release_ready():  # bounded staleness: the dead leave the minimum
-                self.shard.reply_params(push.peer, push.rid, push.outcome.value, push.worker)
-        if self.policy is not None and not self.done:
-            blocked = self.policy.blocked_round(self.membership.live())
-            if blocked and self.options.recovery:
-                log.warning("%s: %s until worker %d comes back", self.name, blocked, worker)
-            elif blocked:
-                self.fail(f"{blocked}; dead: worker {worker} ({reason})")
+        self._on_worker_left(worker, time.monotonic())
+
+    def _on_worker_left(self, worker: int, now: float) -> None:
+        """A worker stopped pushing (dead, or finished early): the rounds and the staleness bound go on without it.
+
+        Backup workers cover it in a sync round. A round that can no longer
+        fill fails the job at once without recovery, and with recovery once
+        the worker has stayed away ``recovery.timeout_s`` (housekeeping).
+        """
+        if self.policy is None:
+            return
+        for push in self.policy.release_ready():  # bounded staleness: those who left leave the minimum
+            self.shard.reply_params(push.peer, push.rid, push.outcome.value, push.worker)
+        if self.done:
+            return
+        blocked = self.policy.blocked_round(self.membership.live())
+        if blocked is None:
+            return
+        if not self.options.recovery:
+            self.fail(f"{blocked}; {self.membership.departed()}")
+            return
+        log.warning(
+            "%s: %s; waiting up to %.0f s (recovery.timeout_s) for worker %d to come back",
+            self.name,
+            blocked,
+            self.options.recovery_timeout_s,
+            worker,
+        )
+        if self._blocked_since is None:
+            self._blocked_since = now
+
+    def _check_blocked_round(self, now: float) -> None:
+        """Fail the job once a round has waited ``recovery.timeout_s`` for workers that left; or forget the wait."""
+        if self._blocked_since is None or self.policy is None or self.failure:
+            return
+        blocked = None if self.done else self.policy.blocked_round(self.membership.live())
+        if blocked is None:
+            self._blocked_since = None
+        elif now - self._blocked_since > self.options.recovery_timeout_s:
+            waited = now - self._blocked_since
+            self.fail(
+                f"{blocked}; {self.membership.departed()}, and none came back in {waited:.0f} s "
+                f"(recovery.timeout_s={self.options.recovery_timeout_s:g})"
+            )
 
     def fail(self, reason: str) -> None:
         """Stop the job: answer every waiting request with ``reason`` and refuse new pushes."""
@@ -334,17 +377,19 @@ class ParameterServer:
         self.outbox.send(peer, message.rid, "pong", fields)
 
     def _on_finish(self, peer: bytes, message: Message, worker: int) -> None:
-        self.membership.finish(worker)
+        # A shard that holds no variable (more ps tasks than variables) gets no pushes: nobody leaves it early.
+        early = bool(self.store.size) and not self.done and self.membership.status(worker) != FINISHED
+        self.membership.finish(worker, f"at version {self.store.version}, before the job's end" if early else "")
         self.endpoint.forget(peer)  # its last pulls are answered in frames; what it lent is let go
         report = message.fields.get("report")
         if isinstance(report, dict):  # kept for the chief's summary: one small report per worker
             size = len(json.dumps(report))
             self.reports[worker] = report if size <= MAX_REPORT_CHARS else {"report_too_large": size}
         self.outbox.send(peer, message.rid, "ok", {}, [])
-        if self.policy is not None and not self.done:
-            blocked = self.policy.blocked_round(self.membership.live())
-            if blocked:
-                self.fail(f"{blocked}; worker {worker} finished early")
+        if early:  # as if it had left: only the chief's shutdown or abort ends the job
+            log.warning("%s: worker %d finished at version %d, before the job's end", self.name, worker,
+                        self.store.version)  # fmt: skip
+            self._on_worker_left(worker, time.monotonic())
 
     def _on_status(self, peer: bytes, message: Message, worker: int) -> None:
         fields = {

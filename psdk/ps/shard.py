@@ -25,7 +25,7 @@ from psdk.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.errors import ConfigError, NonFiniteError, ProtocolError
 from psdk.jobspec import JobSpec
 from psdk.numerics import magnitude
-from psdk.ps.membership import Membership
+from psdk.ps.membership import FINISHED, Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
@@ -234,6 +234,8 @@ class ServedShard:
             raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
         if version > self.store.version:
             raise ProtocolError(f"gradient computed from version {version}, but this shard is at {self.store.version}")
+        if self.membership.status(worker) == FINISHED:
+            raise ProtocolError(f"worker {worker} has finished: its pushes are refused (a new process may rejoin)")
         counters = self.stats.worker(worker)
         if seq <= counters.last_seq:
             raise ProtocolError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
