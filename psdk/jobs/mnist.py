@@ -29,7 +29,7 @@ from psdk.config import build
 from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
-from psdk.failpoints import TRAINED, failpoint
+from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
 from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
@@ -234,6 +234,7 @@ class WorkerJob:
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
         while True:
+            failpoint(WORKER_STEP)
             started, cpu_started = clock(), cpu_clock()
             loss = self.backend.forward_backward(self.model, x, y)
             self.report.computed += 1

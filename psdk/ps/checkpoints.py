@@ -13,6 +13,7 @@ import logging
 import time
 
 from psdk.errors import ProtocolError
+from psdk.failpoints import PS_STATE, failpoint
 from psdk.ps.sessions import session_of
 from psdk.ps.shard import MAX_WAITS_PER_WORKER, ServedShard
 from psdk.transport.wire import Message
@@ -67,6 +68,7 @@ class Checkpoints:
             self.outbox.error(peer, message.rid, "the shard is not paused (pause_at first, within ps.pause_lease_s)",
                               "not_paused")  # fmt: skip
             return
+        failpoint(PS_STATE)
         slots = store.slots()
         fields = {
             **shard.layout(),

@@ -30,6 +30,7 @@ from typing import Any
 from psdk import protocol
 from psdk.consistency import ConsistencyPolicy
 from psdk.errors import ProtocolError
+from psdk.failpoints import PS_SERVE, PS_WRAP_UP, failpoint
 from psdk.jobspec import JobSpec
 from psdk.ps import restore
 from psdk.ps.checkpoints import Checkpoints
@@ -193,6 +194,7 @@ class ParameterServer:
                     self.fail(f"{self.name}'s transport failed: {exc!r}")
                     self.exit_code = 1
                     break
+                failpoint(PS_SERVE)
                 if incoming is not None:
                     self.handle(incoming)
                     # Dropped before the next receive: a pushed gradient's frame is freed now, not once the
@@ -377,6 +379,8 @@ class ParameterServer:
         self.outbox.send(peer, message.rid, "pong", fields)
 
     def _on_finish(self, peer: bytes, message: Message, worker: int) -> None:
+        if worker == CHIEF and self.done:
+            failpoint(PS_WRAP_UP)
         # A shard that holds no variable (more ps tasks than variables) gets no pushes: nobody leaves it early.
         early = bool(self.store.size) and not self.done and self.membership.status(worker) != FINISHED
         self.membership.finish(worker, f"at version {self.store.version}, before the job's end" if early else "")

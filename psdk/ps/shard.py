@@ -23,6 +23,7 @@ import numpy as np
 
 from psdk.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.errors import ConfigError, NonFiniteError, ProtocolError
+from psdk.failpoints import PS_UPDATE, failpoint
 from psdk.jobspec import JobSpec
 from psdk.numerics import magnitude
 from psdk.ps.membership import FINISHED, Membership
@@ -234,7 +235,7 @@ class ServedShard:
             raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
         if version > self.store.version:
             raise ProtocolError(f"gradient computed from version {version}, but this shard is at {self.store.version}")
-        if self.membership.status(worker) == FINISHED:
+        if self.membership.status(worker) == FINISHED and not self.done:  # once done, every push is told "done"
             raise ProtocolError(f"worker {worker} has finished: its pushes are refused (a new process may rejoin)")
         counters = self.stats.worker(worker)
         if seq <= counters.last_seq:
@@ -302,6 +303,7 @@ class ServedShard:
             self.stats.last_update = now
             self.stats.updates += decision.updates
             self.stats.applied += len(decision.applied_workers)
+            failpoint(PS_UPDATE)
         for refused in decision.refused:
             self.stats.worker(refused.worker).refused += 1
         if decision.refused:
