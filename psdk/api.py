@@ -29,11 +29,18 @@ from typing import Any
 
 from psdk import checkpoint
 from psdk.backend import Backend
-from psdk.checkpoint import Checkpoint
+from psdk.checkpoint import Checkpoint, new_run_id
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import CheckpointAbandoned, ConfigError, PeerDeadError, PeerRestartedError, PsdkError
+from psdk.errors import (
+    CheckpointAbandoned,
+    ConfigError,
+    PeerDeadError,
+    PeerRestartedError,
+    PsdkError,
+    TrainingResumed,
+)
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
 from psdk.plugins import backend_for
@@ -48,13 +55,24 @@ log = logging.getLogger(__name__)
 class WorkerSession:
     """One worker's membership in a job; the chief (task 0) also configures and ends it."""
 
-    def __init__(self, client: ParameterClient, job: JobSpec, sharding: str, transport: Transport | None = None):
+    def __init__(
+        self,
+        client: ParameterClient,
+        job: JobSpec,
+        sharding: str,
+        transport: Transport | None = None,
+        run_id_given: bool = False,
+    ):
         self.client = client
         self.job = job
         self.sharding = sharding
         self._own_transport = transport
         self._last: StepResult | None = None
         self._finished = False
+        self.checkpoint_dir: Path | None = None
+        """Where this run's checkpoints are (``connect(checkpoint_dir=)``): a lost ps is restored from them."""
+        self.run_id_given = run_id_given
+        """``connect(run_id=)`` named the run (else the chief made one, and takes the shards' if they hold one)."""
 
     @property
     def task_index(self) -> int:
@@ -68,6 +86,18 @@ class WorkerSession:
     def global_step(self) -> int:
         return self.client.global_step
 
+    @property
+    def run_id(self) -> str | None:
+        """The run's id: the one the shards hold once the job is initialised (a restarted chief takes theirs)."""
+        job = self.client.job or self.job
+        return job.run_id
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """This run's newest valid checkpoint in ``checkpoint_dir``; damaged ones are skipped, and logged."""
+        if self.checkpoint_dir is None or self.run_id is None:
+            return None
+        return latest_or_none(self.checkpoint_dir, self.run_id)
+
     def should_stop(self) -> bool:
         """True once the ps said the job reached its target step (or was stopped)."""
         return self._last is not None and self._last.done
@@ -80,17 +110,30 @@ class WorkerSession:
         """Tell the ps this worker is done training.
 
         The chief then waits (at most ``wait_s``) until every other worker has
-        finished or is known dead, and returns each worker's state; the ps
-        tasks keep serving pulls until the chief's session closes.
+        finished or is known dead, collecting their reports, and returns each
+        worker's state; the ps tasks keep serving pulls until the chief's
+        session closes. Another worker waits (at most ``wait_s``) until the
+        chief has its report: until then a lost ps could learn only from it
+        that it finished. A ps lost meanwhile is restored (recovery on); if
+        the restore went back before the job's end, this raises
+        :class:`~psdk.errors.TrainingResumed`: train on until
+        ``should_stop()``, then finish again.
         """
-        self.client.finish(report or {})
+        try:
+            self.client.finish(report or {}, stays=not self.is_chief)
+            if not self.is_chief:
+                self.client.wait_collected(wait_s)
+                workers: dict[str, Any] = {}
+            else:
+                workers = self.client.wait_for_workers(wait_s)
+        except TrainingResumed as resumed:
+            self.record(StepResult(resumed.global_step, False, "resync"))
+            raise
         self._finished = True
-        if not self.is_chief:
-            return {}
-        return self.client.wait_for_workers(wait_s)
+        return workers
 
-    def save_checkpoint(self, folder: Path | str, config: str = "", **extra: Any) -> Path | None:
-        """Chief: write a consistent checkpoint of every shard to ``folder/ckpt-<step>.npz``.
+    def save_checkpoint(self, folder: Path | str, config: str = "", fingerprint: str = "", **extra: Any) -> Path | None:
+        """Chief: write a consistent checkpoint of every shard to ``folder/ckpt-<run id>-<step>.npz``.
 
         If a ps is lost meanwhile and recovery is on, no checkpoint is written:
         the job is restored from the previous one instead (returns ``None``).
@@ -112,8 +155,8 @@ class WorkerSession:
             log.warning("worker 0: checkpoint skipped, the next is written when due: %s", exc)
             return None
         collected = time.perf_counter()
-        state.config, state.extra = config, dict(extra)
-        path = checkpoint.save(state, checkpoint.path_for(Path(folder), state.global_step))
+        state.config, state.extra, state.fingerprint, state.run_id = config, dict(extra), fingerprint, self.run_id
+        path = checkpoint.save(state, checkpoint.path_for(Path(folder), state.global_step, self.run_id))
         log.info(
             "worker 0: checkpoint at global step %d written to %s (%.1f ms collecting, %.1f ms writing)",
             state.global_step,
@@ -161,6 +204,7 @@ def connect(
     keys: Path | str | CurveKeys | None = None,
     secure: bool = True,
     checkpoint_dir: Path | str | None = None,
+    run_id: str | None = None,
 ) -> WorkerSession:
     """Join ``cluster`` as worker ``task_index``.
 
@@ -178,11 +222,20 @@ def connect(
     (``transport.*`` in the config tree; the MNIST job passes them all,
     :meth:`psdk.config.options.TaskOptions.client`).
     With ``options.recovery_timeout_s`` set, the chief restores a lost ps
-    from the latest checkpoint in ``checkpoint_dir`` (or the initial state)
-    and the other workers wait for it.
+    from this run's latest checkpoint in ``checkpoint_dir`` (or the initial
+    state) and the other workers wait for it. ``run_id`` names the run: its
+    checkpoints carry it, and only they are restored or pruned. Give every
+    task the same one when you start them by hand, so a chief restarted after
+    its ps tasks were lost too finds them; without one the chief makes one
+    (a chief restarted while the ps tasks live takes theirs).
     """
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
-    job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers)
+    given = run_id is not None
+    if run_id is not None:
+        checkpoint.check_run_id(run_id)
+    elif task_index == 0:
+        run_id = new_run_id()
+    job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers, run_id)
     options = options or ClientOptions()
     own = None
     if transport is None:
@@ -202,10 +255,11 @@ def connect(
         if own is not None:
             own.close()
         raise
+    session = WorkerSession(client, job, sharding, own, run_id_given=given)
     if checkpoint_dir is not None:
-        folder = checkpoint_dir
-        client.recovery_source = lambda: latest_or_none(folder)
-    return WorkerSession(client, job, sharding, own)
+        session.checkpoint_dir = Path(checkpoint_dir)
+        client.recovery_source = session.latest_checkpoint
+    return session
 
 
 def _worker_keys(
@@ -280,8 +334,16 @@ class DistributedOptimizer:
         """
         client = self.session.client
         if self.session.is_chief:
+            own = self.session.latest_checkpoint()
+            # A new epoch, later than any an earlier chief of this run made (they count up from 0): the workers
+            # still waiting for a restore follow it.
+            epoch = int(time.time()) if own is not None else 0
+            if own is not None:  # this run went past any resume= already: a chief restarted after a ps was lost
+                log.warning("worker 0: this run's newest checkpoint is at global step %d", own.global_step)
+                resume = own
             weights = self.backend.read_weights(self.model)
-            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding, resume)
+            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding, resume, epoch)
+            self._check_run(client.job)
             if not fresh:
                 log.warning("worker 0: the ps was already initialised; continuing from its weights")
             elif resume is not None:
@@ -292,6 +354,16 @@ class DistributedOptimizer:
         step = self.pull()
         self.backend.share_buffers(self.model, client.params, client.grads)
         return step
+
+    def _check_run(self, held: JobSpec | None) -> None:
+        """A chief restarted into ps tasks that hold another run's job refuses it, naming both runs."""
+        mine = self.session.job.run_id
+        theirs = held.run_id if held is not None else None
+        if self.session.run_id_given and theirs is not None and theirs != mine:
+            raise PsdkError(
+                f"the ps tasks hold the job of run {theirs}, not this run ({mine}): restart the ps tasks, or give "
+                f"this chief run_id={theirs} to continue that run"
+            )
 
     def _check_variables(self, remote: dict[str, tuple[int, ...]]) -> None:
         local = {n: tuple(s) for n, s in self.backend.variables(self.model).items()}

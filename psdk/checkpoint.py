@@ -10,6 +10,15 @@ collects the state over the transport (no shared file system is assumed) and
 writes the file atomically: a reader sees the old file or the new one, and
 the folder is fsynced so the rename survives a power cut.
 
+Every checkpoint belongs to one run: it records the run's id (the launcher
+gives each run one, kept across task restarts) and the fingerprint of the
+config that made it, and its file name carries the id
+(``ckpt-<run id>-<step>.npz``). Recovery and pruning take only their own
+run's files, so a folder shared by several runs (a run folder used twice, a
+common ``checkpoint.dir``) never restores, prunes or overwrites another
+run's checkpoints; ``resume=`` takes another run's checkpoint when it names
+the file, or a folder that holds one run's checkpoints only.
+
 A checkpoint is trusted only once checked (:func:`load`): the zip's CRCs
 catch flipped or missing bytes, and the contents must be plausible (finite
 float values, slots shaped like their variables and usable by the update
@@ -24,7 +33,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import tempfile
+import time
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -34,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import DataError, PsdkError
+from psdk.errors import ConfigError, DataError, PsdkError
 from psdk.numerics import all_finite
 from psdk.registry import rule_from_json
 
@@ -43,11 +54,29 @@ log = logging.getLogger(__name__)
 FORMAT = "psdk-checkpoint"
 FORMAT_VERSION = 1
 META = "__meta__"
-_NAME = re.compile(r"^ckpt-(\d+)\.npz$")
+_NAME = re.compile(r"^ckpt-(?:(?P<run>.+)-)?(?P<step>\d+)\.npz$")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""What a run id may be: it is part of file names."""
+ANY_RUN = "*"
+"""Stands for every run, where a function takes a run id."""
 WHAT_TO_RESUME = (
-    "resume= takes a checkpoint the chief wrote (outputs/<run>/checkpoints/ckpt-<step>.npz) or a folder of "
-    "them (outputs/<run>/checkpoints: its newest valid one)"
+    "resume= takes a checkpoint the chief wrote (outputs/<run>/checkpoints/ckpt-<run id>-<step>.npz) or a "
+    "folder of one run's checkpoints (outputs/<run>/checkpoints: its newest valid one)"
 )
+
+
+def new_run_id() -> str:
+    """A run id no other run has: when it started, and some random bits."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise ConfigError(
+            "run_id",
+            f"{run_id!r} is not a run id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+    return run_id
 
 
 @dataclass
@@ -61,6 +90,10 @@ class Checkpoint:
     rule_step: int = 0
     config: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
+    """The run that wrote it (``None``: written before runs had ids)."""
+    fingerprint: str = ""
+    """A digest of the config that made the job (:func:`psdk.config.build.fingerprint`), when it had one."""
 
     def check_matches(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Refuse to restore into a model with other variables, naming the differences."""
@@ -87,6 +120,8 @@ def save(checkpoint: Checkpoint, path: Path) -> Path:
         "rule": checkpoint.rule,
         "rule_step": checkpoint.rule_step,
         "config": checkpoint.config,
+        "run_id": checkpoint.run_id,
+        "fingerprint": checkpoint.fingerprint,
         **checkpoint.extra,
     }
     arrays: dict[str, Any] = {f"params/{n}": np.asarray(v) for n, v in checkpoint.variables.items()}
@@ -125,11 +160,21 @@ def load(path: Path | str) -> Checkpoint:
     """Read and check a checkpoint (or the newest valid one of a folder); a refusal names the file and why."""
     path = Path(path).expanduser()
     if path.is_dir():
+        runs = runs_in(path)
+        if len(runs) > 1:
+            listed = "; ".join(
+                f"run {run or '(no id)'}: {len(files)} checkpoint(s), newest {files[0][1].name}"
+                for run, files in sorted(runs.items(), key=lambda item: -item[1][0][0])
+            )
+            raise DataError(
+                f"{path} holds the checkpoints of {len(runs)} runs ({listed}); name the file to resume from, "
+                "e.g. resume=" + str(next(iter(runs.values()))[0][1])
+            )
         found, skipped = latest_valid(path)
         if found is None:
             if skipped:
                 raise DataError(f"{path} holds no valid checkpoint ({_skipped_text(skipped)}); {WHAT_TO_RESUME}")
-            raise DataError(f"{path} holds no checkpoint (ckpt-<step>.npz); {WHAT_TO_RESUME}")
+            raise DataError(f"{path} holds no checkpoint (ckpt-<run id>-<step>.npz); {WHAT_TO_RESUME}")
         return found
     if not path.is_file():
         raise DataError(f"no checkpoint at {path}: no such file or folder; {WHAT_TO_RESUME}")
@@ -163,6 +208,8 @@ def _read(path: Path) -> Checkpoint:
             for slot, names in dict(meta["slots"]).items()
         }
     known = {"format", "format_version", "global_step", "variables", "slots", "rule", "rule_step", "config"}
+    known |= {"run_id", "fingerprint"}
+    run_id = meta.get("run_id")
     return Checkpoint(
         global_step=_count(meta["global_step"], "global_step"),
         variables=variables,
@@ -171,6 +218,8 @@ def _read(path: Path) -> Checkpoint:
         rule_step=_count(meta["rule_step"], "rule_step"),
         config=str(meta.get("config", "")),
         extra={k: v for k, v in meta.items() if k not in known},
+        run_id=str(run_id) if run_id is not None else None,
+        fingerprint=str(meta.get("fingerprint") or ""),
     )
 
 
@@ -225,29 +274,51 @@ def _configured_steps(config: str) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
-def path_for(folder: Path, global_step: int) -> Path:
-    return folder / f"ckpt-{global_step}.npz"
+def path_for(folder: Path, global_step: int, run_id: str | None = None) -> Path:
+    return folder / (f"ckpt-{run_id}-{global_step}.npz" if run_id else f"ckpt-{global_step}.npz")
 
 
-def _by_step(folder: Path) -> list[tuple[int, Path]]:
-    """The checkpoint files of ``folder`` by global step, newest first."""
-    return sorted(((int(m.group(1)), p) for p in folder.glob("ckpt-*.npz") if (m := _NAME.match(p.name))), reverse=True)
+def step_of(path: Path) -> int | None:
+    """The global step a checkpoint's file name carries (``None``: not a checkpoint's name)."""
+    match = _NAME.match(path.name)
+    return int(match.group("step")) if match else None
 
 
-def latest(folder: Path) -> Path | None:
+def _by_step(folder: Path, run_id: str | None = ANY_RUN) -> list[tuple[int, Path]]:
+    """The checkpoint files of ``folder`` by global step, newest first: run ``run_id``'s, or every run's."""
+    found = []
+    for path in folder.glob("ckpt-*.npz"):
+        match = _NAME.match(path.name)
+        if match and (run_id == ANY_RUN or match.group("run") == run_id):
+            found.append((int(match.group("step")), path))
+    return sorted(found, reverse=True)
+
+
+def runs_in(folder: Path) -> dict[str | None, list[tuple[int, Path]]]:
+    """The checkpoint files of ``folder`` by the run that wrote them (``None``: files without a run id)."""
+    runs: dict[str | None, list[tuple[int, Path]]] = {}
+    for step, path in _by_step(folder):
+        match = _NAME.match(path.name)
+        assert match is not None
+        runs.setdefault(match.group("run"), []).append((step, path))
+    return runs
+
+
+def latest(folder: Path, run_id: str | None = ANY_RUN) -> Path | None:
     """The checkpoint file of the highest global step in ``folder``, unchecked (see :func:`latest_valid`)."""
-    found = _by_step(folder)
+    found = _by_step(folder, run_id)
     return found[0][1] if found else None
 
 
-def latest_valid(folder: Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
-    """The newest checkpoint of ``folder`` that loads and passes the checks, and the newer ones skipped (why).
+def latest_valid(folder: Path, run_id: str | None = ANY_RUN) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of ``folder`` (of run ``run_id``, or of any run) that loads and passes the checks,
+    and the newer ones skipped (why).
 
     Each file skipped is logged: a resume or a recovery that falls back to an
     older checkpoint says so.
     """
     skipped: list[tuple[Path, str]] = []
-    for _, path in _by_step(folder):
+    for _, path in _by_step(folder, run_id):
         try:
             checkpoint = load(path)
         except DataError as exc:
@@ -286,16 +357,16 @@ def is_valid(path: Path) -> bool:
     return True
 
 
-def prune(folder: Path, keep: int) -> list[Path]:
-    """Delete every checkpoint older than the ``keep`` newest valid ones (``keep <= 0``: none).
+def prune(folder: Path, keep: int, run_id: str | None = ANY_RUN) -> list[Path]:
+    """Delete every checkpoint of run ``run_id`` older than its ``keep`` newest valid ones (``keep <= 0``: none).
 
     A damaged file never counts toward ``keep``: it would leave fewer good
     checkpoints than asked for. Damaged files newer than those kept stay for
-    a look; resume and recovery skip them.
+    a look; resume and recovery skip them. Other runs' files are never touched.
     """
     if keep <= 0:
         return []
-    found = _by_step(folder)
+    found = _by_step(folder, run_id)
     valid = 0
     for position, (_, path) in enumerate(found):
         if is_valid(path):

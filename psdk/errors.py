@@ -182,6 +182,22 @@ class RemoteError(PsdkError):
         super().__init__(f"{peer}: {message}")
 
 
+class TrainingResumed(PsdkError):
+    """A ps was lost after this worker's training ended, and the job was restored to a step before its end.
+
+    Raised by :meth:`psdk.api.WorkerSession.finish`: train on until
+    ``should_stop()`` and finish again. At most the steps since the run's
+    last checkpoint are trained twice.
+    """
+
+    def __init__(self, global_step: int, steps: int) -> None:
+        self.global_step = global_step
+        super().__init__(
+            f"a ps was lost after training ended and the job was restored to global step {global_step} of "
+            f"{steps}: train on until should_stop(), then finish again"
+        )
+
+
 class CheckpointAbandoned(PsdkError):
     """The checkpoint pause ended before every shard's state was read: no consistent cut, no file.
 

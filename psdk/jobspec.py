@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from psdk.checkpoint import check_run_id
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, ProtocolError
 
@@ -16,6 +17,8 @@ class JobSpec:
     sync: SyncSpec
     steps: int
     num_workers: int
+    run_id: str | None = None
+    """The run this job is (its checkpoints carry it); a restarted chief takes it from the shards."""
 
     @classmethod
     def from_json(cls, data: Any) -> JobSpec:
@@ -24,14 +27,24 @@ class JobSpec:
         try:
             sync = SyncSpec(**data["sync"])
             steps, workers = int(data["steps"]), int(data["num_workers"])
+            run_id = data.get("run_id")
+            if run_id is not None and not isinstance(run_id, str):
+                raise TypeError(f"run_id is {run_id!r}, not a string")
+            if run_id is not None:
+                check_run_id(run_id)
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise ProtocolError(f"bad job spec: {exc}") from None
         if steps < 1 or workers < 1:
             raise ProtocolError("job spec needs steps >= 1 and num_workers >= 1")
         try:
-            return cls(sync.resolved(workers), steps, workers)
+            return cls(sync.resolved(workers), steps, workers, run_id)
         except ConfigError as exc:
             raise ProtocolError(str(exc)) from None
 
     def to_json(self) -> dict[str, Any]:
-        return {"sync": self.sync.to_json(), "steps": self.steps, "num_workers": self.num_workers}
+        return {
+            "sync": self.sync.to_json(),
+            "steps": self.steps,
+            "num_workers": self.num_workers,
+            "run_id": self.run_id,
+        }

@@ -52,6 +52,10 @@ def _object(value: Any) -> bool:
     return isinstance(value, dict)
 
 
+def _boolean(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 def _anything(value: Any) -> bool:
     return True
 
@@ -68,6 +72,7 @@ NATURAL = FieldType("integer >= 0", _natural)
 INTEGER = FieldType("integer", _integer)
 LIST = FieldType("list", _list)
 OBJECT = FieldType("object", _object)
+BOOLEAN = FieldType("true or false", _boolean)
 ANY = FieldType("any JSON value", _anything)
 
 
@@ -127,6 +132,10 @@ class Reply:
 WORKER_FIELD = Field("worker", NATURAL, "the sender's worker task index", label="worker id")
 VERSION = Field("version", NATURAL, "the shard version the gradient was computed from")
 LAYOUT_FIELDS = ("version", "done", "epoch", "boot", "job", "names", "shapes")
+FINISHED = Field(
+    "finished", OBJECT, "workers known to have finished, with their reports ({id: report}): a restored shard "
+    "is told again who finished", required=False, nullable=True,
+)  # fmt: skip
 
 OPS: dict[str, Op] = {
     op.name: op
@@ -138,13 +147,14 @@ OPS: dict[str, Op] = {
             "Place the job on this shard: its variables, update rule and job spec (or the state to resume from).",
             Sender.CHIEF,
             (
-                Field("job", OBJECT, "the job spec: sync mode, target step, number of workers (psdk.jobspec)"),
+                Field("job", OBJECT, "the job spec: sync mode, target step, number of workers, run id (psdk.jobspec)"),
                 Field("rule", OBJECT, "the update rule the ps applies (psdk.optim), e.g. {'name': 'sgd', 'lr': 0.1}",
                       required=False, nullable=True),
                 Field("names", LIST, "this shard's variable names, unique non-empty strings, in frame order"),
                 Field("epoch", NATURAL, "the job's restore epoch (0 for a new job)", required=False),
                 Field("restore", OBJECT, "{version, rule_step, slots}: start from a checkpoint", required=False,
                       nullable=True),
+                FINISHED,
             ),
             "one float32 array per variable; when restoring, then one per slot and variable (slot-major)",
             ("ok", "already"),
@@ -167,10 +177,14 @@ OPS: dict[str, Op] = {
             ("params", "resync"),
             parks="in a sync round, behind the staleness bound (ssp), or while a checkpoint pause holds it",
         ),
-        Op("finish", "The worker is done training; to shard 0 it sends its report for the chief's summary.",
-           Sender.WORKER, (Field("report", ANY, "a small object (kept if at most 16 KiB)", required=False),),
+        Op("finish", "The worker is done training; it sends every shard its report for the chief's summary.",
+           Sender.WORKER, (Field("report", ANY, "a small object (kept if at most 16 KiB)", required=False),
+                           Field("stays", BOOLEAN, "the worker waits until it has seen its report collected "
+                                 "(and the chief waits for that)", required=False)),
            "none", ("ok",)),
-        Op("status", "Version, liveness of every worker, failure if any.", Sender.WORKER, (), "none", ("status",)),
+        Op("status", "Version, liveness of every worker, failure if any, whose reports the chief has.",
+           Sender.WORKER, (Field("reports", BOOLEAN, "the chief only: also the finished workers' reports, which "
+                                 "are then collected", required=False),), "none", ("status",)),
         Op("stats", "The shard's counters, for the summary and benchmarks.", Sender.WORKER, (), "none", ("stats",)),
         Op("shutdown", "End the job: the ps exits with code 0.", Sender.CHIEF, (), "none", ("ok",),
            action="shuts the job down"),
@@ -194,6 +208,7 @@ OPS: dict[str, Op] = {
                 Field("names", LIST, "this shard's variable names, as it holds them"),
                 Field("restore", OBJECT, "{version, rule_step, slots}"),
                 Field("epoch", NATURAL, "the new restore epoch"),
+                FINISHED,
             ),
             "one float32 array per variable, then one per slot and variable (slot-major)",
             ("ok",),
@@ -213,7 +228,9 @@ REPLIES: dict[str, Reply] = {
               "one flat float32 array (a frame, or written into memory the worker's transport lent)"),
         Reply("resync", "the push belongs to an abandoned timeline: wait for the chief's restore, pull again",
               ("why", "initialized", "epoch", "boot", "version")),
-        Reply("status", "to status", ("version", "done", "initialized", "epoch", "boot", "failure", "workers")),
+        Reply("status", "to status; reports when the chief asked for them",
+              ("version", "done", "initialized", "epoch", "boot", "failure", "workers", "collected", "leaving",
+               "reports")),
         Reply("stats", "to stats", ("task", "version", "size", "variables", "stats", "workers", "reports", "job",
                                     "process")),
         Reply("paused", "the shard stands at the pause version", ("version",)),

@@ -73,7 +73,7 @@ def after_timeout(
     """
     wait_s = client.options.recovery_timeout_s or 0.0
     shards = statuses(client, time.monotonic() + wait_s, "the shards' status after a timeout")
-    lost = [i for i, status in shards.items() if _lost_state(client, i, status)]
+    lost = [i for i, status in shards.items() if lost_state(client, i, status)]
     if lost:
         names = ", ".join(client.names[i] for i in lost)
         return client.recover(f"{timeout}; {names} no longer holds this job's state")
@@ -100,7 +100,7 @@ def after_timeout(
         ) from again
 
 
-def _lost_state(client: ParameterClient, index: int, status: dict[str, Any]) -> bool:
+def lost_state(client: ParameterClient, index: int, status: dict[str, Any]) -> bool:
     """Shard ``index`` is empty, a new process, or was restored by the chief since this worker's request."""
     known = client.boots[index]
     return (
@@ -110,17 +110,21 @@ def _lost_state(client: ParameterClient, index: int, status: dict[str, Any]) -> 
     )
 
 
-def statuses(client: ParameterClient, deadline: float, what: str) -> dict[int, dict[str, Any]]:
-    """Every shard's status, waiting for shards that do not answer (yet)."""
+def statuses(client: ParameterClient, deadline: float, what: str, reports: bool = False) -> dict[int, dict[str, Any]]:
+    """Every shard's status, waiting for shards that do not answer (yet); ``reports``: the chief collects the
+    finished workers' reports on the way (a surviving shard knows them)."""
     found: dict[int, dict[str, Any]] = {}
+    fields: dict[str, Any] = {"reports": True} if reports else {}
     while True:
         for index in range(client.cluster.num_ps):
             if index in found:
                 continue
             try:
-                reply = client.request({index: client.message("status")}, what, timeout_s=1.0, watch=False)
+                reply = client.request({index: client.message("status", **fields)}, what, timeout_s=1.0, watch=False)
                 found[index] = reply[index].fields
                 client.heard_from(index, found[index].get("boot"))
+                for worker, report in (found[index].get("reports") or {}).items():
+                    client.reports[int(worker)] = report
             except TransportError:
                 pass
         if len(found) == client.cluster.num_ps:
@@ -133,7 +137,7 @@ def statuses(client: ParameterClient, deadline: float, what: str) -> dict[int, d
 
 def lead(client: ParameterClient, deadline: float) -> int:
     """The chief: restore every shard from the latest checkpoint into a new epoch; returns steps lost."""
-    shards = statuses(client, deadline, "a lost ps to come back")
+    shards = statuses(client, deadline, "a lost ps to come back", reports=True)
     state = client.recovery_source() if client.recovery_source is not None else None
     state = state or client.fallback
     if state is None:
@@ -152,6 +156,7 @@ def lead(client: ParameterClient, deadline: float) -> int:
             "names": names,
             "epoch": epoch,
             "restore": {"version": state.global_step, "rule_step": state.rule_step, "slots": slot_names},
+            "finished": {str(worker): report for worker, report in client.reports.items()},
         }
         if shards[index]["initialized"]:
             messages[index] = client.message("restore", arrays, **fields)
@@ -185,6 +190,7 @@ def follow(client: ParameterClient, deadline: float) -> None:
         time.sleep(POLL_S)
 
 
-def latest_or_none(folder: Any) -> Checkpoint | None:
-    """The newest valid checkpoint of ``folder`` to restore from; damaged ones are skipped, and logged."""
-    return checkpoint.latest_valid(Path(folder))[0] if folder else None
+def latest_or_none(folder: Any, run_id: str | None = checkpoint.ANY_RUN) -> Checkpoint | None:
+    """The newest valid checkpoint of run ``run_id`` in ``folder`` to restore from; damaged ones are skipped,
+    and logged."""
+    return checkpoint.latest_valid(Path(folder), run_id)[0] if folder else None

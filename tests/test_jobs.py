@@ -176,7 +176,7 @@ def test_a_dead_worker_that_sync_cannot_spare_stops_the_job_naming_it(tmp_path: 
     )
     output = kill_task_when(job, tmp_path, "worker1", lambda: progress_of(tmp_path, "worker1") >= 40, timeout=90)
     assert job.returncode != 0
-    assert "replicas_to_aggregate=2" in output and "dead: worker 1" in output
+    assert "replicas_to_aggregate=2" in output and "worker 1 is dead" in output
     assert "the chief (worker 0) exited with code 1" in output
     assert all_tasks_gone(tmp_path)
 
@@ -226,8 +226,7 @@ def test_a_killed_launcher_takes_its_tasks_with_it(tmp_path: Path) -> None:
 def test_a_job_resumes_from_its_checkpoint_with_another_number_of_ps(tmp_path: Path) -> None:
     first = psdk("run", "backend=numpy", "optimizer=adam", "train.steps=300", *FAST_FLAGS, out=tmp_path / "a")
     assert first.returncode == 0, first.stdout + first.stderr
-    saved = tmp_path / "a" / "checkpoints" / "ckpt-300.npz"
-    assert saved.exists()
+    saved = next((tmp_path / "a" / "checkpoints").glob("ckpt-*-300.npz"))
     second = psdk(
         "run",
         "backend=numpy",
@@ -294,7 +293,7 @@ def test_a_killed_ps_is_restarted_and_restored_from_the_last_checkpoint(tmp_path
     checkpoints = tmp_path / "checkpoints"
 
     def second_checkpoint() -> bool:  # measured progress, not a sleep
-        return (checkpoints / "ckpt-1000.npz").exists() or len(list(checkpoints.glob("ckpt-*.npz"))) >= 2
+        return bool(list(checkpoints.glob("ckpt-*-1000.npz"))) or len(list(checkpoints.glob("ckpt-*.npz"))) >= 2
 
     output = kill_task_when(job, tmp_path, "ps1", second_checkpoint, timeout=120)
     assert job.returncode == 0, output
@@ -318,7 +317,7 @@ def test_a_killed_worker_is_restarted_and_rejoins(tmp_path: Path) -> None:
     assert job.returncode == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["restarts"] == {"worker 1": 1} and summary["workers"]["1"]["status"] == "finished"
-    assert "until worker 1 comes back" in output and "back on a new connection" in output
+    assert "for worker 1 to come back" in output and "back on a new connection" in output
     assert summary["global_step"] == 2000 and summary["gradients_applied"] == 4000
     assert all_tasks_gone(tmp_path)
 

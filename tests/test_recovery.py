@@ -10,6 +10,7 @@ import numpy as np
 import zmq
 
 import psdk
+from psdk import checkpoint
 from psdk.backends.numpy_backend import NumpyBackend
 from psdk.client import ClientOptions
 from psdk.errors import PortInUseError
@@ -86,7 +87,7 @@ def test_a_lost_ps_is_restored_from_the_last_checkpoint_and_training_goes_on(tmp
                     if task == 0 and session.global_step >= next_checkpoint:
                         saved = session.save_checkpoint(tmp_path)
                         next_checkpoint += EVERY
-                        if saved is not None and int(saved.stem.split("-")[1]) >= KILL_AT:
+                        if saved is not None and (checkpoint.step_of(saved) or 0) >= KILL_AT:
                             killed.wait(timeout=30)  # the one the test sees is the latest: none half-written
                 session.finish(wait_s=30)
                 results[task] = {
@@ -103,14 +104,14 @@ def test_a_lost_ps_is_restored_from_the_last_checkpoint_and_training_goes_on(tmp
     try:
         deadline = time.monotonic() + 60
         # Measured progress, not a sleep: kill ps 1 as soon as a checkpoint at KILL_AT or later exists.
-        while not any(int(p.stem.split("-")[1]) >= KILL_AT for p in tmp_path.glob("ckpt-*.npz")):
+        while not any((checkpoint.step_of(p) or 0) >= KILL_AT for p in tmp_path.glob("ckpt-*.npz")):
             assert time.monotonic() < deadline and not errors, errors
             time.sleep(0.002)
         killed.set()
         shards[1].kill()
         # Once ps 1 is gone no push can complete, so progress stops (but for pushes in flight).
         reached = shards[0].server.store.version
-        latest = max(int(p.stem.split("-")[1]) for p in tmp_path.glob("ckpt-*.npz"))
+        latest = max((checkpoint.step_of(p) or 0) for p in tmp_path.glob("ckpt-*.npz"))
         address = shards[1].address
         shards[1] = Shard(transport, 1, address)  # restarted, empty, on the same address
         for t in threads:

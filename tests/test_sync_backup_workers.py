@@ -100,7 +100,7 @@ def test_a_script_with_backup_workers_on_several_ps_finishes_every_time(num_ps: 
                 1 for server in ps.servers if server.store.size
             ), f"run {run}: the shards ended at different versions"
             assert not any(server.failure for server in ps.servers)
-        assert results["final"] is not None and results["final"].name == f"ckpt-{steps}.npz"
+        assert results["final"] is not None and results["final"].name.endswith(f"-{steps}.npz")
         assert len(list(folder.glob("ckpt-*.npz"))) >= 5  # the pauses every 20 steps were taken, not skipped
 
 
@@ -127,7 +127,7 @@ def test_the_built_in_job_with_backup_workers_on_several_ps_finishes_every_time(
         assert summary["global_step"] == 300
     for run in tmp_path.iterdir():
         if run.is_dir() and (run / "summary.json").exists():
-            assert (run / "checkpoints" / "ckpt-300.npz").exists(), run
+            assert list((run / "checkpoints").glob("ckpt-*-300.npz")), run
 
 
 # ------------------------------------------------------------------ finish

@@ -15,12 +15,13 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from psdk import protocol, recovery
 from psdk.checkpoint import Checkpoint
+from psdk.client import wrapup
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
@@ -32,7 +33,7 @@ from psdk.errors import (
     PeerTimeoutError,
     PsdkError,
     RemoteError,
-    TransportError,
+    TrainingResumed,
 )
 from psdk.jobspec import JobSpec
 from psdk.optim import UpdateRule
@@ -40,6 +41,7 @@ from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.transport.wire import HEARTBEAT_SUFFIX, Message
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class ParameterClient:
         self.recoveries: list[dict[str, Any]] = []
         self.recovery_source: Callable[[], Checkpoint | None] | None = None
         """The chief's state to restore a lost shard from (its latest checkpoint), if any."""
+        self.reports: dict[int, dict[str, Any]] = {}
+        """The chief: the reports of the workers that finished, as collected (a restore tells the shards again)."""
+        self.report: dict[str, Any] = {}
+        """This worker's own report, once it finished: sent again to a restored shard that never got it."""
         self.heartbeat: Heartbeat | None = None
         if heartbeat:
             self.heartbeat = Heartbeat(
@@ -177,27 +183,33 @@ class ParameterClient:
         rule: UpdateRule,
         sharding: str = "round_robin",
         restore: Checkpoint | None = None,
+        epoch: int = 0,
     ) -> bool:
         """Chief only: place the variables on their shards; ``False`` if already initialised.
 
         With ``restore``, the shards start from that checkpoint's variables,
         slots, rule step and global step instead (re-sharded by name).
+        ``epoch``: a restore of a running job (a new epoch, which the waiting
+        workers follow); 0 for a new or resumed job.
         """
         variables = checked_variables(variables, rule, restore)
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
-        messages = init_requests(self.message, variables, job, rule, self.cluster.num_ps, sharding, restore)
+        messages = init_requests(self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch)
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.init_timeout_s)
         )
         fresh = {reply.op == "ok" for reply in replies.values()}
-        if len(fresh) > 1:
+        if len(fresh) > 1 and self.options.recovery_timeout_s is None:
             raise PsdkError(
                 "some ps shards were already initialised and others were not; the shards belong "
                 "to different jobs: restart every ps task"
             )
         self._set_layout(replies)
+        if len(fresh) > 1:  # a ps was lost while the chief was down too: one cut for all, as after any loss
+            self.recover("some ps shards held the job and others were empty (a ps was lost with the chief)")
+            return False
         return fresh == {True}
 
     def wait_initialized(self) -> None:
@@ -276,6 +288,8 @@ class ParameterClient:
         """Fetch every shard's parameters; returns the global step."""
         messages = {i: self.message("pull") for i in self._live()}
         for index, reply in self.request(messages, "pulling the parameters").items():
+            if reply.op == "resync":  # a restarted, empty ps: the wrap-up's recovery restores it
+                raise PeerRestartedError(self.names[index], f"a pull ({reply.fields.get('why')})")
             self._take_params(index, reply)
         return self.global_step
 
@@ -391,44 +405,66 @@ class ParameterClient:
         return recovery.recover(self, why)
 
     # -------------------------------------------------------------- the end
-    def finish(self, report: Mapping[str, Any]) -> None:
-        """Tell every shard this worker is done (and, to shard 0, how it went)."""
-        messages = {
-            i: self.message("finish", report=dict(report) if i == 0 else None) for i in range(self.cluster.num_ps)
-        }
-        self.request(messages, "acknowledging the end of training")
+    def finish(self, report: Mapping[str, Any], stays: bool = False) -> None:
+        """Tell every shard this worker is done, with its report (a shard that survives a loss keeps it).
+
+        ``stays``: this worker then waits until it has seen its report collected (:meth:`wait_collected`).
+        """
+        self.report = dict(report)
+        fields: dict[str, Any] = {"report": self.report, "stays": True} if stays else {"report": self.report}
+        messages = {i: self.message("finish", **fields) for i in range(self.cluster.num_ps)}
+        self.wrapping_up(lambda: self.request(messages, "acknowledging the end of training"), "finishing")
 
     def status(self) -> dict[str, Any]:
         return self.request({0: self.message("status")}, "status")[0].fields
+
+    def statuses(self, reports: bool = False) -> dict[int, dict[str, Any]]:
+        """Every shard's status; ``reports`` (the chief): with the finished workers' reports, now collected.
+
+        A shard that lost this job's state (a restarted ps, a restore since)
+        raises :class:`PeerRestartedError`, which :meth:`wrapping_up` turns
+        into a recovery.
+        """
+        fields: dict[str, Any] = {"reports": True} if reports else {}
+        replies = self.request({i: self.message("status", **fields) for i in range(self.cluster.num_ps)}, "status")
+        found = {index: reply.fields for index, reply in replies.items()}
+        for index, status in sorted(found.items()):
+            if recovery.lost_state(self, index, status):
+                raise PeerRestartedError(self.names[index], "status: it no longer holds this job's state")
+            for worker, report in (status.get("reports") or {}).items():
+                self.reports[int(worker)] = report
+        return found
+
+    def wrapping_up(self, attempt: Callable[[], T], what: str) -> T:
+        """``attempt``, a step of the end of training, again after a lost ps was restored (recovery on).
+
+        The end of training is no safe place to lose a ps: its shard, who
+        finished and what they reported would be gone. The chief restores the
+        shards from the run's newest checkpoint, telling them who finished;
+        if that checkpoint is from before the job's end, the workers train on
+        (:class:`TrainingResumed`).
+        """
+        while True:
+            try:
+                return attempt()
+            except (PeerDeadError, PeerRestartedError) as exc:
+                if self.options.recovery_timeout_s is None:
+                    raise
+                self.recover(f"{exc} while {what}")
+            if self.job is not None and self.global_step < self.job.steps:
+                raise TrainingResumed(self.global_step, self.job.steps)
 
     def stats(self) -> list[dict[str, Any]]:
         replies = self.request(self.to_all("stats"), "ps statistics")
         return [replies[i].fields for i in range(self.cluster.num_ps)]
 
     def wait_for_workers(self, timeout_s: float) -> dict[str, dict[str, str]]:
-        """Chief: wait until every other worker finished or is known dead; a failed shard ends the wait at once.
+        """Chief: wait until every other worker finished or is known dead (see :mod:`psdk.client.wrapup`)."""
+        return wrapup.wait_for_workers(self, timeout_s)
 
-        Every shard is asked, not only shard 0: a shard that failed the job
-        (a sync round that could not fill, a worker gone for good) would
-        otherwise be found only when the next request to it timed out.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            replies = self.request(self.to_all("status"), "the shards' status")
-            for index, reply in sorted(replies.items()):
-                if reply.fields.get("failure"):
-                    raise PsdkError(f"{self.names[index]} failed the job: {reply.fields['failure']}")
-            workers = replies[0].fields["workers"]
-            waiting = [
-                i for i, w in workers.items() if w["status"] in ("alive", "unseen") and int(i) != self.task_index
-            ]
-            if not waiting:
-                return dict(workers)
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"timed out after {timeout_s:.0f} s waiting for worker(s) {', '.join(waiting)} to finish"
-                )
-            time.sleep(0.05)
+    def wait_collected(self, timeout_s: float) -> bool:
+        """Not the chief: wait until the chief has this worker's report (see :mod:`psdk.client.wrapup`)."""
+        return wrapup.wait_collected(self, timeout_s)
 
     def checkpoint_state(self, max_rounds: int = 50) -> Checkpoint:
         """Chief: a consistent cut of every shard at one global step (see :mod:`psdk.client.cut`)."""

@@ -61,6 +61,7 @@ def init_requests(
     num_ps: int,
     sharding: str,
     restore: Checkpoint | None,
+    epoch: int = 0,
 ) -> dict[int, Message]:
     """One ``init`` per shard: the variables ``sharding`` places there (with ``restore``, its slots and step too)."""
     order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
@@ -70,6 +71,8 @@ def init_requests(
         names = [name for name, _ in order if placement[name] == index]
         arrays = [np.ascontiguousarray(variables[n], dtype=np.float32) for n in names]
         fields: dict[str, Any] = {"job": job.to_json(), "rule": rule.to_json(), "names": names}
+        if epoch:
+            fields["epoch"] = epoch
         if restore is not None:
             slot_names = list(restore.slots)
             fields["restore"] = {"version": restore.global_step, "rule_step": restore.rule_step, "slots": slot_names}

@@ -7,6 +7,7 @@ The typed options of the plain groups (transport, ps, train, ...) come from
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 from pathlib import Path
@@ -16,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from psdk import announce
+from psdk.checkpoint import check_run_id
 from psdk.cluster import ClusterSpec, Topology
 from psdk.config.options import TaskOptions, TransportOptions
 from psdk.consistency import SyncSpec
@@ -185,3 +187,27 @@ def check_training(cfg: DictConfig, options: TaskOptions, num_workers: int, warn
             f"{TRAIN_SIZE - held_out} split over {num_workers} workers); use train.batch_size={min(shard, 100)} "
             "or fewer workers",
         )
+
+
+RUN_LOCAL_KEYS = (
+    "run_id", "output_dir", "resume", "weights", "job_name", "task_index", "ps_hosts", "ps_hosts_from",
+    "worker_hosts", "checkpoint", "data", "transport", "ps", "progress", "report", "launcher", "placement",
+)  # fmt: skip
+"""Top-level keys that say where and how a run runs, not what it trains: left out of its fingerprint."""
+
+
+def fingerprint(cfg: DictConfig) -> str:
+    """A digest of what the job trains (model, optimizer, sync mode, steps, seed, ...), for its checkpoints.
+
+    Two runs of one command share it; a checkpoint written under another
+    config is told apart by it when resumed. Paths, addresses and keys are
+    left out: they differ between runs of the same job.
+    """
+    content = {str(k): plain(cfg.get(k)) for k in cfg if k not in RUN_LOCAL_KEYS and k != "hydra"}
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(content), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_id(cfg: DictConfig) -> str | None:
+    """The run id the config gives (``run_id=``), checked; ``None`` when it gives none."""
+    value = cfg.get("run_id")
+    return check_run_id(str(value)) if value is not None else None

@@ -184,6 +184,7 @@ class PsdkConfig:
     worker_hosts: Any = None
     output_dir: Any = None
     resume: Any = None
+    run_id: Any = None
     weights: Any = None
     recovery: Any = field(default_factory=RecoveryConfig)  # derived: typed by the instance
     checkpoint: Any = field(default_factory=CheckpointConfig)  # derived: typed by the instance

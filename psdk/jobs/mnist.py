@@ -29,6 +29,7 @@ from psdk.config import build
 from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
+from psdk.errors import TrainingResumed
 from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
@@ -157,6 +158,7 @@ def run_worker(cfg: DictConfig) -> None:
             keys=build.worker_keys(options.transport, cluster, task),
             secure=options.transport.secure,
             checkpoint_dir=options.checkpoint.dir if task == 0 else None,
+            run_id=build.run_id(cfg),
         ) as session:
             optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=rule)
             tune_compute_thread(placement, cluster.local_rank(task))
@@ -164,8 +166,7 @@ def run_worker(cfg: DictConfig) -> None:
             if optimizer.restored_step is not None:
                 log.info("worker 0: resumed from %s at global step %d", cfg.resume, optimizer.restored_step)
             job = WorkerJob(cfg, options, session, optimizer, data, metrics)
-            job.train()
-            workers = session.finish(job.report.to_json(), options.train.final_wait_s)
+            workers = job.train_to_the_end(options.train.final_wait_s)
             if session.is_chief:
                 failpoint(TRAINED)
                 job.finalize(workers, start)
@@ -213,6 +214,7 @@ class WorkerJob:
         self.backend, self.model = optimizer.backend, optimizer.model
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
+        self.fingerprint = build.fingerprint(cfg)
         self.every_steps = self.checkpoints.every_steps if session.is_chief else 0
         self.every_seconds = self.checkpoints.every_seconds if session.is_chief else 0.0
         self.next_checkpoint = self._next_multiple(session.global_step)
@@ -220,6 +222,26 @@ class WorkerJob:
 
     def _next_multiple(self, step: int) -> int | None:
         return (step // self.every_steps + 1) * self.every_steps if self.every_steps > 0 else None
+
+    def train_to_the_end(self, final_wait_s: float) -> dict[str, Any]:
+        """Train until the job is done, write the final checkpoint (the chief), and finish.
+
+        The final checkpoint comes first, before the wait for the other
+        workers: a ps lost during the wrap-up is then restored at the job's
+        end, and nothing is trained twice. If a ps was lost before it was
+        written, the job is restored to its last checkpoint and every worker
+        trains on (:class:`~psdk.errors.TrainingResumed`).
+        """
+        while True:
+            self.train()
+            if self.session.is_chief and self.checkpoints.final:
+                self.save_checkpoint()
+                if not self.session.should_stop():  # a ps lost during it: restored, maybe before the end
+                    continue
+            try:
+                return self.session.finish(self.report.to_json(), final_wait_s)
+            except TrainingResumed as resumed:
+                log.warning("worker %d: %s", self.task, resumed)
 
     def train(self) -> None:
         train = self.train_options
@@ -326,10 +348,12 @@ class WorkerJob:
     def save_checkpoint(self) -> Path | None:
         config = OmegaConf.to_yaml(self.cfg, resolve=True)
         folder = Path(self.checkpoints.dir)
-        path = self.session.save_checkpoint(folder, config=config, backend=self.backend.name)
+        path = self.session.save_checkpoint(
+            folder, config=config, fingerprint=self.fingerprint, backend=self.backend.name
+        )
         self.next_checkpoint = self._next_multiple(self.session.global_step)
         self.last_checkpoint_time = time.monotonic()
-        checkpoint.prune(folder, self.checkpoints.keep)
+        checkpoint.prune(folder, self.checkpoints.keep, self.session.run_id)  # this run's files only
         return path
 
     def finalize(self, workers: dict[str, Any], start: float) -> dict[str, Any]:
@@ -338,13 +362,15 @@ class WorkerJob:
             if state["status"] == "dead":
                 log.warning("worker 0: worker %s died during the job: %s", index, state["reason"])
         cfg, client = self.cfg, self.session.client
-        self.optimizer.pull()
+        client.wrapping_up(self.optimizer.pull, "pulling the final parameters")
         test_accuracy = self.backend.accuracy(self.model, self.data.test_x, self.data.test_y)
         out = Path(cfg.output_dir)
         save_params(out / "params.npz", client.params)
-        if self.checkpoints.final:
-            self.save_checkpoint()
-        summary = build_summary(cfg, client.stats(), workers, test_accuracy, time.time() - start, self.backend.name)
+        stats = client.wrapping_up(client.stats, "reading the ps statistics")
+        summary = build_summary(cfg, stats, workers, test_accuracy, time.time() - start, self.backend.name)
+        summary["run_id"] = self.session.run_id
+        summary["recoveries"] = list(client.recoveries)  # the wrap-up's too, which no report holds
+        summary["global_steps_lost"] = sum(int(r.get("lost_steps") or 0) for r in client.recoveries)
         write_json_atomic(out / "summary.json", summary)
         log.info(
             "worker 0: test accuracy %.4f of the final parameters (global step %d)",

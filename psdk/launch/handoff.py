@@ -220,6 +220,7 @@ ALWAYS_SET = (
     "ps_hosts",
     "worker_hosts",
     "output_dir",
+    "run_id",
     "data.dir",
     "transport.secure",
     "hydra.run.dir",

@@ -56,6 +56,7 @@ OWN_KEYS = (
     "ps_hosts",
     "worker_hosts",
     "output_dir",
+    "run_id",
     "ps.announce_file",
     "ps.progress_file",
     "data.dir",
@@ -172,6 +173,7 @@ class LocalLauncher:
         self.out = Path()  # the run's folder
         self.handoffs: handoff.HandoffMaker | None = None  # each task's config, when it need not compose it
         self.options = TaskOptions()  # the job's typed options, once validate() has built them
+        self.run_id = ""  # the run's id (run_id=, or a new one), on every task's command line
 
     # --------------------------------------------------------------- checks
     def validate(self, cfg: DictConfig) -> None:
@@ -189,6 +191,7 @@ class LocalLauncher:
         check_supported(str(build.model_spec(cfg).name), backends)
         build.update_rule(cfg)
         build.check_training(cfg, self.options, topology.num_workers)
+        build.run_id(cfg)
         if cfg.resume:
             checkpoint.load(cfg.resume)  # a path that is no checkpoint fails here, not in a restarted chief
 
@@ -205,7 +208,10 @@ class LocalLauncher:
         self.max_restarts = self.options.recovery.restarts
         topology = build.topology(cfg)
         self.curves = CurvesInBackground(out) if cfg.get("report", {}).get("plot", True) else None
-        common = [*passed_on(overrides), f"output_dir={out}"]
+        # One id for the whole run, on every task's command line: a restarted task keeps it.
+        self.run_id = build.run_id(cfg) or checkpoint.new_run_id()
+        log.info("launcher: run %s", self.run_id)
+        common = [*passed_on(overrides), f"output_dir={out}", f"run_id={self.run_id}"]
         if str(cfg.data.get("name", "mnist")) == "mnist":  # fetched once here, not by every worker at once
             data = cfg.data
             common.append(

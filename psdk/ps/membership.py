@@ -5,11 +5,24 @@ timeout, *finished* once it said so, and *dead* when it went silent (or never
 showed up within the start-up timeout). Deaths are reported once, with the
 reason, so the ps can log them and re-check whether a sync round can still
 fill.
+
+A finished worker leaves a small report for the chief's summary. The chief
+collects the reports as it waits for the workers, and a finished worker that
+says it stays (``finish`` with ``stays``) waits until it has seen its report
+collected; the chief waits for that too, so no worker leaves while it is the
+only one who could tell a restarted ps that it finished. A ps lost after
+that is told again who finished, and what they reported, by the chief's
+restore.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+MAX_REPORT_CHARS = 16_384
+"""A worker's report at the end, as the ps keeps it for the chief's summary (a real one is ~2 KB)."""
 
 ALIVE, FINISHED, DEAD, UNSEEN = "alive", "finished", "dead", "unseen"
 
@@ -19,6 +32,13 @@ class WorkerState:
     status: str = UNSEEN
     last_seen: float | None = None
     reason: str = ""
+    report: dict[str, Any] | None = None
+    collected: bool = False
+    """The chief has this worker's report (it asked for the reports after the worker finished)."""
+    stays: bool = False
+    """The worker said it waits until it has seen its report collected."""
+    acknowledged: bool = False
+    """... and it has seen it: it may go."""
 
 
 class Membership:
@@ -49,15 +69,61 @@ class Membership:
         """Drop a worker id that turned out not to be in the job."""
         self.workers.pop(worker, None)
 
-    def finish(self, worker: int, reason: str = "") -> None:
+    def finish(
+        self, worker: int, reason: str = "", report: Any = None, collected: bool = False, stays: bool = False
+    ) -> None:
         state = self.workers.setdefault(worker, WorkerState())
-        state.status, state.reason = FINISHED, reason
+        state.status, state.reason, state.stays = FINISHED, reason, state.stays or stays
+        if isinstance(report, dict):  # one small report per worker
+            size = len(json.dumps(report))
+            state.report = report if size <= MAX_REPORT_CHARS else {"report_too_large": size}
+        state.collected = state.collected or collected
+
+    def reports(self) -> dict[int, dict[str, Any]]:
+        return {i: s.report for i, s in self.workers.items() if s.report is not None}
+
+    def collect(self) -> dict[int, dict[str, Any]]:
+        """The finished workers and their reports, now the chief's: each is marked collected."""
+        finished = {i: s for i, s in self.workers.items() if s.status == FINISHED}
+        for state in finished.values():
+            state.collected = True
+        return {i: s.report or {} for i, s in finished.items()}
+
+    def collected(self) -> list[int]:
+        return sorted(i for i, s in self.workers.items() if s.collected)
+
+    def acknowledge(self, worker: int) -> None:
+        """``worker`` asked after its report was collected: the answer tells it so, and it may go."""
+        state = self.workers.get(worker)
+        if state is not None and state.collected:
+            state.acknowledged = True
+
+    def leaving(self, now: float) -> list[int]:
+        """Finished workers that stay until they have seen their report collected, and have not yet.
+
+        One whose process is gone (silent for a heartbeat timeout) is not waited for.
+        """
+        return sorted(
+            i
+            for i, s in self.workers.items()
+            if s.status == FINISHED and s.stays and not s.acknowledged and not self.gone(i, now)
+        )
+
+    def unseen_are_dead_after(self, now: float, limit_s: float) -> None:
+        """A restored shard: a worker of the job that does not show up within ``limit_s`` is dead.
+
+        A live worker's heartbeats reach a restarted ps within an interval; the
+        start-up timeout is for a job's first start, and a worker that ended
+        while the ps was down must not be waited for that long.
+        """
+        self.started, self.startup_timeout_s = now, limit_s
 
     def rejoin(self, worker: int) -> None:
         """A new process of a worker that finished (early) trains again: it is alive, not finished."""
         state = self.workers.get(worker)
         if state is not None and state.status == FINISHED:
-            state.status, state.reason = ALIVE, ""
+            state.status, state.reason, state.report = ALIVE, "", None
+            state.collected = state.stays = state.acknowledged = False
 
     def departed(self) -> str:
         """The workers that will push no more, and why, for an error that must name them."""

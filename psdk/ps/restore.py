@@ -12,7 +12,7 @@ import logging
 
 from psdk.consistency import make_policy
 from psdk.errors import ProtocolError
-from psdk.ps.shard import ServedShard, restore_state
+from psdk.ps.shard import ServedShard, restore_state, take_finished
 from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.ps.server")
@@ -33,6 +33,7 @@ def on_restore(shard: ServedShard, peer: bytes, message: Message) -> None:
     restore = restore_state(message.fields["restore"], names, message.arrays)
     assert restore is not None  # the protocol declares the field an object
     store.reset(dict(zip(names, message.arrays, strict=False)), restore)
+    take_finished(shard.membership, message.fields.get("finished"), shard.job.num_workers)
     shard.epoch = message.fields["epoch"]
     why = f"the chief restored the job at version {restore.version} (epoch {shard.epoch})"
     stale = [(p.peer, p.rid) for p in [*shard.policy.release_parked(), *pause.pushes]]

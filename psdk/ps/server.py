@@ -17,7 +17,6 @@ and every reply leaves through one :class:`~psdk.ps.outbox.Outbox`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import resource
@@ -25,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from psdk import protocol
 from psdk.consistency import ConsistencyPolicy
@@ -48,8 +46,6 @@ log = logging.getLogger(__name__)
 
 CHIEF = protocol.CHIEF
 HOUSEKEEPING_S = 0.05
-MAX_REPORT_CHARS = 16_384
-"""A worker's report at the end, as the ps keeps it for the chief's summary (a real one is ~2 KB)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +121,6 @@ class ParameterServer:
             max_pushes_in_flight=self.options.max_pushes_in_flight,
         )
         self.checkpoints = Checkpoints(self.shard)
-        self.reports: dict[int, dict[str, Any]] = {}
         self.exit_code: int | None = None
         self._blocked_since: float | None = None
         """When a sync round became unable to fill (workers left); ``None`` while it can."""
@@ -383,12 +378,10 @@ class ParameterServer:
             failpoint(PS_WRAP_UP)
         # A shard that holds no variable (more ps tasks than variables) gets no pushes: nobody leaves it early.
         early = bool(self.store.size) and not self.done and self.membership.status(worker) != FINISHED
-        self.membership.finish(worker, f"at version {self.store.version}, before the job's end" if early else "")
+        reason = f"at version {self.store.version}, before the job's end" if early else ""
+        stays = message.fields.get("stays") is True
+        self.membership.finish(worker, reason, message.fields.get("report"), stays=stays)  # for the chief's summary
         self.endpoint.forget(peer)  # its last pulls are answered in frames; what it lent is let go
-        report = message.fields.get("report")
-        if isinstance(report, dict):  # kept for the chief's summary: one small report per worker
-            size = len(json.dumps(report))
-            self.reports[worker] = report if size <= MAX_REPORT_CHARS else {"report_too_large": size}
         self.outbox.send(peer, message.rid, "ok", {}, [])
         if early:  # as if it had left: only the chief's shutdown or abort ends the job
             log.warning("%s: worker %d finished at version %d, before the job's end", self.name, worker,
@@ -396,6 +389,8 @@ class ParameterServer:
             self._on_worker_left(worker, time.monotonic())
 
     def _on_status(self, peer: bytes, message: Message, worker: int) -> None:
+        if worker != CHIEF:
+            self.membership.acknowledge(worker)  # if its report was collected, this answer tells it: it may go
         fields = {
             "version": self.store.version,
             "done": self.done,
@@ -404,7 +399,13 @@ class ParameterServer:
             "boot": self.shard.boot,
             "failure": self.failure,
             "workers": self.membership.summary(),
+            "collected": self.membership.collected(),
+            "leaving": self.membership.leaving(time.monotonic()),
         }
+        if message.fields.get("reports"):  # the chief collects the finished workers' reports
+            if worker != CHIEF:
+                raise ProtocolError("only the chief (worker 0) collects the workers' reports")
+            fields["reports"] = {str(i): report for i, report in self.membership.collect().items()}
         self.outbox.send(peer, message.rid, "status", fields, [])
 
     def _on_stats(self, peer: bytes, message: Message, worker: int) -> None:
@@ -415,7 +416,7 @@ class ParameterServer:
             "variables": [s.name for s in self.store.specs],
             "stats": self.stats.to_json(),
             "workers": self.membership.summary(),
-            "reports": {str(k): v for k, v in self.reports.items()},
+            "reports": {str(k): v for k, v in self.membership.reports().items()},
             "job": self.job.to_json() if self.job else None,
             "process": process_usage(),
         }

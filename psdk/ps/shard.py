@@ -60,6 +60,18 @@ def restore_state(data: Any, names: list[str], arrays: list[np.ndarray]) -> Rest
     return RestoreState(version, rule_step, slots)
 
 
+def take_finished(membership: Membership, data: Any, num_workers: int) -> None:
+    """A restore tells the shard who had finished, with their reports (the chief had collected them)."""
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ProtocolError("finished must be an object {worker id: report}")
+    for key, report in data.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < num_workers):
+            raise ProtocolError(f"finished names {key!r}, which is no worker of this job")
+        membership.finish(int(key), report=report, collected=True)
+
+
 class ServedShard:
     def __init__(
         self,
@@ -183,6 +195,9 @@ class ServedShard:
         self.endpoint.limit_incoming(largest, largest + job.num_workers * push)
         self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
+        if self.epoch > 0:  # restored after a ps was lost: the workers were running, their heartbeats come at once
+            self.membership.unseen_are_dead_after(time.monotonic(), self.membership.heartbeat_timeout_s)
+        take_finished(self.membership, message.fields.get("finished"), job.num_workers)
         self.sessions.forget_beyond(job.num_workers)
         log.info(
             "%s: initialised %d variables (%d floats), %s, %s mode, %d steps, %d workers%s",

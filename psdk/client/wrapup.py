@@ -1,0 +1,67 @@
+"""The end of training: the chief waits for the workers and collects their reports; the others wait to be collected.
+
+A worker's ``finish`` reaches every shard with its report. The chief waits
+until every other worker has finished or is known dead, asking every shard
+(a shard that failed the job says so at once), and collects the finished
+workers' reports on the way. A finished worker stays until it has seen its
+report collected, and the chief waits for that too: until then the worker is
+the only one who could tell a restarted ps that it finished, and what it
+reported. After that the chief tells a restored shard itself. A ps lost
+during these waits is restored as during training
+(:meth:`~psdk.client.client.ParameterClient.wrapping_up`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from psdk.errors import PsdkError, TransportError
+
+if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
+    from psdk.client.client import ParameterClient
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+def wait_for_workers(client: ParameterClient, timeout_s: float) -> dict[str, dict[str, str]]:
+    """Chief: wait until every other worker finished (and, if it stays, saw its report collected) or is dead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = client.wrapping_up(lambda: client.statuses(reports=True), "waiting for the workers")
+        for index, status in sorted(statuses.items()):
+            if status.get("failure"):
+                raise PsdkError(f"{client.names[index]} failed the job: {status['failure']}")
+        workers = statuses[0]["workers"]
+        waiting = [i for i, w in workers.items() if w["status"] in ("alive", "unseen") and int(i) != client.task_index]
+        waiting += sorted({str(i) for status in statuses.values() for i in status.get("leaving", ())})
+        if not waiting:
+            return dict(workers)
+        if time.monotonic() > deadline:
+            raise TransportError(
+                f"timed out after {timeout_s:.0f} s waiting for worker(s) {', '.join(waiting)} to finish"
+            )
+        time.sleep(POLL_S)
+
+
+def wait_collected(client: ParameterClient, timeout_s: float) -> bool:
+    """Not the chief: wait (at most ``timeout_s``) until the chief has this worker's report; False if it did not.
+
+    A restored shard that never heard this worker finish is told again.
+    """
+    deadline = time.monotonic() + timeout_s
+    me = str(client.task_index)
+    while True:
+        statuses = client.wrapping_up(client.statuses, "waiting for the chief to collect this worker's report")
+        if all(client.task_index in status.get("collected", ()) for status in statuses.values()):
+            return True
+        if any(status["workers"].get(me, {}).get("status") != "finished" for status in statuses.values()):
+            client.finish(client.report, stays=True)
+        if time.monotonic() > deadline:
+            log.warning("worker %d: the chief did not collect this worker's report in %.0f s", client.task_index,
+                        timeout_s)  # fmt: skip
+            return False
+        time.sleep(POLL_S)
