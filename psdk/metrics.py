@@ -102,6 +102,9 @@ def summary_line(summary: Mapping[str, Any]) -> str:
         f"wall {float(summary.get('wall_s') or 0):.1f} s" + _training(summary),
         f"gradients applied {summary.get('gradients_applied')}, dropped {summary.get('gradients_dropped')}",
     ]
+    divergence = summary.get("divergence")
+    if divergence:
+        parts.append(f"DIVERGED at global step {divergence.get('global_step')} (the log says why)")
     recoveries = summary.get("recoveries") or []
     if recoveries:
         parts.append(f"a lost ps restored {len(recoveries)}x, {summary.get('global_steps_lost', 0)} global steps lost")

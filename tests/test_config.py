@@ -116,7 +116,7 @@ def test_the_documented_overrides_compose_together() -> None:
 @pytest.mark.parametrize("option", options("sync"))
 def test_every_sync_option_accepts_the_same_keys(option: str) -> None:
     cfg = compose("config", overrides=[f"sync={option}", "sync.replicas_to_aggregate=1", "sync.staleness=3"])
-    assert set(cfg.sync) == {"_target_", "mode", "replicas_to_aggregate", "staleness"}
+    assert set(cfg.sync) == {"_target_", "mode", "replicas_to_aggregate", "staleness", "scale_momentum"}
     sync_spec(cfg)
 
 

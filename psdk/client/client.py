@@ -192,6 +192,17 @@ class ParameterClient:
         ``epoch``: a restore of a running job (a new epoch, which the waiting
         workers follow); 0 for a new or resumed job.
         """
+        scaled = job.sync.rule_for(rule, job.num_workers)
+        if scaled != rule:
+            log.info(
+                "worker %d: %d async workers: momentum %g runs as %.3g on the ps (asynchrony adds momentum of its "
+                "own; sync.scale_momentum=false keeps it as given)",
+                self.task_index,
+                job.num_workers,
+                getattr(rule, "momentum", 0.0),
+                getattr(scaled, "momentum", 0.0),
+            )
+        rule = scaled
         variables = checked_variables(variables, rule, restore)
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()

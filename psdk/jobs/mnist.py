@@ -12,6 +12,7 @@ others, evaluates the final parameters of the ps on the test set and writes
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
 from psdk.errors import TrainingResumed
 from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
+from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
 from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
@@ -80,6 +82,7 @@ class WorkerReport:
     train_time_s: float = 0.0
     epochs: int = 0
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    divergence: dict[str, Any] | None = None
     computed: int = 0
     compute_s: float = 0.0
     compute_cpu_s: float = 0.0
@@ -105,6 +108,7 @@ class WorkerReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "recoveries": self.recoveries,
+            "divergence": self.divergence,
             "backend": self.backend,
             "device": self.device,
             "local_steps": self.local_steps,
@@ -215,6 +219,13 @@ class WorkerJob:
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
         self.fingerprint = build.fingerprint(cfg)
+        self.divergence = DivergenceWatch(
+            target_steps=options.train.steps,
+            num_workers=session.job.num_workers,
+            lr=float(cfg.optimizer.get("lr") or 0.0),
+            momentum=float(cfg.optimizer.get("momentum") or 0.0),
+            mode=str(build.sync_spec(cfg).mode),
+        )
         self.every_steps = self.checkpoints.every_steps if session.is_chief else 0
         self.every_seconds = self.checkpoints.every_seconds if session.is_chief else 0.0
         self.next_checkpoint = self._next_multiple(session.global_step)
@@ -259,6 +270,11 @@ class WorkerJob:
             failpoint(WORKER_STEP)
             started, cpu_started = clock(), cpu_clock()
             loss = self.backend.forward_backward(self.model, x, y)
+            if not math.isfinite(loss):  # its gradient is no use to anyone: said, and the job ends
+                self._diverged(self.divergence.observe(loss, client.global_step))
+                if in_flight is not None:
+                    in_flight.wait()
+                break
             self.report.computed += 1
             self.report.compute_s += clock() - started
             self.report.compute_cpu_s += cpu_clock() - cpu_started
@@ -290,6 +306,9 @@ class WorkerJob:
                 rate = window_steps / max(now - window_start, 1e-9)
                 window_start, window_steps = now, 0
                 self._log_point(batches.epoch, result, loss, validate, rate, now - began)
+            if self.divergence.observe(loss, result.global_step) is not None:
+                log.error("worker %d: %s", self.task, self.divergence.message())
+                self.report.divergence = self.divergence.verdict
             if not result.done and self._checkpoint_due(result.global_step):
                 self.save_checkpoint()
             if result.done:
@@ -308,6 +327,14 @@ class WorkerJob:
             self.report.local_steps,
             self.report.local_steps / max(self.report.train_time_s, 1e-9),
         )
+
+    def _diverged(self, verdict: dict[str, Any] | None) -> None:
+        """A non-finite loss: say so, and end the job (the chief) or leave it (the others)."""
+        log.error("worker %d: %s", self.task, self.divergence.message())
+        self.report.divergence = verdict
+        if self.session.is_chief:
+            step = self.session.client.stop_at(self.session.global_step)
+            self.session.record(StepResult(step, True, "stopped"))
 
     def _log_point(
         self, epoch: int, result: StepResult, loss: float, validate: bool, rate: float, elapsed: float
@@ -369,6 +396,9 @@ class WorkerJob:
         stats = client.wrapping_up(client.stats, "reading the ps statistics")
         summary = build_summary(cfg, stats, workers, test_accuracy, time.time() - start, self.backend.name)
         summary["run_id"] = self.session.run_id
+        summary["rule_applied"] = dict(client.rule_json)  # e.g. the momentum scaled for async workers
+        diverged = [w["divergence"] for _, w in sorted(summary["workers"].items()) if w.get("divergence")]
+        summary["divergence"] = diverged[0] if diverged else None
         summary["recoveries"] = list(client.recoveries)  # the wrap-up's too, which no report holds
         summary["global_steps_lost"] = sum(int(r.get("lost_steps") or 0) for r in client.recoveries)
         write_json_atomic(out / "summary.json", summary)
