@@ -1,12 +1,15 @@
-"""A task's liveness beat: the verdict on its file, and the file a real process writes.
+"""A task's liveness beat: the verdict on its file, the file a real process writes, and the launcher's loop on it.
 
-Each part is held to its contract alone: :func:`~psdk.liveness.judge` on
-made-up readings, :func:`~psdk.liveness.observe` on files, and the writer in
-a child process that beats, stalls or is stopped.
+The jobs in ``tests/test_hangs.py`` show whole runs; here each part is held
+to its contract alone: :func:`~psdk.liveness.judge` on made-up readings,
+:func:`~psdk.liveness.observe` on files, the writer in a child process that
+beats, stalls or is stopped, and the launcher's supervision loop over small
+child processes standing in for a ps and a chief.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -19,10 +22,17 @@ from pathlib import Path
 
 import pytest
 
+from psdk.config.build import check_liveness
 from psdk.config.options import (
     LivenessOptions,
+    PsOptions,
+    RecoveryOptions,
+    TaskOptions,
+    TransportOptions,
 )
-from psdk.errors import ConfigError
+from psdk.errors import ConfigError, JobFailedError
+from psdk.launch.local import LocalLauncher, Task
+from psdk.launch.ray_actors import RemoteProcess, TaskRunner
 from psdk.liveness import Hang, Seen, judge, observe
 
 from .conftest import REPO
@@ -61,6 +71,32 @@ def test_before_its_first_beat_a_running_task_has_its_own_allowance_and_a_stoppe
 
 
 # ------------------------------------------------------------------ the settings
+def options(**liveness_keys: float | None) -> TaskOptions:
+    return TaskOptions(liveness=LivenessOptions(**liveness_keys))  # type: ignore[arg-type]
+
+
+def test_with_the_defaults_a_hang_is_found_within_32_s_before_anyone_gives_up() -> None:
+    assert LivenessOptions().detect_s == 30 + 2 * 1.0 < PsOptions().idle_timeout_s  # type: ignore[operator]
+    check_liveness(TaskOptions())
+    check_liveness(options(stall_timeout_s=None))  # nobody judges: nothing to check
+    check_liveness(dataclasses.replace(options(stall_timeout_s=59), recovery=RecoveryOptions(enabled=False)))
+
+
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        ({"liveness": LivenessOptions(stall_timeout_s=59)}, "= 61 s, which must be shorter than ps.idle_timeout_s"),
+        ({"ps": PsOptions(idle_timeout_s=20)}, "= 32 s, which must be shorter than ps.idle_timeout_s (20 s)"),
+        ({"recovery": RecoveryOptions(timeout_s=30)}, "= 32 s, which must be shorter than recovery.timeout_s (30 s)"),
+        ({"transport": TransportOptions(heartbeat_timeout_s=30)}, "longer than transport.heartbeat_timeout_s (30)"),
+    ],
+)
+def test_a_limit_that_comes_too_late_is_refused_naming_the_keys(changed: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_liveness(dataclasses.replace(TaskOptions(), **changed))  # type: ignore[arg-type]
+    assert caught.value.key == "liveness.stall_timeout_s" and named in str(caught.value)
+
+
 def test_a_limit_within_two_intervals_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"must be longer than twice liveness\.interval_s"):
         LivenessOptions(stall_timeout_s=2.0, interval_s=1.0)
@@ -146,3 +182,117 @@ def said_it_stalled(process: subprocess.Popen[str]) -> bool:
     """Whether the child printed that it stalled (its one line), without blocking."""
     assert process.stdout is not None and process.poll() is None, "the child ended"
     return bool(select.select([process.stdout], [], [], 0)[0]) and process.stdout.readline().strip() == "stalled"
+
+
+def test_the_ray_actor_reads_its_tasks_file_on_its_node(child: Callable[..., tuple]) -> None:
+    """Ray cannot run end to end in every test run: the actor's method and the launcher's handle on it, bare."""
+    process, path, started = child(0.05, 10**6)
+    runner = TaskRunner("ps 0")
+    runner.process, runner.started = process, started
+    seen = until(lambda: (s := runner.liveness(str(path))) is not None and s.beats and s)
+    assert isinstance(seen, Seen) and seen.age_s is not None and seen.age_s < 1.0
+
+    class FakeRay:  # what RemoteProcess needs of the ray module
+        class exceptions:  # as ray names it
+            RayError = RuntimeError
+            GetTimeoutError = TimeoutError
+
+        @staticmethod
+        def get(value: object, timeout: float) -> object:
+            return value
+
+    class Method:
+        def __init__(self, call: Callable[..., object]):
+            self.remote = call
+
+    class Actor:
+        liveness = Method(runner.liveness)
+
+    remote = RemoteProcess(FakeRay, Actor())
+    assert isinstance(remote.liveness(str(path)), Seen)
+    process.kill()
+    process.wait(timeout=10)
+    assert remote.liveness(str(path)) is None  # a task that ended is not judged
+
+
+# ------------------------------------------------------------------ the launcher's loop
+FAKE_PS = """
+import sys, threading, time
+from pathlib import Path
+from psdk import liveness
+first, second, alive = (Path(a) for a in sys.argv[1:4])
+with liveness.beating(alive, 0.1):
+    if not first.exists():  # its first life: one beat, then stuck for ever
+        first.touch()
+        liveness.beat()
+        threading.Event().wait()
+    second.touch()
+    for _ in range(40):  # its second: 2 s of beats, then the job is over
+        liveness.beat()
+        time.sleep(0.05)
+"""
+FAKE_CHIEF = """
+import sys, time
+from pathlib import Path
+from psdk import liveness
+with liveness.beating(Path(sys.argv[2]), 0.1):
+    deadline = time.monotonic() + 30
+    while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:  # until the ps's second life
+        liveness.beat()
+        time.sleep(0.05)
+"""
+
+
+def launcher_of(tmp_path: Path, restarts: int) -> tuple[LocalLauncher, Task]:
+    """A local launcher supervising a stand-in chief and a stand-in ps that hangs once, as ``_launch`` leaves it."""
+    launcher = LocalLauncher(shutdown_timeout_s=10)
+    launcher.options = TaskOptions(
+        liveness=LivenessOptions(stall_timeout_s=1.0, interval_s=0.1),
+        recovery=RecoveryOptions(enabled=restarts > 0, max_restarts=restarts),
+    )
+    launcher.max_restarts = launcher.options.recovery.restarts
+    launcher.out = tmp_path
+    tasks = tmp_path / "tasks"
+    (tasks / "ps0").mkdir(parents=True)
+    second, alive = tasks / "ps0.second-life", tasks / "ps0.alive.json"
+    ps_command = [sys.executable, "-c", FAKE_PS, str(tasks / "ps0.first"), str(second), str(alive)]
+    ps_command.append(f"hydra.run.dir={tasks / 'ps0'}")  # where a restart writes its pid
+    chief_command = [sys.executable, "-c", FAKE_CHIEF, str(second), str(tasks / "worker0.alive.json")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ps = Task("ps", 0, subprocess.Popen(ps_command, env=env), ps_command, env=env, alive=alive)
+    chief_process = subprocess.Popen(chief_command, env=env)
+    chief = Task("worker", 0, chief_process, chief_command, env=env, alive=tasks / "worker0.alive.json")
+    launcher.tasks = [ps, chief]
+    return launcher, ps
+
+
+@pytest.fixture
+def stopped_afterwards() -> Iterator[list[LocalLauncher]]:
+    launchers: list[LocalLauncher] = []
+    yield launchers
+    for launcher in launchers:
+        launcher._stop_all()
+
+
+def test_the_launcher_kills_a_hung_ps_and_starts_it_again(
+    tmp_path: Path, stopped_afterwards: list[LocalLauncher], caplog: pytest.LogCaptureFixture
+) -> None:
+    launcher, ps = launcher_of(tmp_path, restarts=3)
+    stopped_afterwards.append(launcher)
+    first = ps.process
+    with caplog.at_level("WARNING", logger="psdk.launch.local"):
+        launcher._supervise()  # returns once the chief exits 0 and the ps after it
+    assert first.returncode == -signal.SIGKILL and ps.process is not first and ps.process.returncode == 0
+    assert launcher.restarts == {"ps 0": 1}
+    assert "ps 0 has not served for 1." in caplog.text and "killing and restarting it" in caplog.text
+    assert "(its process runs, its loop is stuck; liveness.stall_timeout_s=1)" in caplog.text
+
+
+def test_with_recovery_off_a_hung_ps_is_killed_and_the_job_stops_naming_it(
+    tmp_path: Path, stopped_afterwards: list[LocalLauncher]
+) -> None:
+    launcher, ps = launcher_of(tmp_path, restarts=0)
+    stopped_afterwards.append(launcher)
+    with pytest.raises(JobFailedError, match=r"ps 0 has not served for 1\.\d s .* and was killed by the launcher"):
+        launcher._supervise()
+    assert ps.process.returncode == -signal.SIGKILL and launcher.restarts == {}

@@ -222,6 +222,7 @@ ALWAYS_SET = (
     "output_dir",
     "data.dir",
     "transport.secure",
+    "liveness.file",
     "hydra.run.dir",
     "hydra.job.name",
 )
