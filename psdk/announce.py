@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from psdk.errors import PsdkError
+from psdk.liveness import beat
 from psdk.metrics import write_json_atomic
 
 POLL_S = 0.02
@@ -41,6 +42,7 @@ def wait_for(
     files = [file_for(folder, i) for i in range(num_ps)]
     deadline = time.monotonic() + timeout_s
     while not all(f.exists() for f in files):
+        beat()  # a worker waiting for its ps tasks is not hung (psdk.liveness)
         if still_worth_it is not None:
             still_worth_it()
         if time.monotonic() > deadline:

@@ -243,13 +243,15 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
         elif job == "ps":
             from psdk.ps.main import run_ps
 
-            code = run_ps(cfg)
+            with _beating(cfg):
+                code = run_ps(cfg)
             if code:
                 raise SystemExit(code)
         elif job == "worker":
             from psdk.jobs.mnist import run_worker
 
-            run_worker(cfg)
+            with _beating(cfg):
+                run_worker(cfg)
         elif job == "evaluate":
             from psdk.jobs.evaluate import run_evaluate
 
@@ -265,6 +267,15 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
     except KeyboardInterrupt:
         log.error("interrupted")
         _failed(job, 130, "interrupted", output_dir, stop=True)
+
+
+def _beating(cfg: DictConfig) -> contextlib.AbstractContextManager[None]:
+    """The task's liveness file (``liveness.file``, which a launcher sets), rewritten while it runs."""
+    from psdk.config.options import options_from
+    from psdk.liveness import beating
+
+    live = options_from(cfg).liveness
+    return beating(Path(live.file) if live.file else None, live.interval_s)
 
 
 def _failed(job: object, code: int, error: str, output_dir: Path, stop: bool = False) -> None:

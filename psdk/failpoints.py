@@ -3,8 +3,11 @@
 A test that must kill the chief *between* two messages of a checkpoint
 cannot do it from outside at the right moment: the window lasts
 milliseconds. Set ``PSDK_FAILPOINT=<spec>:<marker file>`` in the task's
-environment, where ``<spec>`` is ``<name>[@<n>][=<action>]``:
+environment, where ``<spec>`` is ``[<task>/]<name>[@<n>][=<action>]``:
 
+* ``<task>/``: only in that task (``worker1``, ``ps0``): every task of a
+  job inherits the launcher's environment, and a test that stalls one
+  worker of two must say which;
 * ``<name>``: the point (the constants below);
 * ``@<n>``: act the n-th time this process reaches it (default: the first),
   so a test injects a fault at measured progress, e.g. a ps's 300th update;
@@ -26,6 +29,8 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+from psdk.logs import task_label
 
 FAILPOINT_ENV = "PSDK_FAILPOINT"
 
@@ -55,12 +60,15 @@ class Spec:
     action: str = "kill"
     sleep_s: float = 0.0
     marker: str = ""
+    task: str = ""
+    """Only in this task (``worker1``); empty: in every task."""
 
 
 def parse(text: str) -> Spec:
-    """``<name>[@<n>][=<action>]:<marker>``, as the module docstring says."""
+    """``[<task>/]<name>[@<n>][=<action>]:<marker>``, as the module docstring says."""
     spec, _, marker = text.partition(":")
     spec, _, action = spec.partition("=")
+    task, _, spec = spec.rpartition("/")
     name, _, at = spec.partition("@")
     action = action or "kill"
     sleep_s = 0.0
@@ -68,7 +76,7 @@ def parse(text: str) -> Spec:
         sleep_s, action = float(action[len("sleep") :]), "sleep"
     elif action not in ACTIONS:
         raise ValueError(f"{FAILPOINT_ENV}: unknown action {action!r} (kill, stall or sleep<seconds>)")
-    return Spec(name, int(at) if at else 1, action, sleep_s, marker)
+    return Spec(name, int(at) if at else 1, action, sleep_s, marker, task)
 
 
 def failpoint(name: str) -> None:
@@ -76,7 +84,7 @@ def failpoint(name: str) -> None:
     if not text:
         return
     spec = parse(text)
-    if spec.name != name:
+    if spec.name != name or (spec.task and spec.task != task_label().replace(" ", "")):
         return
     _reached[name] += 1
     if _reached[name] < spec.at:

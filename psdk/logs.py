@@ -13,6 +13,11 @@ def set_task_label(label: str) -> None:
     _task_label = label
 
 
+def task_label() -> str:
+    """Which task this process runs (``ps 0``, ``worker 1``), or ``psdk`` before it knows."""
+    return _task_label
+
+
 class TaskFilter(logging.Filter):
     """Adds ``%(task)s`` to every record; referenced from conf/hydra/job_logging/psdk.yaml."""
 

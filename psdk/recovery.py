@@ -23,6 +23,7 @@ from psdk import checkpoint
 from psdk.checkpoint import Checkpoint
 from psdk.client.shards import StepResult
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
+from psdk.liveness import beat
 from psdk.transport.wire import Message
 
 if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
@@ -119,6 +120,7 @@ def statuses(client: ParameterClient, deadline: float, what: str, reports: bool 
         for index in range(client.cluster.num_ps):
             if index in found:
                 continue
+            beat()  # each try may wait up to a heartbeat timeout for a connection (psdk.liveness)
             try:
                 reply = client.request({index: client.message("status", **fields)}, what, timeout_s=1.0, watch=False)
                 found[index] = reply[index].fields

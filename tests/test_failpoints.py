@@ -52,3 +52,17 @@ def test_sleep_slows_every_time_from_the_nth_on() -> None:
         "for _ in range(4):\n    failpoint('p')\nprint(round(time.monotonic() - t, 1))\n"
     )
     assert 0.55 <= float(run("p@2=sleep0.2", code).stdout) < 3  # three sleeps of 0.2 s
+
+
+def test_a_task_prefix_acts_in_that_task_only(tmp_path: Path) -> None:
+    """Every task of a job inherits the launcher's environment: stalling one worker of two needs its name."""
+    assert parse("worker1/worker.step@50=stall:/m") == Spec("worker.step", 50, "stall", 0.0, "/m", "worker1")
+    marker = tmp_path / "fired"
+
+    def in_task(label: str) -> subprocess.CompletedProcess[str]:
+        return run(f"worker1/p@2:{marker}", f"from psdk.logs import set_task_label\nset_task_label({label!r})\n{COUNT}")
+
+    other = in_task("worker 0")
+    assert other.returncode == 0 and other.stdout.split() == ["0", "1", "2", "3", "4"] and not marker.exists()
+    named = in_task("worker 1")
+    assert named.returncode == -9 and named.stdout.split() == ["0"] and marker.exists()

@@ -450,3 +450,17 @@ def test_a_ps_socket_sends_no_zeromq_heartbeats_and_keeps_tcp_alive() -> None:
         endpoint.close()
     finally:
         transport.close()
+
+
+def test_a_worker_socket_sends_no_zeromq_heartbeats_either() -> None:
+    """The ps's I/O thread answers a worker's PING: one queued on a full connection when the worker went aborted a
+    ps slowed to 1 s per update at the end of the job, 4 runs of 4. A worker's own pings find a dead ps."""
+    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0))
+    try:
+        endpoint = transport.connect(["127.0.0.1:1"], ["ps 0"])  # connecting is asynchronous: nothing need listen
+        for sock in endpoint.socks:  # type: ignore[attr-defined]
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0 and sock.getsockopt(zmq.HEARTBEAT_TTL) == 0
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1 and sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 2
+        endpoint.close()
+    finally:
+        transport.close()

@@ -211,3 +211,39 @@ def run_id(cfg: DictConfig) -> str | None:
     """The run id the config gives (``run_id=``), checked; ``None`` when it gives none."""
     value = cfg.get("run_id")
     return check_run_id(str(value)) if value is not None else None
+
+
+def check_liveness(options: TaskOptions) -> None:
+    """A hang must be found before the tasks that wait on the hung one give up; checked by the launcher, which judges.
+
+    Found within ``liveness.stall_timeout_s + 2 * liveness.interval_s``
+    (:attr:`~psdk.config.options.LivenessOptions.detect_s`). With recovery on,
+    that must come before the ps tasks give up on a silent chief
+    (``ps.idle_timeout_s``) and the workers on a lost ps (``recovery.timeout_s``),
+    or the job is lost waiting for a task the launcher was about to replace.
+    """
+    live = options.liveness
+    if live.detect_s is None or live.stall_timeout_s is None:
+        return
+    heartbeat = options.transport.heartbeat_timeout_s
+    if live.stall_timeout_s <= heartbeat:
+        raise ConfigError(
+            "liveness.stall_timeout_s",
+            f"is {live.stall_timeout_s:g} but must be longer than transport.heartbeat_timeout_s ({heartbeat:g}): "
+            "a worker may wait that long for a connection to a ps without its loop turning",
+        )
+    found = f"a hang is found within liveness.stall_timeout_s + 2 x liveness.interval_s = {live.detect_s:g} s"
+    idle = options.ps.idle_timeout_s
+    if options.recovery.enabled and idle is not None and live.detect_s >= idle:
+        raise ConfigError(
+            "liveness.stall_timeout_s",
+            f"{found}, which must be shorter than ps.idle_timeout_s ({idle:g} s), or the ps tasks exit before a "
+            "hung chief is replaced; lower liveness.stall_timeout_s or raise ps.idle_timeout_s",
+        )
+    if options.recovery.enabled and live.detect_s >= options.recovery.timeout_s:
+        raise ConfigError(
+            "liveness.stall_timeout_s",
+            f"{found}, which must be shorter than recovery.timeout_s ({options.recovery.timeout_s:g} s), or the "
+            "workers give up on a hung ps before it is replaced; lower liveness.stall_timeout_s or raise "
+            "recovery.timeout_s",
+        )

@@ -172,6 +172,32 @@ class RecoveryOptions(_Group):
 
 
 @dataclass(frozen=True)
+class LivenessOptions(_Group):
+    """``liveness.*``: each task's beat file, and when the launcher takes a task for hung (:mod:`psdk.liveness`)."""
+
+    GROUP: ClassVar[str] = "liveness"
+    stall_timeout_s: float | None = 30.0
+    start_timeout_s: float | None = 50.0
+    interval_s: float = 1.0
+    file: str | None = None
+
+    def __post_init__(self) -> None:
+        self._positive("interval_s")
+        self._positive("stall_timeout_s", "start_timeout_s", null=True)
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 2 * self.interval_s:
+            raise self._fail(
+                "stall_timeout_s",
+                f"is {self.stall_timeout_s} but must be longer than twice liveness.interval_s ({self.interval_s}): "
+                "a beat reaches the launcher up to two intervals late",
+            )
+
+    @property
+    def detect_s(self) -> float | None:
+        """The longest a hang goes unnoticed: the limit, one write and one look (None: never judged)."""
+        return None if self.stall_timeout_s is None else self.stall_timeout_s + 2 * self.interval_s
+
+
+@dataclass(frozen=True)
 class PlacementOptions(_Group):
     """``placement.*``: where a worker computes (the launcher reads ``device`` and ``isolate_gpus`` too)."""
 
@@ -201,6 +227,7 @@ GROUPS: dict[str, type[_Group]] = {
     "checkpoint": CheckpointOptions,
     "recovery": RecoveryOptions,
     "placement": PlacementOptions,
+    "liveness": LivenessOptions,
 }
 """The config groups read through typed options, and their classes (the schemas derive from these)."""
 
@@ -215,6 +242,7 @@ class TaskOptions:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
     placement: PlacementOptions = field(default_factory=PlacementOptions)
+    liveness: LivenessOptions = field(default_factory=LivenessOptions)
 
     def client(self) -> ClientOptions:
         """A worker's options for :func:`psdk.connect`: every ``transport.*`` key it uses, and the recovery wait."""

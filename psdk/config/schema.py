@@ -33,6 +33,7 @@ from omegaconf import MISSING
 
 from psdk.config.options import (
     CheckpointOptions,
+    LivenessOptions,
     PlacementOptions,
     PsOptions,
     RecoveryOptions,
@@ -98,6 +99,7 @@ TrainConfig = schema_of(TrainOptions, "TrainConfig")
 CheckpointConfig = schema_of(CheckpointOptions, "CheckpointConfig")
 RecoveryConfig = schema_of(RecoveryOptions, "RecoveryConfig")
 PlacementConfig = schema_of(PlacementOptions, "PlacementConfig")
+LivenessConfig = schema_of(LivenessOptions, "LivenessConfig")
 
 
 @dataclass
@@ -193,6 +195,7 @@ class PsdkConfig:
     transport: Any = field(default_factory=TransportConfig)  # derived: typed by the instance
     ps: Any = field(default_factory=PsConfig)  # derived: typed by the instance
     placement: Any = field(default_factory=PlacementConfig)  # derived: typed by the instance
+    liveness: Any = field(default_factory=LivenessConfig)  # derived: typed by the instance
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     backend_options: Any = field(default_factory=lambda: backend_option_defaults())

@@ -35,6 +35,7 @@ from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
+from psdk.liveness import beat
 from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.models import build_model
 from psdk.placement import (
@@ -142,12 +143,14 @@ def run_worker(cfg: DictConfig) -> None:
     placement = options.placement
     device = RankPlacement(placement.device).devices(cluster, task, visible_gpus())[0]
     backend.setup(device, options.train.threads, placement.gpu_memory_fraction)
+    beat()  # the framework is in: from here each phase must beat within liveness.stall_timeout_s
     log.info("worker %d: backend %s on %s, %d ps task(s)", task, backend.name, backend.device, cluster.num_ps)
 
     resume = checkpoint.load(cfg.resume) if cfg.resume and task == 0 else None
     spec = build.model_spec(cfg)
     data = load_split(cfg, task, cluster.num_workers, spec)
     model = build_model(backend, spec, spec.init_weights(int(cfg.seed)))
+    beat()  # the data and the model too
     rule = build.update_rule(cfg)  # named directly: no framework optimizer to build and inspect
     metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
     cluster = build.with_announced_ps(cfg, cluster, options.transport)
@@ -267,6 +270,7 @@ class WorkerJob:
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
         while True:
+            beat()  # a step: the launcher takes a worker whose steps and waits stop for hung (psdk.liveness)
             failpoint(WORKER_STEP)
             started, cpu_started = clock(), cpu_clock()
             loss = self.backend.forward_backward(self.model, x, y)

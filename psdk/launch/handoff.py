@@ -223,6 +223,7 @@ ALWAYS_SET = (
     "run_id",
     "data.dir",
     "transport.secure",
+    "liveness.file",
     "hydra.run.dir",
     "hydra.job.name",
 )

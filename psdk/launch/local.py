@@ -6,6 +6,8 @@ overrides. Each ps binds a free port and announces it in a file; the workers
 start once every ps is listening. Children die with the launcher
 (``PR_SET_PDEATHSIG``) and on Ctrl-C; a dead chief or ps stops the job with
 an error naming it; a dead non-chief worker is reported and the job goes on.
+A task whose loop stopped turning (:mod:`psdk.liveness`) is killed, and then
+is a dead task like any other: restarted with recovery on.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from psdk import announce, checkpoint
+from psdk import announce, checkpoint, liveness
 from psdk.cluster import ClusterSpec
 from psdk.config import build
 from psdk.config.options import TaskOptions, options_from
@@ -59,6 +61,7 @@ OWN_KEYS = (
     "run_id",
     "ps.announce_file",
     "ps.progress_file",
+    "liveness.file",
     "data.dir",
     "hydra.run.dir",
     "hydra.job.name",
@@ -89,7 +92,23 @@ TASK_ENV = {"PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1", "OMP_NUM_THREADS": "1", 
 def task_args(job: str, index: int, out: Path, args: Sequence[str]) -> list[str]:
     """The arguments of ``python -m psdk`` for one task; its logs go to ``out/tasks/<job><index>``."""
     name = f"{job}{index}"
-    return [job, f"task_index={index}", *args, f"hydra.run.dir={out / 'tasks' / name}", f"hydra.job.name={name}"]
+    return [
+        job,
+        f"task_index={index}",
+        *args,
+        f"liveness.file={alive_file(out, name)}",
+        f"hydra.run.dir={out / 'tasks' / name}",
+        f"hydra.job.name={name}",
+    ]
+
+
+def alive_file(out: Path, name: str) -> Path:
+    """Where task ``name`` (``ps0``) writes its beats (:mod:`psdk.liveness`) in run folder ``out``."""
+    return out / "tasks" / f"{name}.alive.json"
+
+
+DOING = {"ps": "served", "worker": "trained"}
+"""What a task's loop does, for "ps 0 has not served for 31 s"."""
 
 
 class TaskProcess(Protocol):
@@ -140,6 +159,13 @@ class Task:
     host: str | None = None  # where it runs, when that is not this machine
     env: dict[str, str] | None = None  # what it was started with, to start it again
     folder: Path | None = None  # its own folder (out/tasks/<job><index>), when the launcher can read it
+    alive: Path | None = None  # its liveness file (psdk.liveness), on the host it runs on
+    started: float = field(default_factory=time.monotonic)  # when it was last started, for its liveness
+    hung: str | None = None  # why the launcher killed it as hung, until it is started again
+
+    def starting_again(self) -> None:
+        """Its next process is judged from its own start, never by its last one's beats."""
+        self.started, self.hung = time.monotonic(), None
 
     @property
     def name(self) -> str:
@@ -150,6 +176,8 @@ class Task:
         lost = getattr(self.process, "lost", None)  # a remote process can be lost with its node
         if lost:
             return str(lost)
+        if self.hung:
+            return self.hung
         code = self.process.returncode
         if code is not None and code < 0:
             return f"was killed by {signal.Signals(-code).name}"
@@ -192,6 +220,7 @@ class LocalLauncher:
         build.update_rule(cfg)
         build.check_training(cfg, self.options, topology.num_workers)
         build.run_id(cfg)
+        build.check_liveness(self.options)
         if cfg.resume:
             checkpoint.load(cfg.resume)  # a path that is no checkpoint fails here, not in a restarted chief
 
@@ -365,9 +394,11 @@ class LocalLauncher:
         log.info("launcher: starting %s %d: python -m psdk %s", job, index, " ".join(command[3:-2]))
         folder = out / "tasks" / name
         forget_failure(folder)
+        alive = alive_file(out, name)
+        alive.unlink(missing_ok=True)  # a run folder used before: its beats are not this task's
         process = self._popen(command, env)
         (out / "tasks" / f"{name}.pid").write_text(f"{process.pid}\n")
-        self.tasks.append(Task(job, index, process, command, env=env, folder=folder))
+        self.tasks.append(Task(job, index, process, command, env=env, folder=folder, alive=alive))
 
     def _wait_for_ps(self, out: Path, num_ps: int) -> list[str]:
         def every_task_alive() -> None:
@@ -390,6 +421,7 @@ class LocalLauncher:
         chief = next(t for t in self.tasks if t.job == "worker" and t.index == 0)
         reported: set[str] = set()
         results = self.out / "summary.json"
+        next_look = time.monotonic()
         while chief.process.poll() != 0:
             if self.curves is not None and results.exists():
                 self.curves.draw()  # every worker's points are in: drawn while the tasks exit
@@ -406,6 +438,9 @@ class LocalLauncher:
                 if task.job == "ps":
                     self._fail(task, chief)
                 log.warning("launcher: %s %s; the job goes on without it while it can", task.name, task.describe_exit())
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + self.options.liveness.interval_s
+                self._kill_hung()
             time.sleep(POLL_S)
         deadline = time.monotonic() + self.shutdown_timeout_s
         for task in self.tasks:
@@ -422,6 +457,40 @@ class LocalLauncher:
                 task.process.wait(timeout=10)
             if task.job == "ps" and task.process.returncode != 0:
                 raise JobFailedError(f"{task.name} {task.describe_exit()} at the end of the job")
+
+    def _kill_hung(self) -> None:
+        """Kill each running task whose loop stopped turning; supervision then treats it as any dead task.
+
+        A hung ps never exits by itself, and the workers waiting on it only
+        see a silent peer: they give up, are restarted, and wait again.
+        Killed, it is a ps that died, which the launcher restarts and the
+        chief restores; with recovery off, a killed ps or chief stops the job
+        naming it, and a non-chief worker is reported as a dead one is.
+        """
+        live = self.options.liveness
+        if live.stall_timeout_s is None:
+            return
+        for task in self.tasks:
+            if task.alive is None or task.process.poll() is not None:
+                continue
+            seen = self._observe(task)
+            if seen is None:
+                continue
+            hang = liveness.judge(seen, live.stall_timeout_s, live.interval_s, live.start_timeout_s)
+            if hang is None:
+                continue
+            what = hang.describe(DOING.get(task.job, "worked"))
+            again = "and restarting " if self.restarts[task.name] < self.max_restarts else ""
+            log.warning("launcher: %s %s: killing %sit", task.name, what, again)
+            task.hung = f"{what} and was killed by the launcher"
+            task.process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                task.process.wait(timeout=10)
+
+    def _observe(self, task: Task) -> liveness.Seen | None:
+        """What the task's liveness file says now (its process runs on this machine)."""
+        assert task.alive is not None
+        return liveness.observe(task.alive, getattr(task.process, "pid", None), task.started)
 
     def _may_restart(self, task: Task) -> bool:
         """A lost task comes back (recovery on): a worker after any failure, a ps only when killed.
@@ -452,6 +521,9 @@ class LocalLauncher:
             command = [f"ps_hosts='{','.join(self.ps_addresses)}'" if a.startswith("ps_hosts=") else a for a in command]
         run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
         forget_failure(run_dir)
+        if task.alive is not None:
+            task.alive.unlink(missing_ok=True)
+        task.starting_again()
         task.process = self._popen(command, task.env)
         task.command = command
         run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{task.process.pid}\n")

@@ -29,10 +29,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from psdk import liveness
 from psdk.cluster import Topology
 from psdk.config import build
 from psdk.errors import ConfigError, JobFailedError, PsdkError
-from psdk.launch.local import LocalLauncher, Task, task_args
+from psdk.launch.local import LocalLauncher, Task, alive_file, task_args
 from psdk.launch.ray_actors import POLL_S, RPC_TIMEOUT_S, RemoteProcess, TaskRunner
 from psdk.transport import security
 
@@ -250,9 +251,9 @@ class RayLauncher(LocalLauncher):
             raise JobFailedError(f"{job} {index} (on {ip}) could not be started through Ray: {exc}") from None
         if self._nodes[slot] == self._driver_node:  # a pid means something only on this machine
             (out / "tasks" / f"{job}{index}.pid").write_text(f"{pid}\n")
-        self.tasks.append(
-            Task(job, index, RemoteProcess(self._ray, actor), ["python", "-m", "psdk", *argv], ip, env=dict(env))
-        )
+        process = RemoteProcess(self._ray, actor)
+        alive = alive_file(out, f"{job}{index}")  # on the task's node, where its actor reads it
+        self.tasks.append(Task(job, index, process, ["python", "-m", "psdk", *argv], ip, env=dict(env), alive=alive))
 
     # ------------------------------------------------------------- restarts
     def _restart(self, task: Task) -> None:
@@ -301,6 +302,7 @@ class RayLauncher(LocalLauncher):
             run_dir.with_name(f"{run_dir.name}.pid").write_text(f"{pid}\n")
         task.process = RemoteProcess(self._ray, self.actors[slot])
         task.command = ["python", "-m", "psdk", *argv]
+        task.starting_again()
         if ip != task.host:
             task.host = ip
             self.restarts[task.name] = self.restarts.pop(old_name)
@@ -347,6 +349,11 @@ class RayLauncher(LocalLauncher):
                 raise JobFailedError(f"{waiting} did not start listening within {self.ready_timeout_s:.0f} s")
             time.sleep(POLL_S)
         return [addresses[i] for i in range(num_ps)]
+
+    def _observe(self, task: Task) -> liveness.Seen | None:
+        """The task's liveness file, read by its actor on its node (None: the actor did not answer)."""
+        assert isinstance(task.process, RemoteProcess) and task.alive is not None
+        return task.process.liveness(str(task.alive))
 
     def _supervise(self) -> None:
         try:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from psdk import liveness
 from psdk.launch.local import TASK_ENV
 
 POLL_S = 0.2  # how often the launcher asks an actor whether its task ended
@@ -53,6 +54,7 @@ class TaskRunner:
     def __init__(self, name: str):
         self.name = name
         self.process: subprocess.Popen[str] | None = None
+        self.started = 0.0  # time.monotonic() on this node when the task was started
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
@@ -68,9 +70,10 @@ class TaskRunner:
         full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # the launcher gives the cluster
         full_env.update(TASK_ENV)
         full_env.update(env)
-        for arg in args:  # a run folder used before holds the last run's address: never read it
-            if arg.startswith("ps.announce_file="):
+        for arg in args:  # a run folder used before holds the last run's address and beats: never read them
+            if arg.startswith(("ps.announce_file=", "liveness.file=")):
                 Path(arg.split("=", 1)[1]).unlink(missing_ok=True)
+        self.started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "psdk", *args],
             env=full_env,
@@ -99,6 +102,12 @@ class TaskRunner:
 
     def last_lines(self) -> list[str]:
         return list(self.tail)
+
+    def liveness(self, path: str) -> liveness.Seen | None:
+        """The running task's liveness file on this node, read here: its clock is the task's (None: not running)."""
+        if self.process is None or self.process.poll() is not None:
+            return None
+        return liveness.observe(Path(path), self.process.pid, self.started)
 
     def signal(self, kill: bool) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -170,3 +179,11 @@ class RemoteProcess:
             return list(self._ray.get(self.actor.last_lines.remote(), timeout=RPC_TIMEOUT_S))
         except self._ray.exceptions.RayError:
             return []
+
+    def liveness(self, path: str) -> liveness.Seen | None:
+        """What the task's actor reads of its liveness file (None: no answer; its poll says why)."""
+        try:
+            seen = self._ray.get(self.actor.liveness.remote(path), timeout=RPC_TIMEOUT_S)
+        except self._ray.exceptions.RayError:  # a timeout too: judged at the next look
+            return None
+        return seen if isinstance(seen, liveness.Seen) else None

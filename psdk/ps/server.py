@@ -30,6 +30,7 @@ from psdk.consistency import ConsistencyPolicy
 from psdk.errors import ProtocolError
 from psdk.failpoints import PS_SERVE, PS_WRAP_UP, failpoint
 from psdk.jobspec import JobSpec
+from psdk.liveness import beat
 from psdk.ps import restore
 from psdk.ps.checkpoints import Checkpoints
 from psdk.ps.membership import FINISHED, Membership
@@ -189,6 +190,7 @@ class ParameterServer:
                     self.fail(f"{self.name}'s transport failed: {exc!r}")
                     self.exit_code = 1
                     break
+                beat()  # the launcher takes a ps whose loop stops turning for hung (psdk.liveness)
                 failpoint(PS_SERVE)
                 if incoming is not None:
                     self.handle(incoming)

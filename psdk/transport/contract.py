@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, ProtocolError
+from psdk.liveness import beat
 from psdk.transport.wire import Message
 
 # How often a waiting client wakes to check deadlines and peer liveness.
@@ -211,6 +212,7 @@ class Pending:
         start = time.monotonic()
         deadline = start + timeout_s
         while len(replies) < len(expected):
+            beat()  # waiting on the network is not being hung (psdk.liveness)
             now = time.monotonic()
             pending = [i for i in expected if i not in replies]
             if now >= deadline:

@@ -4,9 +4,8 @@ Large arrays leave with ``copy=False`` (pyzmq still copies frames below its
 copy threshold, where that is cheaper) and arrive as ``np.frombuffer`` views
 of the received frames. Every socket closes with linger 0, so a dead peer
 never holds a process open; ``ROUTER_MANDATORY`` turns a reply to a vanished
-peer into an error instead of silence; ZeroMQ heartbeats (on a worker's
-sockets) and TCP keepalive (on a ps's: see :func:`_apply_server`) drop dead
-TCP links.
+peer into an error instead of silence; TCP keepalive drops dead TCP links, on
+either side, never ZeroMQ's own heartbeats (see :func:`_apply_server`).
 """
 
 from __future__ import annotations
@@ -130,11 +129,18 @@ class TimedReceiver:
 
 
 def _apply_client(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
-    """A worker's socket: ZeroMQ's heartbeats find a dead link to its ps and make it reconnect."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_interval_s * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(options.heartbeat_timeout_s * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(options.heartbeat_timeout_s * 1000))
+    """A worker's socket: no ZeroMQ heartbeats either, the kernel's TCP keepalive drops a dead link to its ps.
+
+    A worker's ZeroMQ PING is answered by the ps's I/O thread, and that is
+    the abort of :func:`_apply_server` again, from a worker this time: a ps
+    slow enough that a worker's queue fills (two messages: a slow update, a
+    few heartbeats) answers a PING still queued once that worker has gone,
+    e.g. at the end of the job. Measured: a ps slowed to 1 s per update
+    (``PSDK_FAILPOINT=ps.update@500=sleep1``) aborted at the end of the job
+    in 4 runs of 4; with no PINGs from the workers, in none of 6. A worker
+    learns that its ps died from its own pings (:mod:`psdk.client.heartbeat`).
+    """
+    _keep_alive(sock, options)
 
 
 def _apply_server(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
@@ -148,6 +154,11 @@ def _apply_server(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
     pings (``transport.heartbeat_timeout_s``); dead links only have to be
     dropped, which keepalive does.
     """
+    _keep_alive(sock, options)
+
+
+def _keep_alive(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
+    """Linger 0, and TCP keepalive probes from ``transport.heartbeat_timeout_s`` of silence on."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, int(options.heartbeat_timeout_s)))
