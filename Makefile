@@ -14,6 +14,9 @@ TORCH ?= torch==2.13.0
 TF_EXTRA ?= cpu
 TF_PLUGIN := plugins/tf_backend$(if $(TF_EXTRA),[$(TF_EXTRA)])
 STAMP := $(VENV)/.psdk-installed
+# MNIST for every test suite: PSDK_DATA_DIR as the README says, else PSDK_TEST_DATA_DIR (the suites' old
+# name), else ../shared/data/mnist beside the clone. The plugins' suites know only PSDK_DATA_DIR.
+DATA = PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$${PSDK_TEST_DATA_DIR:-$(CURDIR)/../shared/data/mnist}}"
 
 .PHONY: setup run test lint typecheck test-core test-torch test-tf test-jax test-example test-bench clean
 
@@ -40,24 +43,24 @@ typecheck: setup
 
 # Each suite runs in its own pytest process: torch, TensorFlow and JAX never share one.
 test-core: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(DATA) $(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-torch: setup
-	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/torch_backend/tests $(PYTEST_ARGS)
+	$(DATA) $(PY) -m pytest plugins/torch_backend/tests $(PYTEST_ARGS)
 
 test-tf: setup
-	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
+	$(DATA) $(PY) -m pytest plugins/tf_backend/tests $(PYTEST_ARGS)
 
 test-jax: setup
-	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/jax_backend/tests $(PYTEST_ARGS)
+	$(DATA) $(PY) -m pytest plugins/jax_backend/tests $(PYTEST_ARGS)
 
 # The example plugin (a rule and a model): its jobs run every backend, each in a subprocess of its own.
 test-example: setup
-	PSDK_DATA_DIR="$${PSDK_DATA_DIR:-$(CURDIR)/../shared/data/mnist}" $(PY) -m pytest plugins/example_plugin/tests $(PYTEST_ARGS)
+	$(DATA) $(PY) -m pytest plugins/example_plugin/tests $(PYTEST_ARGS)
 
 # The peer scripts psdk is compared against (benchmarks/peers): short smoke runs, each in a subprocess.
 test-bench: setup
-	$(PY) -m pytest benchmarks/tests $(PYTEST_ARGS)
+	$(DATA) $(PY) -m pytest benchmarks/tests $(PYTEST_ARGS)
 
 test: lint typecheck test-core test-torch test-tf test-jax test-example test-bench
 

@@ -21,7 +21,9 @@ from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 REPO = Path(__file__).resolve().parent.parent
-MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+MNIST_DIR = Path(
+    os.environ.get("PSDK_DATA_DIR") or os.environ.get("PSDK_TEST_DATA_DIR") or REPO.parent / "shared" / "data" / "mnist"
+)  # the README's PSDK_DATA_DIR first; PSDK_TEST_DATA_DIR, the suites' old name, as an alias
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +42,7 @@ def _root_log_handlers_restored() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.fail(f"MNIST is expected in {MNIST_DIR} (../shared/data/mnist beside the repo)")
+        pytest.fail(f"MNIST is expected in {MNIST_DIR} (set PSDK_DATA_DIR; default: ../shared/data/mnist)")
     return MNIST_DIR
 
 

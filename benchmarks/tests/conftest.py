@@ -15,7 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / "benchmarks" / "peers"
-MNIST_DIR = Path(os.environ.get("PSDK_TEST_DATA_DIR", REPO.parent / "shared" / "data" / "mnist"))
+MNIST_DIR = Path(
+    os.environ.get("PSDK_DATA_DIR") or os.environ.get("PSDK_TEST_DATA_DIR") or REPO.parent / "shared" / "data" / "mnist"
+)  # as tests/conftest.py: the README's PSDK_DATA_DIR first, the suites' old PSDK_TEST_DATA_DIR as an alias
 
 if str(PEERS) not in sys.path:  # _common is framework-free: unit-testable here
     sys.path.insert(0, str(PEERS))
@@ -24,7 +26,7 @@ if str(PEERS) not in sys.path:  # _common is framework-free: unit-testable here
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.fail(f"MNIST is expected in {MNIST_DIR} (../shared/data/mnist beside the repo, or PSDK_TEST_DATA_DIR)")
+        pytest.fail(f"MNIST is expected in {MNIST_DIR} (set PSDK_DATA_DIR; default: ../shared/data/mnist)")
     return MNIST_DIR
 
 
