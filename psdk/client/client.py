@@ -192,17 +192,9 @@ class ParameterClient:
         ``epoch``: a restore of a running job (a new epoch, which the waiting
         workers follow); 0 for a new or resumed job.
         """
-        scaled = job.sync.rule_for(rule, job.num_workers)
-        if scaled != rule:
-            log.info(
-                "worker %d: %d async workers: momentum %g runs as %.3g on the ps (asynchrony adds momentum of its "
-                "own; sync.scale_momentum=false keeps it as given)",
-                self.task_index,
-                job.num_workers,
-                getattr(rule, "momentum", 0.0),
-                getattr(scaled, "momentum", 0.0),
-            )
-        rule = scaled
+        given, rule = rule, job.sync.rule_for(rule, job.num_workers)
+        if rule != given:  # asynchrony adds momentum of its own (sync.scale_momentum)
+            log.info("worker 0: %d async workers: the ps runs %s, not %s", job.num_workers, rule, given)
         variables = checked_variables(variables, rule, restore)
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
@@ -353,16 +345,13 @@ class ParameterClient:
     def _round_versions(self, basis: Basis) -> tuple[int, ...]:
         """In sync mode, one version for every shard: the lowest of the basis.
 
-        Every shard runs its own rounds, but they must stay in lockstep, as
-        TensorFlow's one ``global_step`` kept every accumulator: a round that
-        closes on one shard then closes on all, because the pushes that closed
-        it were sent, for the same version, to every shard. A worker that
-        pushed each shard its own version (a reply from a shard one round
-        ahead) let the shards drift apart by tens of rounds with backup
-        workers, and then the last round of a lagging shard, or a checkpoint
-        pause at the leading shard's version, waited for pushes that never
-        came. The shard already past the lowest version drops the push as
-        stale, as it would any late push.
+        Every shard runs its own rounds, in lockstep as TensorFlow's one
+        ``global_step`` kept every accumulator: the pushes that close a round
+        on one shard were sent, for that round, to every shard. Pushing each
+        shard its own version let the shards drift apart with backup workers,
+        and a lagging shard's last round, or a checkpoint pause at the leading
+        one's version, then waited for pushes that never came. A shard already
+        past the lowest version drops the push as stale, as any late push.
         """
         live = self._live()
         floor = min((basis.versions[i] for i in live), default=0)
