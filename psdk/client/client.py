@@ -429,7 +429,7 @@ class ParameterClient:
         replies = self.request({i: self.message("status", **fields) for i in range(self.cluster.num_ps)}, "status")
         found = {index: reply.fields for index, reply in replies.items()}
         for index, status in sorted(found.items()):
-            if recovery.lost_state(self, index, status):
+            if self.initialized and recovery.lost_state(self, index, status):  # never initialised: nothing lost
                 raise PeerRestartedError(self.names[index], "status: it no longer holds this job's state")
             for worker, report in (status.get("reports") or {}).items():
                 self.reports[int(worker)] = report
