@@ -24,7 +24,8 @@ Times are ``time.monotonic()``: Linux keeps one such clock for all the
 processes of a host, a wall-clock step (NTP) never makes a task look hung,
 and the reader is always on the task's host (the local launcher, or the Ray
 actor that started the task). Before its first beat a task gets an
-allowance of its own, ``liveness.start_timeout_s``: see :func:`judge` and
+allowance of its own, ``liveness.start_timeout_s``, counted from the last
+time its process used CPU: see :func:`judge`, :func:`cpu_seconds` and
 ``docs/recovery.md``.
 """
 
@@ -41,6 +42,11 @@ from pathlib import Path
 
 STALE_WRITES = 3
 """A file this many intervals old was not written by a running writer: the whole process is stopped."""
+STARTING_CPU_S = 0.5
+"""CPU seconds a task must use, before its first beat, to count as still starting rather than stuck."""
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_start_marks: dict[int, tuple[float, float, float]] = {}
+"""pid -> (when it was started, its CPU seconds at the last mark, when that mark was made)."""
 
 _beats = 0
 
@@ -103,14 +109,47 @@ class Seen:
     """Its beats so far; None while it has no file."""
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time process ``pid`` has used (user and system), or None where it cannot be read (not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime and stime: fields 14 and 15 of stat(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _starting_since(pid: int | None, started: float, now: float) -> float:
+    """When a task that has not beaten yet last showed progress: its start, or the last time it used CPU.
+
+    Before its first beat a task imports its framework, loads data and
+    sets up devices; with many tasks on few cores (8 workers importing torch
+    on 2 busy cores took over 50 s) that is slow, not hung. A process that
+    keeps using CPU is taken to be starting; one that sits idle (a deadlock,
+    a stalled call) is not, and is judged from when it stopped.
+    """
+    if pid is None:
+        return started
+    cpu = cpu_seconds(pid)
+    mark = _start_marks.get(pid)
+    if cpu is None:
+        return started
+    if mark is None or mark[0] != started:
+        _start_marks[pid] = mark = (started, cpu, started)
+    if cpu - mark[1] >= STARTING_CPU_S:
+        _start_marks[pid] = mark = (started, cpu, now)
+    return mark[2]
+
+
 def observe(path: Path, pid: int | None, started: float, now: float | None = None) -> Seen:
     """What ``path`` says of the process ``pid`` started at ``started`` (``time.monotonic()`` on this host).
 
     A file that is missing, unreadable, half-formed or written by another
-    process (the task's earlier self) counts as no file.
+    process (the task's earlier self) counts as no file. Before its first
+    beat, ``still_s`` counts from the last time the process used CPU
+    (:func:`_starting_since`).
     """
     now = time.monotonic() if now is None else now
-    since_start = max(0.0, now - started)
+    since_start = max(0.0, now - _starting_since(pid, started, now))
     try:
         data = json.loads(path.read_text())
         count, moved, wrote, writer = int(data["beats"]), float(data["moved"]), float(data["mono"]), data["pid"]
@@ -137,7 +176,7 @@ class Hang:
     def describe(self, doing: str) -> str:
         """``doing``: what its loop does (``served``), as in "ps 0 has not served for 31.2 s (...)"."""
         if self.how == "starting":
-            why, key = "since it was started", "liveness.start_timeout_s"
+            why, key = "since it was started or last used CPU", "liveness.start_timeout_s"
         else:
             why = "the whole process is stopped" if self.how == "stopped" else "its process runs, its loop is stuck"
             key = "liveness.stall_timeout_s"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from psdk import liveness
 from psdk.config.build import check_liveness
 from psdk.config.options import (
     LivenessOptions,
@@ -33,7 +34,7 @@ from psdk.config.options import (
 from psdk.errors import ConfigError, JobFailedError
 from psdk.launch.local import LocalLauncher, Task
 from psdk.launch.ray_actors import RemoteProcess, TaskRunner
-from psdk.liveness import Hang, Seen, judge, observe
+from psdk.liveness import Hang, Seen, cpu_seconds, judge, observe
 
 from .conftest import REPO
 
@@ -67,7 +68,7 @@ def test_before_its_first_beat_a_running_task_has_its_own_allowance_and_a_stoppe
     stopped = judge(Seen(still_s=40.0, age_s=31.0, beats=0), 30.0, 1.0, 60.0)  # its writer too: stopped
     assert stopped == Hang(31.0, "stopped", 30.0)
     starting = Hang(61.0, "starting", 60.0).describe("served")
-    assert starting == "has not served for 61.0 s (since it was started; liveness.start_timeout_s=60)"
+    assert starting == "has not served for 61.0 s (since it was started or last used CPU; liveness.start_timeout_s=60)"
 
 
 # ------------------------------------------------------------------ the settings
@@ -103,17 +104,20 @@ def test_a_limit_within_two_intervals_is_refused() -> None:
 
 
 # ------------------------------------------------------------------ reading the file
+PID = 2**22 + 7
+
+
 def test_observe_reads_the_count_and_the_times_of_the_process_it_watches(tmp_path: Path) -> None:
-    path = tmp_path / "ps0.alive.json"
+    path = tmp_path / "ps0.alive.json"  # PID: above Linux's largest pid, so no process it reads uses CPU
     started = 100.0
-    assert observe(path, 7, started, now=130.0) == Seen(30.0, None, None)  # no file yet
-    path.write_text(json.dumps({"beats": 5, "moved": 110.0, "mono": 128.0, "time": 0.0, "pid": 7}))
-    assert observe(path, 7, started, now=130.0) == Seen(20.0, 2.0, 5)
-    assert observe(path, 8, started, now=130.0) == Seen(30.0, None, None)  # its earlier self's file
-    path.write_text(json.dumps({"beats": 0, "moved": 101.0, "mono": 129.0, "time": 0.0, "pid": 7}))
-    assert observe(path, 7, started, now=130.0) == Seen(30.0, 1.0, 0)  # no beat yet: from its start
+    assert observe(path, PID, started, now=130.0) == Seen(30.0, None, None)  # no file yet
+    path.write_text(json.dumps({"beats": 5, "moved": 110.0, "mono": 128.0, "time": 0.0, "pid": PID}))
+    assert observe(path, PID, started, now=130.0) == Seen(20.0, 2.0, 5)
+    assert observe(path, PID + 1, started, now=130.0) == Seen(30.0, None, None)  # its earlier self's file
+    path.write_text(json.dumps({"beats": 0, "moved": 101.0, "mono": 129.0, "time": 0.0, "pid": PID}))
+    assert observe(path, PID, started, now=130.0) == Seen(30.0, 1.0, 0)  # no beat yet: from its start
     path.write_text('{"beats": 5, "moved"')  # never written so, but read defensively
-    assert observe(path, 7, started, now=130.0) == Seen(30.0, None, None)
+    assert observe(path, PID, started, now=130.0) == Seen(30.0, None, None)
 
 
 # ------------------------------------------------------------------ the writer, in a real process
@@ -296,3 +300,35 @@ def test_with_recovery_off_a_hung_ps_is_killed_and_the_job_stops_naming_it(
     with pytest.raises(JobFailedError, match=r"ps 0 has not served for 1\.\d s .* and was killed by the launcher"):
         launcher._supervise()
     assert ps.process.returncode == -signal.SIGKILL and launcher.restarts == {}
+
+
+# ------------------------------------------------------------------ before the first beat
+BUSY = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
+IDLE = "import time\ntime.sleep(60)\n"
+
+
+@pytest.mark.skipif(cpu_seconds(os.getpid()) is None, reason="a process's CPU time is read from /proc (Linux)")
+@pytest.mark.parametrize(("code", "hung"), [(BUSY, False), (IDLE, True)], ids=["busy start", "idle start"])
+def test_a_start_that_uses_cpu_is_starting_and_an_idle_one_is_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, hung: bool
+) -> None:
+    """8 workers importing torch on 2 busy cores took over 50 s to beat: slow, not hung, while they use CPU."""
+    start_s = 1.5
+    monkeypatch.setattr(liveness, "STARTING_CPU_S", 0.05)  # a busy process gets this within 0.5 s on a loaded host
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        # Judged for 3 start allowances: a busy process never, an idle one once the allowance is gone.
+        verdicts = []
+        while time.monotonic() < started + 3 * start_s:
+            seen = observe(tmp_path / "none.alive.json", process.pid, started)
+            verdicts.append(judge(seen, 30.0, 1.0, start_s))
+            time.sleep(0.1)
+        found = [v for v in verdicts if v is not None]
+        if hung:
+            assert found and found[-1].how == "starting" and found[-1].still_s > start_s
+        else:
+            assert not found, found[0]
+    finally:
+        process.kill()
+        process.wait(timeout=10)
