@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 from pathlib import Path
 
@@ -154,3 +155,63 @@ def test_a_folder_missing_a_file_is_explained_with_the_cache_on_too(mnist_dir: P
     (files / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(DataError, match=r"MNIST files missing in .*t10k-labels-idx1-ubyte\.gz"):
         mnist.load(files, cache_dir=tmp_path / "cache")
+
+
+def planted(entry: Path, truth: mnist.Mnist) -> None:
+    """What another user could leave in a shared cache: the real images, the labels shifted by one."""
+    np.save(entry / "train_y.npy", (truth.train_y + 1) % 10)
+
+
+def test_a_cache_entry_that_is_not_the_standard_data_is_never_trained_on(
+    mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    truth = mnist.load(files, cache_dir=cache)
+    (entry,) = cache.glob("decoded-*")
+    planted(entry, truth)  # right shapes, labels in 0..9, this user's own files: only the digest tells
+    np.testing.assert_array_equal(mnist.load(files, cache_dir=cache).train_y, truth.train_y)
+    assert "differs from the standard MNIST files' decoded train_y" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["group-writable folder", "others-writable file", "another user's"])
+def test_a_cache_entry_another_user_could_have_written_is_not_used(
+    mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    truth = mnist.load(files, cache_dir=cache)
+    (entry,) = cache.glob("decoded-*")
+    if how == "group-writable folder":
+        entry.chmod(0o770)
+    elif how == "others-writable file":
+        (entry / "test_x.npy").chmod(0o606)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        for path in (entry, *entry.iterdir()):
+            os.chown(path, 65534, 65534)
+    np.testing.assert_array_equal(mnist.load(files, cache_dir=cache).test_y, truth.test_y)
+    assert "ignoring the decoded-MNIST cache" in caplog.text
+    assert "belongs to user 65534" in caplog.text or "can be written by other users" in caplog.text
+
+
+def bomb(path: Path, header: bytes, megabytes: int) -> Path:
+    """A small gzip file that expands far past what its IDX header (or the standard file) holds."""
+    with gzip.open(path, "wb", compresslevel=1) as out:
+        out.write(header)
+        for _ in range(megabytes):
+            out.write(bytes(1 << 20))
+    return path
+
+
+def test_decompression_stops_at_the_size_the_file_may_have(mnist_dir: Path, tmp_path: Path) -> None:
+    labels = (60000).to_bytes(4, "big")
+    files = copy_of(mnist_dir, tmp_path / "files")
+    bomb(files / "train-labels-idx1-ubyte.gz", b"\x00\x00\x08\x01" + labels, 64)
+    with pytest.raises(DataError, match=r"holds more than the 60008 bytes of the standard file"):
+        mnist.load(files)
+    other = bomb(tmp_path / "other.gz", b"\x00\x00\x08\x01" + (10).to_bytes(4, "big"), 64)
+    with pytest.raises(DataError, match=r"holds more than the 18 bytes its IDX header gives"):
+        mnist.raw_bytes(other, gzipped=True)
+    huge = bomb(tmp_path / "huge.gz", b"\x00\x00\x08\x02" + (1 << 16).to_bytes(4, "big") * 2, 0)
+    with pytest.raises(DataError, match=r"claims 4294967308 bytes, more than the 2 GiB"):
+        mnist.raw_bytes(huge, gzipped=True)

@@ -15,8 +15,10 @@ import contextlib
 import gzip
 import hashlib
 import logging
+import math
 import os
 import shutil
+import stat
 import tempfile
 import urllib.error
 import urllib.request
@@ -37,7 +39,18 @@ FILES = {
     "test_images": ("t10k-images-idx3-ubyte", "2646ac647ad5339dbf082846283269ea"),
     "test_labels": ("t10k-labels-idx1-ubyte", "27ae3e4e09519cfbb04c329615203637"),
 }
+RAW_SIZES = {"train_images": 47040016, "train_labels": 60008, "test_images": 7840016, "test_labels": 10008}
+"""Bytes of each standard file once ungzipped: nothing past them is decompressed (a gzip bomb stops here)."""
+MAX_IDX_BYTES = 1 << 31
+"""The most an IDX file of another data set may hold, whatever its header claims."""
 DECODED_ARRAYS = ("train_x", "train_y", "test_x", "test_y")
+DECODED_SHA256 = {
+    "train_x": "741c988805d008ac6e4c904b69001ba184c24b2c540a4ef403f4c71b676cf757",
+    "train_y": "e474323ac02fc156161b0bbb1f8c9cfeb327a74bcd9f9680a8385269a24f566c",
+    "test_x": "6d87418db22cc8025d05968bec9bd5c3932904b23485740db143a061a2c9d161",
+    "test_y": "2fd8de6bdb8d11780b4b96dc57847bcfe6953f7c32aa48bfcd8237c3b7847243",
+}
+"""The decoded arrays of the standard files: a cache entry that differs was not decoded from them."""
 DECODED_KEPT = 3  # decoded copies of MNIST kept in the cache folder (one per copy of the files)
 TRAIN_SIZE = 60000  # images in the training set (validation is held out of it)
 MIRRORS = (
@@ -111,15 +124,41 @@ def _find(folder: Path, stem: str) -> Path | None:
     return None
 
 
-def raw_bytes(path: Path, gzipped: bool) -> bytes:
+def raw_bytes(path: Path, gzipped: bool, known_size: int | None = None) -> bytes:
+    """The file's IDX bytes, never more than ``known_size`` or than its IDX header says it holds.
+
+    A small gzip file can expand to gigabytes (a 17 MiB file to 4 GiB): it is
+    read in pieces and refused as soon as it passes what an IDX file of its
+    header (or the standard file, ``known_size``) can hold.
+    """
     try:
-        return gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()
+        with gzip.open(path, "rb") if gzipped else path.open("rb") as stream:
+            head = stream.read(4)
+            dims = stream.read(4 * head[3]) if len(head) == 4 else b""
+            claimed = (
+                len(head)
+                + len(dims)
+                + math.prod(int.from_bytes(dims[i : i + 4], "big") for i in range(0, len(dims), 4))
+            )
+            if known_size is None and claimed > MAX_IDX_BYTES:
+                raise DataError(f"{path}: its IDX header claims {claimed} bytes, more than the 2 GiB psdk reads")
+            limit = known_size if known_size is not None else claimed
+            rest = stream.read(max(0, limit - len(head) - len(dims)) + 1)
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise DataError(f"{path} cannot be read: {exc}") from None
+    raw = head + dims + rest
+    if len(raw) > limit:
+        what = "of the standard file" if known_size is not None else "its IDX header gives"
+        raise DataError(
+            f"{path} holds more than the {limit} bytes {what}: it is not an intact IDX file (damaged, or a "
+            "decompression bomb); replace it with an intact copy (`python -m psdk data data.dir=<folder>` checks one)"
+        )
+    return raw
 
 
 def _checked(path: Path, md5: str, gzipped: bool | None = None) -> bytes:
-    raw = raw_bytes(path, path.suffix == ".gz" if gzipped is None else gzipped)
+    known = next((RAW_SIZES[k] for k, (_, digest) in FILES.items() if digest == md5), None)
+    raw = raw_bytes(path, path.suffix == ".gz" if gzipped is None else gzipped, known)
     digest = hashlib.md5(raw).hexdigest()
     if digest != md5:
         raise DataError(
@@ -287,12 +326,16 @@ def load(folder: Path, cache_dir: Path | None = None) -> Mnist:
     start-up. The checked arrays are kept in ``cache_dir`` under the files'
     fingerprint (path, size, modification time): a file that changes is
     decoded and checked again, and a damaged cache entry is ignored and
-    written anew.
+    written anew. ``cache_dir`` may be shared by several users: an entry is
+    used only when no other user could have written it (:func:`_only_mine`)
+    and its arrays hash to the standard files' (:data:`DECODED_SHA256`,
+    about 0.1 s), so an entry planted with flipped labels is never trained on.
     """
     cached = cache_dir / f"decoded-{_fingerprint(folder)}" if cache_dir is not None else None
     if cached is not None and cached.is_dir():
         try:
-            return _plausible(_read_decoded(cached), cached)
+            _only_mine(cached)
+            return _digests_match(_plausible(_read_decoded(cached), cached), cached)
         except Exception as exc:  # a damaged entry: decode the files instead, and replace it
             log.warning("ignoring the decoded-MNIST cache %s (%s); decoding the files again", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
@@ -327,6 +370,26 @@ def _fingerprint(folder: Path) -> str:
         info = path.stat()
         digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0{md5}\n".encode())
     return digest.hexdigest()[:32]
+
+
+def _only_mine(entry: Path) -> None:
+    """Refuse a cache entry (folder or file) that another user owns or that group or others may write."""
+    for path in (entry, *(entry / f"{name}.npy" for name in DECODED_ARRAYS)):
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            raise DataError(f"{path} is a symbolic link")
+        if info.st_uid != os.geteuid():
+            raise DataError(f"{path} belongs to user {info.st_uid}, not to this user ({os.geteuid()})")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise DataError(f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def _digests_match(data: Mnist, path: Path) -> Mnist:
+    for name in DECODED_ARRAYS:
+        array = np.ascontiguousarray(getattr(data, name))
+        if hashlib.sha256(memoryview(array).cast("B")).hexdigest() != DECODED_SHA256[name]:
+            raise DataError(f"{path}: {name} differs from the standard MNIST files' decoded {name}")
+    return data
 
 
 def _read_decoded(folder: Path) -> Mnist:
@@ -364,6 +427,7 @@ def _write_decoded(data: Mnist, path: Path) -> None:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".decoded-"))
         for name in DECODED_ARRAYS:
             np.save(tmp / f"{name}.npy", getattr(data, name))
+            os.chmod(tmp / f"{name}.npy", 0o600)  # whatever the umask: an entry others can write is not used
         with contextlib.suppress(FileExistsError, OSError):  # OSError: ENOTEMPTY, another worker was first
             tmp.rename(path)
             tmp = None
