@@ -17,6 +17,9 @@ _LAZY = {
     "ClusterSpec": "psdk.cluster",
     "Topology": "psdk.cluster",
     "connect": "psdk.api",
+    "serve": "psdk.serving",
+    "PsServer": "psdk.serving",
+    "SummaryWriter": "psdk.report.writer",
     "WorkerSession": "psdk.api",
     "DistributedOptimizer": "psdk.api",
     "ClientOptions": "psdk.client",
@@ -37,8 +40,10 @@ __all__ = [
     "DistributedOptimizer",
     "ModelRecord",
     "ModelSpec",
+    "PsServer",
     "PsdkError",
     "StepResult",
+    "SummaryWriter",
     "SyncSpec",
     "Topology",
     "WorkerSession",
@@ -47,6 +52,7 @@ __all__ = [
     "hookimpl",
     "init_weights",
     "rules",
+    "serve",
 ]
 _SUBMODULES = ("rules", "plugins", "testing")
 """Reached as attributes (``psdk.rules.Adam``) without an import of their own."""
@@ -60,6 +66,8 @@ if TYPE_CHECKING:
     from psdk.consistency import SyncSpec
     from psdk.errors import PsdkError
     from psdk.models import ModelSpec, init_weights
+    from psdk.report.writer import SummaryWriter
+    from psdk.serving import PsServer, serve
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ class MetricsLog:
     ``sinks``.
     """
 
-    def __init__(self, path: Path, sinks: Sequence[RecordSink] = ()):
+    def __init__(self, path: Path | str, sinks: Sequence[RecordSink] = ()):
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.sinks = list(sinks)

@@ -2,12 +2,14 @@
 
 examples/torch_worker.py is the README's "your own PyTorch script" example:
 keys, one ps, two workers, each a process of its own (so torch never loads
-in this pytest process). It lives here, not in the torch plugin's tests,
+in this pytest process). examples/tf1_mnist_softmax.py is one script for
+every task, as TensorFlow 1.x scripts were: its ps is ``psdk.serve``. It lives here, not in the torch plugin's tests,
 because it is a file of this repository, not of the plugin's folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 
 from psdk import announce
 
-from .conftest import REPO
+from .conftest import REPO, free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -84,3 +86,43 @@ def test_the_readme_example_script_trains(tmp_path: Path, mnist_dir: Path) -> No
     assert "CURVE on: 2 worker key(s) accepted" in ps_log, ps_log
     accuracy = float(outputs[0].strip().splitlines()[-1].rsplit(" ", 1)[1])
     assert accuracy > 0.93
+
+
+@pytest.mark.timeout(120)
+def test_the_tf1_softmax_script_runs_as_ps_and_workers_with_keys(tmp_path: Path, mnist_dir: Path) -> None:
+    """examples/tf1_mnist_softmax.py as its docstring runs it: one script, ps + 2 workers, keys; short steps."""
+    env = dict(os.environ, PSDK_DATA_DIR=str(mnist_dir), PYTHONUNBUFFERED="1")
+    made = subprocess.run(
+        [sys.executable, "-m", "psdk", "keys", "keys_dir=keys", "workers=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    steps = 1000
+    flags = [
+        f"--ps_hosts=127.0.0.1:{free_port()}", "--worker_hosts=localhost,localhost", "--keys_dir=keys",
+        f"--logs_path={tmp_path / 'logs'}",
+    ]  # fmt: skip
+    script = str(REPO / "examples" / "tf1_mnist_softmax.py")
+
+    def task(job: str, index: int, *extra: str) -> subprocess.Popen[str]:
+        argv = [sys.executable, script, f"--job_name={job}", f"--task_index={index}", *flags, *extra]
+        return subprocess.Popen(
+            argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    tasks = [task("ps", 0), *(task("worker", i, f"--train_steps={steps}") for i in (0, 1))]
+    try:
+        outputs = [t.communicate(timeout=100)[0] for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert [t.returncode for t in tasks] == [0, 0, 0], outputs
+    ps_log = outputs[0]
+    assert "CURVE on: 2 worker key(s) accepted" in ps_log and "shut down by the chief" in ps_log, ps_log
+    for index, output in enumerate(outputs[1:]):
+        last = output.strip().splitlines()[-1]
+        assert last.startswith(f"worker {index}: test accuracy "), output
+        assert float(last.split()[4]) > 0.3, last  # chance is 0.1; 1,000 steps from a stddev-1 start reach ~0.5
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["global_step"] == steps and summary["num_workers"] == 2 and summary["model"] == "softmax"
+    assert (tmp_path / "logs" / "curves.png").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -75,6 +76,26 @@ def test_async_job_trains_and_every_worker_contributes(tmp_path: Path) -> None:
     assert_every_worker_contributed(summary, tmp_path / "metrics.jsonl")
     assert all(summary["workers"][worker]["status"] == "finished" for worker in ("0", "1"))
     assert "validation accuracy" in result.stdout and "worker 1: epoch 1, global step" in result.stdout
+
+
+def test_every_worker_logs_its_final_test_accuracy(tmp_path: Path) -> None:
+    """As each TensorFlow 1.x worker printed one: the chief of the final parameters, the others of their last pull."""
+    steps = 300
+    result = psdk(
+        "run", "backend=numpy", f"train.steps={steps}", "topology.num_workers=3", "train.validate_every=100",
+        *FAST_FLAGS, out=tmp_path,
+    )  # fmt: skip
+    summary = check_run(tmp_path, result, steps)
+    chief = re.search(r"worker 0: test accuracy (\d\.\d{4}) of the final parameters", result.stdout)
+    assert chief is not None and float(chief.group(1)) == pytest.approx(summary["test_accuracy"], abs=1e-4)
+    assert summary["workers"]["0"]["test_accuracy"] == summary["test_accuracy"]
+    for worker in ("1", "2"):
+        line = rf"worker {worker}: test accuracy (\d\.\d{{4}}) of the parameters it pulled last \(global step (\d+)\)"
+        found = re.search(line, result.stdout)
+        assert found is not None, result.stdout
+        figure = summary["workers"][worker]["test_accuracy"]
+        assert float(found.group(1)) == pytest.approx(figure, abs=1e-4) and figure > 0.5  # chance is 0.1
+        assert 0 < int(found.group(2)) <= steps
 
 
 def test_a_run_folder_used_before_is_run_in_again(tmp_path: Path) -> None:

@@ -50,7 +50,32 @@ def build_summary(
     wall_s: float,
     backend: str,
 ) -> dict[str, Any]:
-    """The run's figures, from shard 0's statistics (it keeps the global step)."""
+    """The run's figures, from shard 0's statistics (it keeps the global step), and what the config says."""
+    summary = ps_summary(shards, workers, test_accuracy, wall_s, backend)
+    summary.update(
+        {
+            "model": str(cfg.model.name),
+            "optimizer": build.plain(cfg.optimizer),
+            "steps": int(cfg.train.steps),
+            "batch_size": int(cfg.train.batch_size),
+            "resumed_from": str(cfg.resume) if cfg.resume else None,
+        }
+    )
+    return summary
+
+
+def ps_summary(
+    shards: list[dict[str, Any]],
+    workers: Mapping[str, Mapping[str, str]],
+    test_accuracy: float | None,
+    wall_s: float,
+    backend: str | None,
+) -> dict[str, Any]:
+    """The figures of ``summary.json`` the ps statistics hold: the built-in job's and a script's alike.
+
+    ``shards``: every ps's statistics (:meth:`ParameterClient.stats`);
+    ``workers``: each worker's state, as the chief's ``finish()`` returns it.
+    """
     head = shards[0]
     stats = head["stats"]
     first, last = stats.get("first_update"), stats.get("last_update")
@@ -60,21 +85,18 @@ def build_summary(
         index: _worker_entry(index, state, stats["workers"].get(index, {}), head["reports"].get(index, {}))
         for index, state in sorted(workers.items(), key=lambda kv: int(kv[0]))
     }
-    backends = sorted({str(w.get("backend")) for w in per_worker.values() if w.get("backend")} | {backend})
+    named = {backend} if backend else set()
+    backends = sorted({str(w.get("backend")) for w in per_worker.values() if w.get("backend")} | named)
     job = head["job"] or {}
     return {
-        "backend": backend if len(backends) == 1 else "+".join(backends),
+        "backend": backend if len(backends) <= 1 else "+".join(backends),
         "backends": backends,
-        "model": str(cfg.model.name),
-        "optimizer": build.plain(cfg.optimizer),
         "sync": job.get("sync", {}),
         "num_ps": len(shards),
         "num_workers": len(workers),
-        "steps": int(cfg.train.steps),
-        "batch_size": int(cfg.train.batch_size),
-        "resumed_from": str(cfg.resume) if cfg.resume else None,
+        "steps": job.get("steps"),
         "test_accuracy": test_accuracy,
-        "test_accuracy_by_backend": {backend: test_accuracy},
+        "test_accuracy_by_backend": {backend: test_accuracy} if backend and test_accuracy is not None else {},
         "global_step": int(head["version"]),
         "gradients_applied": stats["applied"],
         "gradients_dropped": stats["dropped"],

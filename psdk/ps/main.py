@@ -9,6 +9,7 @@ interface unless told to (``ps.bind=0.0.0.0``).
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -44,8 +45,34 @@ def bind_address(bind: object, advertised: str) -> str:
     return f"{host}:{own_port}"
 
 
-def run_ps(cfg: DictConfig) -> int:
-    """Serve ps task ``task_index``; returns the process exit code."""
+class PsTask:
+    """A ps task that has bound its address: :meth:`run` serves until the job ends.
+
+    ``python -m psdk ps`` runs it in its main thread; :func:`psdk.serve` in a
+    thread of a user's script. Binding first lets both refuse a taken
+    address before anything else happens.
+    """
+
+    def __init__(self, server: ParameterServer, transport: ZmqTransport, progress: Path | None, every_s: float):
+        self.server, self.transport = server, transport
+        self.progress, self.every_s = progress, every_s
+
+    @property
+    def address(self) -> str:
+        """The address bound (with the port picked, for a port 0)."""
+        return self.server.endpoint.address
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Serve until the chief ends the job, or ``stop`` is set; returns the exit code (0: shut down)."""
+        try:
+            with progress_file(self.server, self.progress, self.every_s):
+                return self.server.serve(stop)
+        finally:
+            self.transport.close()
+
+
+def start_ps(cfg: DictConfig) -> PsTask:
+    """Bind ps task ``task_index`` of ``cfg`` (and announce it); raises a ConfigError or BindError."""
     options = options_from(cfg)
     task = int(cfg.task_index)
     ps_hosts = parse_hosts(build.plain(cfg.ps_hosts), "ps_hosts")
@@ -75,8 +102,13 @@ def run_ps(cfg: DictConfig) -> int:
         if options.ps.announce_file:
             announce.announce(Path(options.ps.announce_file), endpoint.address)
         server = ParameterServer(endpoint, task, options.server(cluster if workers else None))
-        progress = Path(options.ps.progress_file) if options.ps.progress_file else None
-        with progress_file(server, progress, float(cfg.progress.every_s)):
-            return server.serve()
-    finally:
+    except BaseException:
         transport.close()
+        raise
+    progress = Path(options.ps.progress_file) if options.ps.progress_file else None
+    return PsTask(server, transport, progress, float(cfg.progress.every_s))
+
+
+def run_ps(cfg: DictConfig) -> int:
+    """Serve ps task ``task_index``; returns the process exit code."""
+    return start_ps(cfg).run()

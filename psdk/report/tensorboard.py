@@ -95,7 +95,8 @@ def scalar_summary(values: Mapping[str, float]) -> bytes:
 class EventWriter:
     """Appends scalar events to a new ``events.out.tfevents.*`` file in ``folder``."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path | str):
+        folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         now = time.time()
         self.path = folder / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.psdk"
@@ -118,7 +119,7 @@ class TensorBoardSink:
 
     TAGS = {"loss": "loss", "accuracy": "validation_accuracy", "steps_per_s": "local_steps_per_s"}
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path | str):
         self.writer = EventWriter(folder)
 
     def write(self, point: Mapping[str, Any]) -> None:
