@@ -118,3 +118,24 @@ def test_a_pause_that_lapses_mid_checkpoint_skips_that_checkpoint_and_the_next_o
         finally:
             chief.close()
             worker.close()
+
+
+def test_a_shard_already_past_the_version_asked_pauses_where_it_is() -> None:
+    """Busy workers move a shard on between the chief's status and its pause_at: the cut must still settle."""
+    with running_ps(1, heartbeat_timeout_s=30.0, pause_lease_s=60.0) as ps:
+        chief, worker = start(ps, 2, mode="async")
+        try:
+            before = int(chief.status()["version"])
+            worker.push_pull(grads(1.0))
+            worker.push_pull(grads(1.0))
+            (reply,) = chief.request(chief.to_all("pause_at", version=before), "a pause").values()
+            assert reply.op == "passed" and int(reply.fields["version"]) == before + 2
+            push = in_thread(lambda: worker.push_pull(grads(1.0)))
+            wait_until(lambda: held(ps) == 1)  # held at the version it answered with
+            (again,) = chief.request(chief.to_all("pause_at", version=before + 2), "the pause again").values()
+            assert again.op == "paused" and int(again.fields["version"]) == before + 2
+            chief.request(chief.to_all("resume"), "resuming")
+            assert push.result(timeout=20).global_step == before + 3
+        finally:
+            chief.close()
+            worker.close()
