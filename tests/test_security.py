@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import stat
 import threading
 from collections.abc import Iterator
@@ -247,3 +248,43 @@ def test_the_public_api_takes_the_keys_as_the_tasks_do(keys: Path) -> None:
             assert server.store.initialized and session.is_chief
         finally:
             session.close()
+
+
+def test_the_keys_command_never_changes_the_mode_of_a_folder_it_did_not_make(tmp_path: Path) -> None:
+    from psdk.cli import main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp: others can write, but not replace what is this user's
+    assert main(["keys", f"keys_dir={shared}", "workers=2"]) == 0
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert stat.S_IMODE((shared / "workers").stat().st_mode) == 0o700
+    assert len(security.load_server(shared).allowed) == 2
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)  # no sticky bit: anyone could swap the key folders inside it
+    assert main(["keys", f"keys_dir={open_to_all}", "workers=2"]) == 2
+    assert stat.S_IMODE(open_to_all.stat().st_mode) == 0o777 and not list(open_to_all.iterdir())
+
+
+def test_a_key_folder_others_can_write_is_refused_naming_it(keys: Path) -> None:
+    """The ps takes a worker's identity from its key file's name: a writable workers/ lets anyone be the chief."""
+    (keys / "workers").chmod(0o777)
+    with pytest.raises(ConfigError, match=rf"{keys / 'workers'} can be written by its group and other users"):
+        security.load_server(keys)
+    (keys / "workers").chmod(0o700)
+    keys.chmod(0o770)
+    with pytest.raises(ConfigError, match=rf"{keys} can be written by its group \(mode 0770\); refusing the key"):
+        security.load_worker(keys, 0)
+    keys.chmod(0o700)
+    (keys / "ps" / "ps-0.key").chmod(0o646)
+    with pytest.raises(ConfigError, match=r"ps-0\.key can be written by other users"):
+        security.load_worker(keys, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_key_file_of_another_user_is_refused_naming_it(keys: Path) -> None:
+    swapped = keys / "workers" / "worker-0.key"
+    os.chown(swapped, 65534, 65534)
+    with pytest.raises(ConfigError, match=rf"{swapped} belongs to another user \(uid 65534\)"):
+        security.load_server(keys)

@@ -88,8 +88,13 @@ def generate(folder: Path, num_workers: int, num_ps: int = 1, overwrite: bool = 
             )
         for old in [*(folder / PS).glob("*.key*"), *(folder / WORKERS).glob("*.key*")]:
             old.unlink()
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
+    if folder.exists():
+        problem = _unsafe(folder)
+        if problem:  # its mode is not this command's to change: a shared folder stays as its owner set it
+            raise ConfigError("keys_dir", f"{problem}, so keys made there would be refused; {SAFE_FOLDER_HINT}")
+    else:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700)
     tasks = {PS: [ps_name(j) for j in range(num_ps)], WORKERS: [worker_name(i) for i in range(num_workers)]}
     for sub, names in tasks.items():
         (folder / sub).mkdir(exist_ok=True, mode=0o700)
@@ -100,14 +105,49 @@ def generate(folder: Path, num_workers: int, num_ps: int = 1, overwrite: bool = 
     return folder
 
 
-def _public(path: Path) -> bytes:
+def _unsafe(path: Path) -> str | None:
+    """What lets another user replace ``path``: another owner (root aside), or group/others' write access.
+
+    A folder with the sticky bit (like /tmp) is safe to hold others' files: nobody
+    else can rename or delete what belongs to this user in it.
+    """
+    info = path.lstat()
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to another user (uid {info.st_uid})"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and not (stat.S_ISDIR(info.st_mode) and mode & stat.S_ISVTX):
+        who = " and ".join(w for w, bits in (("its group", 0o020), ("other users", 0o002)) if mode & bits)
+        return f"{path} can be written by {who} (mode {mode:04o})"
+    return None
+
+
+SAFE_FOLDER_HINT = "use a keys_dir of your own that only you can write (`chmod go-w` it, or a new folder)"
+
+
+def _owned(path: Path, keys_dir: Path) -> None:
+    """Refuse a key file that another user could have put there: it, or a folder up to ``keys_dir``, is unsafe.
+
+    The ps takes a worker's identity from its public key file's name, so a
+    ``workers/`` folder others can write lets them swap in their own
+    ``worker-0.key`` and be let in as the chief.
+    """
+    for part in (path, *path.parents):
+        problem = _unsafe(part)
+        if problem:
+            raise ConfigError("transport.keys_dir", f"{problem}; refusing the key {path}: {SAFE_FOLDER_HINT}")
+        if part == keys_dir:
+            return
+
+
+def _public(path: Path, keys_dir: Path) -> bytes:
     if not path.is_file():
         raise ConfigError("transport.keys_dir", f"{path} is missing; {KEY_ENV_HINT}")
+    _owned(path, keys_dir)
     public, _ = zmq.auth.load_certificate(str(path))
     return public
 
 
-def _secret(path: Path) -> tuple[bytes, bytes]:
+def _secret(path: Path, keys_dir: Path) -> tuple[bytes, bytes]:
     """A keypair from a secret key file that only its owner can read (refused otherwise, as ssh does)."""
     if not path.is_file():
         raise ConfigError("transport.keys_dir", f"{path} is missing; {KEY_ENV_HINT}")
@@ -119,6 +159,7 @@ def _secret(path: Path) -> tuple[bytes, bytes]:
             f"{path} is a secret key that {who} can read or write (mode {mode:04o}); anyone who can read it can act "
             f"as this task: `chmod 600 {path}` (and keep its folder the owner's alone)",
         )
+    _owned(path, keys_dir)
     public, secret = zmq.auth.load_certificate(str(path))
     if secret is None:
         raise ConfigError("transport.keys_dir", f"{path} holds no secret key; {KEY_ENV_HINT}")
@@ -127,8 +168,8 @@ def _secret(path: Path) -> tuple[bytes, bytes]:
 
 def load_server(folder: Path, index: int = 0) -> CurveKeys:
     """Ps task ``index``'s keys, and the workers it lets in."""
-    public, secret = _secret(folder / PS / f"{ps_name(index)}.key_secret")
-    allowed = {_public(path): path.stem for path in sorted((folder / WORKERS).glob("*.key"))}
+    public, secret = _secret(folder / PS / f"{ps_name(index)}.key_secret", folder)
+    allowed = {_public(path, folder): path.stem for path in sorted((folder / WORKERS).glob("*.key"))}
     if not allowed:
         raise ConfigError("transport.keys_dir", f"{folder} holds no worker public keys (workers/worker-<i>.key)")
     return CurveKeys(public, secret, allowed=allowed)
@@ -136,8 +177,8 @@ def load_server(folder: Path, index: int = 0) -> CurveKeys:
 
 def load_worker(folder: Path, index: int, num_ps: int = 1) -> CurveKeys:
     """Worker ``index``'s keys, and the public key of each of the ``num_ps`` ps tasks it talks to."""
-    public, secret = _secret(folder / WORKERS / f"{worker_name(index)}.key_secret")
-    servers = tuple(_public(folder / PS / f"{ps_name(j)}.key") for j in range(num_ps))
+    public, secret = _secret(folder / WORKERS / f"{worker_name(index)}.key_secret", folder)
+    servers = tuple(_public(folder / PS / f"{ps_name(j)}.key", folder) for j in range(num_ps))
     return CurveKeys(public, secret, servers=servers)
 
 
