@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from psdk.access import file_mode
 from psdk.errors import ConfigError, DataError, PsdkError
 from psdk.numerics import all_finite
 from psdk.registry import rule_from_json
@@ -130,6 +131,7 @@ def save(checkpoint: Checkpoint, path: Path) -> Path:
     arrays[META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600, widened only where file_access says so
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
             f.flush()

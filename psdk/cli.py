@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from psdk import tf_config
+from psdk import access, tf_config
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
@@ -232,6 +232,7 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
     with contextlib.suppress(OSError):  # a folder used before: its last failure is not this start's
         forget_failure(output_dir)
     try:
+        access.apply(cfg.get(access.KEY, access.DEFAULT))  # as the config says, where a file set it
         from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
         if from_tf is not None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
@@ -433,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if command not in COMMANDS:
             raise ConfigError("command", unknown_command(command), COMMANDS)
+        access.apply(access.from_args(args[1:]))  # before anything is written, by this process or its tasks
         if command in ("plugins", "fuzz", "keys", "data", "bench"):
             from psdk.commands import run_command
 

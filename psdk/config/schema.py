@@ -188,6 +188,7 @@ class PsdkConfig:
     resume: Any = None
     run_id: Any = None
     weights: Any = None
+    file_access: str = "owner"
     recovery: Any = field(default_factory=RecoveryConfig)  # derived: typed by the instance
     checkpoint: Any = field(default_factory=CheckpointConfig)  # derived: typed by the instance
     train: Any = field(default_factory=TrainConfig)  # derived: typed by the instance
