@@ -235,6 +235,10 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
         from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
         if from_tf is not None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
+        if job in (None, "worker"):
+            from psdk.epochs import resolve_steps
+
+            resolve_steps(cfg)  # train.epochs, when given, sets train.steps before anything reads it
         write_resolved_config(cfg, output_dir)
         if job is None:
             from hydra.core.hydra_config import HydraConfig

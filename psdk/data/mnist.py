@@ -76,6 +76,8 @@ class Split:
     val_y: np.ndarray
     test_images: np.ndarray
     test_y: np.ndarray
+    train_size: int = 0
+    """Training images of every worker's shard together (what an epoch passes over: :mod:`psdk.epochs`)."""
 
     def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Training images ``rows`` scaled to [0, 1], and their labels."""
@@ -397,4 +399,5 @@ def split(data: Mnist, worker: int, num_workers: int, validation_size: int = 500
         val_y=data.train_y[:validation_size],
         test_images=data.test_x if with_test else empty_x,
         test_y=data.test_y if with_test else empty_y,
+        train_size=len(rest),
     )

@@ -71,6 +71,7 @@ def build_summary(
         "num_ps": len(shards),
         "num_workers": len(workers),
         "steps": int(cfg.train.steps),
+        "train_epochs": cfg.train.get("epochs"),  # the epochs asked for (null: train.steps was), psdk.epochs
         "batch_size": int(cfg.train.batch_size),
         "resumed_from": str(cfg.resume) if cfg.resume else None,
         "test_accuracy": test_accuracy,
