@@ -101,3 +101,13 @@ def test_a_job_run_by_epochs_counts_them_the_same_in_logs_metrics_and_summary(tm
     assert f"launcher: train.epochs=0.25 is {steps} global steps" in done.stdout
     last = f"worker 0: epoch {steps * 2 / 550:.2f}/0.25, global step {steps},"
     assert last in done.stdout, done.stdout
+
+
+def test_each_split_knows_the_training_set_an_epoch_passes_over() -> None:
+    from psdk.data import mnist
+
+    images, labels = np.zeros((1003, 4), np.uint8), np.zeros(1003, np.int64)
+    data = mnist.Mnist(train_x=images, train_y=labels, test_x=images[:5], test_y=labels[:5])
+    splits = [mnist.split(data, w, 3, 100) for w in range(3)]
+    assert [len(s.train_images) for s in splits] == shard_sizes(903, 3)
+    assert all(s.train_size == 903 for s in splits)
