@@ -17,9 +17,10 @@ A block with neither a runner nor a marker fails, so new docs cannot slip throug
 Each block runs in a fresh folder with ``PSDK_DATA_DIR`` set. A shell line must be a
 ``python -m psdk`` command, or ``tensorboard --logdir DIR``, whose folder is checked for event files
 instead of served. What makes each command fast: ``run`` gets a fiftieth of the ``train.steps`` it
-documents (60 for the default 12,000 or a preset's; of its ``train.epochs``, at most 0.1), no validation, plot or live display, its own
-output folder, and ``backend=numpy`` unless it names a backend; ``bench`` and ``fuzz`` get their
-own size flags. The documented placeholders are filled in: MNIST folders (``/path/to/mnist``,
+documents (60 for the default 12,000 or a preset's; of its ``train.epochs``, at most 0.1), no
+validation, plot or live display, its own output folder, and ``backend=numpy`` unless it names a
+backend; ``bench`` and ``fuzz`` get their own size flags. The documented placeholders are filled
+in: MNIST folders (``/path/to/mnist``,
 ``/data/mnist``, ``/data/fashion-mnist``: all MNIST-format) with the real one, ``outputs/<run>`` or a
 dated run folder with the block's newest run (a sweep's runs count), a dated ``multirun/`` folder
 with its newest sweep. A ``run`` that an earlier block ran word for word is not run again.

@@ -4,9 +4,9 @@ Each worker reads its own shard of the training set, trains with
 :class:`~psdk.api.DistributedOptimizer` until the ps says the target global
 step is reached, and logs lines a TensorFlow user knows (worker, epoch,
 global step, local step, loss, validation accuracy); an epoch is the job's
-pass over the training set, counted from the global step (:mod:`psdk.epochs`). The chief also resumes
-from a checkpoint when asked, writes checkpoints, and at the end waits for the
-others, evaluates the final parameters of the ps on the test set and writes
+pass over the training set, counted from the global step (:mod:`psdk.epochs`).
+The chief also resumes from a checkpoint when asked, writes checkpoints, and
+at the end waits for the others, evaluates the final parameters of the ps on the test set and writes
 ``summary.json``, ``params.npz`` and a final checkpoint.
 """
 
