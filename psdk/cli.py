@@ -15,15 +15,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
 from psdk import access, tf_config
+from psdk.config import flags
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
@@ -39,7 +39,7 @@ COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz", "data"
 COMMAND_ALIASES = {"train": "run", "start": "run", "launch": "run", "download": "data", "eval": "evaluate"}
 # Config groups chosen in config.yaml's defaults list: `+model=...` would be refused as a second value.
 DEFAULT_GROUPS = ("model", "optimizer", "sync", "topology", "launcher", "experiment")
-TF_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts")
+TF_FLAGS = flags.CLUSTER_FLAGS
 HOST_KEYS = ("ps_hosts", "worker_hosts")
 # Runs of this process's multirun that failed: the sweep goes on, and its exit status says so at the end.
 FAILED_RUNS: list[Path] = []
@@ -74,29 +74,30 @@ examples:
 """
 
 
-def normalize_args(args: Sequence[str]) -> list[str]:
-    """TensorFlow-style ``--flag=value`` and bare host lists, turned into Hydra overrides."""
+def normalize_args(args: Sequence[str], known_keys: Callable[[], Sequence[str]] | None = None) -> list[str]:
+    """TensorFlow-style ``--flag=value`` and bare host lists, turned into Hydra overrides.
+
+    A ``--flag`` psdk does not take is refused (:mod:`psdk.config.flags`);
+    ``known_keys``, the config's keys, then says which override was meant.
+    """
     out: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        match = re.fullmatch(r"--(\w+)(?:=(.*))?", arg)
-        if match and match.group(1) in TF_FLAGS:
-            key, value = match.group(1), match.group(2)
-            if value is None:
-                if i + 1 >= len(args):
-                    raise ConfigError(key, f"--{key} needs a value")
-                value = args[i + 1]
-                i += 1
-            arg = f"{key}={value}"
+    for arg in flags.translate(args, known_keys):
         key, sep, value = arg.partition("=")
         if sep and key.startswith("+") and key.lstrip("+") in DEFAULT_GROUPS:
             key, arg = key.lstrip("+"), arg.lstrip("+")  # Hydra's docs say +experiment=...; here it is a choice
         if sep and key.lstrip("+") in HOST_KEYS and "," in value and value[:1] not in "[\"'":
             arg = f"{key}='{value}'"
         out.append(arg)
-        i += 1
     return out
+
+
+def config_keys() -> list[str]:
+    """Every key of the shipped config, composed with no overrides (to explain a flag psdk does not take)."""
+    from psdk.config import config_dir, prepare_hydra
+    from psdk.config.check import OverrideChecker
+
+    prepare_hydra()
+    return OverrideChecker(config_dir()).keys()
 
 
 def _given(args: Sequence[str], key: str) -> str | None:
@@ -236,6 +237,10 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
         from_tf = tf_config.from_environ(os.environ) if job in ("ps", "worker") else None
         if from_tf is not None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
+        if job in (None, "worker"):
+            from psdk.epochs import resolve_steps
+
+            resolve_steps(cfg)  # train.epochs, when given, sets train.steps before anything reads it
         write_resolved_config(cfg, output_dir)
         if job is None:
             from hydra.core.hydra_config import HydraConfig
@@ -438,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in ("plugins", "fuzz", "keys", "data", "bench"):
             from psdk.commands import run_command
 
-            return run_command(command, normalize_args(args[1:]))
+            return run_command(command, normalize_args(args[1:], config_keys if command == "data" else None))
         if command == "report":
             from psdk.report.command import report
 
@@ -446,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in ("ps", "worker") and os.environ.get(HANDOFF_ENV):
             run_handed(args)
             return 0
-        run_hydra(command, normalize_args(args[1:]))
+        run_hydra(command, normalize_args(args[1:], config_keys))
     except PsdkError as exc:
         print(f"psdk: error: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,10 @@
 A backend turns a :class:`ModelSpec` into its own framework's model, but the
 initial weights come from :func:`init_weights` in numpy, so the same seed
 starts a torch worker, a TensorFlow worker and the numpy reference from the
-same point. Variable names and layouts are canonical: ``<layer>/kernel`` of
+same point. How the kernels are drawn is the model's ``init`` (``model.init=normal
+model.init_stddev=1.0`` in the config, as TensorFlow 1.x's ``tf.random_normal``);
+the chief's initial weights are the ps's, so backends never draw their own.
+Variable names and layouts are canonical: ``<layer>/kernel`` of
 shape (in, out) and ``<layer>/bias`` of shape (out,).
 
 Plugins add models (:class:`~psdk.hookspecs.ModelRecord`): a spec of the
@@ -15,16 +18,37 @@ dense stack for :class:`ModelSpec`.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psdk.errors import ConfigError, PluginError, PsdkError
+from psdk.errors import ConfigError, PluginError, PsdkError, closest
 
 if TYPE_CHECKING:
     from psdk.backend import Backend
+
+log = logging.getLogger(__name__)
+
+# How the kernels are drawn (``model.init``): Glorot-uniform is the default, and what psdk always drew before.
+INITIALIZERS = ("glorot_uniform", "normal", "truncated_normal", "zeros")
+WITH_STDDEV = ("normal", "truncated_normal")  # read model.init_stddev (1.0 unless given)
+# Other frameworks' names for them, suggested when given.
+INIT_ALIASES = {
+    "glorot": "glorot_uniform",
+    "xavier": "glorot_uniform",
+    "xavier_uniform": "glorot_uniform",
+    "random_normal": "normal",
+    "gaussian": "normal",
+    "normal_": "normal",
+    "trunc_normal": "truncated_normal",
+    "trunc_normal_": "truncated_normal",
+    "zero": "zeros",
+    "zeros_": "zeros",
+}
 
 
 @dataclass(frozen=True)
@@ -39,11 +63,14 @@ class ModelSpec:
     hidden: Sequence[int] = field(default=(100,))
     input_dim: int = 784
     num_classes: int = 10
+    init: str = "glorot_uniform"
+    init_stddev: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
         if any(h < 1 for h in self.hidden) or self.input_dim < 1 or self.num_classes < 2:
             raise ConfigError("model", f"layer sizes must be positive: {self}")
+        check_init(self.init, self.init_stddev)
 
     def layers(self) -> list[tuple[str, int, int]]:
         """(name, fan_in, fan_out) of each dense layer, input to output."""
@@ -66,13 +93,62 @@ class ModelSpec:
         return init_weights(self, seed)
 
 
+def check_init(init: str, stddev: float | None) -> None:
+    """Refuse an initialiser psdk does not know, or a stddev it would not use or cannot draw with."""
+    if init not in INITIALIZERS:
+        meant = INIT_ALIASES.get(init.lower()) or closest(init, INITIALIZERS)
+        hint = f"; did you mean model.init={meant}?" if meant is not None else ""
+        raise ConfigError("model.init", f"unknown initialiser {init!r}{hint}", INITIALIZERS)
+    if stddev is None:
+        return
+    if init not in WITH_STDDEV:
+        raise ConfigError(
+            "model.init_stddev",
+            f"is {stddev}, but model.init={init} draws no normal: it is read by model.init=normal or "
+            "truncated_normal only (drop it, or pick one of those)",
+        )
+    if isinstance(stddev, bool) or not isinstance(stddev, (int, float)) or not math.isfinite(stddev) or stddev <= 0:
+        raise ConfigError("model.init_stddev", f"must be a positive number, got {stddev}; e.g. model.init_stddev=1.0")
+
+
+def draw_kernel(rng: np.random.Generator, init: str, stddev: float, fan_in: int, fan_out: int) -> np.ndarray:
+    """One (fan_in, fan_out) float32 kernel drawn as ``init`` says (:data:`INITIALIZERS`)."""
+    shape = (fan_in, fan_out)
+    if init == "glorot_uniform":
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-limit, limit, shape).astype(np.float32)
+    if init == "normal":
+        return (rng.standard_normal(shape) * stddev).astype(np.float32)
+    if init == "truncated_normal":
+        # As tf.truncated_normal: a draw beyond two standard deviations is dropped and drawn again.
+        values = rng.standard_normal(shape)
+        while (outside := np.abs(values) > 2.0).any():
+            values[outside] = rng.standard_normal(int(outside.sum()))
+        return (values * stddev).astype(np.float32)
+    if init == "zeros":
+        return np.zeros(shape, np.float32)
+    raise ConfigError("model.init", f"unknown initialiser {init!r}", INITIALIZERS)
+
+
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
-    """Glorot-uniform kernels and zero biases (Keras' defaults), from ``seed``."""
+    """Kernels drawn as ``spec.init`` says (Glorot-uniform, Keras' default, unless told) and zero biases, from ``seed``.
+
+    A normal's stddev is ``spec.init_stddev``, 1.0 when not given (as
+    ``tf.random_normal`` and ``tf.truncated_normal``). Biases start at zero
+    whatever the kernels do, as in Keras and the TensorFlow 1.x examples.
+    """
+    init = str(getattr(spec, "init", "glorot_uniform"))
+    given = getattr(spec, "init_stddev", None)
+    stddev = 1.0 if given is None else float(given)
+    if init == "zeros" and len(spec.layers()) > 1:
+        log.warning(
+            "model.init=zeros with hidden layers: every hidden unit computes the same output, so none ever differs "
+            "from another and the hidden layers do not learn; zeros suits model=softmax (no hidden layer)"
+        )
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
     for name, fan_in, fan_out in spec.layers():
-        limit = np.sqrt(6.0 / (fan_in + fan_out))
-        weights[f"{name}/kernel"] = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)
+        weights[f"{name}/kernel"] = draw_kernel(rng, init, stddev, fan_in, fan_out)
         weights[f"{name}/bias"] = np.zeros(fan_out, np.float32)
     return weights
 

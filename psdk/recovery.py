@@ -48,7 +48,7 @@ def recover(client: ParameterClient, why: str) -> StepResult:
     client.renew()  # a restarted ps maps this worker's buffers anew
     step = client.pull()
     log.warning(
-        "worker %d: recovered at global step %d (epoch %d)%s",
+        "worker %d: recovered at global step %d (restore epoch %d)%s",
         client.task_index,
         step,
         client.epoch,
@@ -169,7 +169,7 @@ def lead(client: ParameterClient, deadline: float) -> int:
     client.request(messages, "restoring the shards from the latest checkpoint")
     client.epoch = epoch
     log.warning(
-        "worker 0: restored every shard to global step %d (epoch %d) from %s",
+        "worker 0: restored every shard to global step %d (restore epoch %d) from %s",
         state.global_step,
         epoch,
         "the latest checkpoint" if state is not client.fallback else "the initial state",

@@ -152,3 +152,100 @@ def test_a_busy_port_is_reported_with_how_to_fix_it(tmp_path: Path) -> None:
     assert result.returncode != 0
     text = result.stdout + result.stderr
     assert f"127.0.0.1:{port}" in text and "in use" in text and "ps 0" in text
+
+
+@pytest.mark.timeout(30)
+def test_tf1_training_flags_become_the_psdk_overrides_they_mean() -> None:
+    args = [
+        "--batch_size=100",
+        "--learning_rate",
+        "0.01",
+        "--train_steps=500",
+        "--replicas_to_aggregate=2",
+        "--data_dir=/data/mnist",
+        "--sync_replicas=true",
+        "--cfg",
+        "job",
+    ]
+    assert normalize_args(args) == [
+        "train.batch_size=100",
+        "optimizer.lr=0.01",
+        "train.steps=500",
+        "sync.replicas_to_aggregate=2",
+        "data.dir=/data/mnist",
+        "sync=sync",
+        "--cfg",
+        "job",
+    ]
+    # A boolean flag alone is true, as TF1's flags take it; --noflag and =false are false.
+    assert normalize_args(["--sync_replicas"]) == ["sync=sync"]
+    assert normalize_args(["--sync_replicas", "false"]) == ["sync=async"]
+    assert normalize_args(["--nosync_replicas", "-m"]) == ["sync=async", "-m"]
+    # Hydra's own flags are Hydra's.
+    assert normalize_args(["--multirun", "--config-dir=/x", "--info", "defaults"]) == [
+        "--multirun",
+        "--config-dir=/x",
+        "--info",
+        "defaults",
+    ]
+    with pytest.raises(ConfigError, match="--sync_replicas: takes true or false, got 'maybe'"):
+        normalize_args(["--sync_replicas=maybe"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flag, line",
+    [
+        ("--task_idx=1", "--task_idx: psdk takes no such flag; did you mean --task_index?"),
+        ("--batchsize=64", "--batchsize: psdk takes no such flag; did you mean --batch_size?"),
+        ("--sync-replicas", "--sync-replicas: psdk takes no such flag; did you mean --sync_replicas?"),
+        ("--seed=3", "--seed: psdk takes no such flag; settings are key=value overrides: did you mean seed=3?"),
+        ("--lr=0.1", "did you mean optimizer.lr=0.1?"),
+        ("--validate_every=5", "did you mean train.validate_every=5?"),
+        ("--num_epochs=50", "train.epochs=<N x workers>"),
+        ("--train_dir=/tmp/x", "hydra.run.dir=DIR"),
+        ("--no_such_thing=1", "settings are key=value overrides without dashes"),
+    ],
+)
+def test_any_other_flag_is_one_line_with_what_was_meant(
+    flag: str, line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not argparse's bare usage: the flag, or the psdk key, that was probably meant, and exit code 2."""
+    assert main(["worker", flag, "--cfg", "job"]) == USAGE_EXIT
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"psdk: error: {flag.split('=')[0]}: "), captured.err
+    assert line in lines[0] and "usage:" not in captured.err + captured.out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "override, meant",
+    [
+        ("sync_replicas=true", "did you mean sync=sync?"),
+        ("sync_replicas=false", "did you mean sync=async?"),
+        ("batch_size=100", "did you mean train.batch_size?"),
+        ("learning_rate=0.01", "did you mean optimizer.lr?"),
+        ("train_steps=10", "did you mean train.steps?"),
+        ("replicas_to_aggregate=2", "did you mean sync.replicas_to_aggregate?"),
+        ("data_dir=/x", "did you mean data.dir?"),
+        ("num_epochs=3", "did you mean train.epochs?"),
+    ],
+)
+def test_tf1_names_as_overrides_point_to_the_psdk_key(
+    override: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", override, "--cfg", "job"]) == USAGE_EXIT
+    err = capsys.readouterr().err
+    assert f"psdk: error: {override.split('=')[0]}: there is no such key; {meant}" in err, err
+    assert "sync.replicas_to_aggregate" not in err or "replicas_to_aggregate=" in override, err
+
+
+@pytest.mark.timeout(60)
+def test_train_steps_and_train_epochs_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "train.epochs=2", "train.steps=100", "--cfg", "job"]) == USAGE_EXIT
+    err = capsys.readouterr().err
+    assert "train.epochs: and train.steps are both given" in err and "give one of them" in err
+    # A preset's steps yield to the command line's epochs: only the command line's two are a conflict.
+    assert main(["run", "experiment=softmax_sgd", "train.epochs=2", "--cfg", "job"]) == 0
+    assert "epochs: 2" in capsys.readouterr().out

@@ -17,9 +17,10 @@ A block with neither a runner nor a marker fails, so new docs cannot slip throug
 Each block runs in a fresh folder with ``PSDK_DATA_DIR`` set. A shell line must be a
 ``python -m psdk`` command, or ``tensorboard --logdir DIR``, whose folder is checked for event files
 instead of served. What makes each command fast: ``run`` gets a fiftieth of the ``train.steps`` it
-documents (60 for the default 12,000 or a preset's), no validation, plot or live display, its own
-output folder, and ``backend=numpy`` unless it names a backend; ``bench`` and ``fuzz`` get their
-own size flags. The documented placeholders are filled in: MNIST folders (``/path/to/mnist``,
+documents (60 for the default 12,000 or a preset's; of its ``train.epochs``, at most 0.1), no
+validation, plot or live display, its own output folder, and ``backend=numpy`` unless it names a
+backend; ``bench`` and ``fuzz`` get their own size flags. The documented placeholders are filled
+in: MNIST folders (``/path/to/mnist``,
 ``/data/mnist``, ``/data/fashion-mnist``: all MNIST-format) with the real one, ``outputs/<run>`` or a
 dated run folder with the block's newest run (a sweep's runs count), a dated ``multirun/`` folder
 with its newest sweep. A ``run`` that an earlier block ran word for word is not run again.
@@ -227,6 +228,10 @@ def short_run(args: list[str], folder: Folder) -> tuple[list[str], Path]:
     number = len(folder.runs) + len(folder.sweeps)
     sweep = "-m" in args or "--multirun" in args
     settings = {"train.steps": str(steps), "train.validate_every": "0", "train.log_every": "20"}
+    epochs = next((a.split("=", 1)[1] for a in args if a.startswith("train.epochs=")), None)
+    if epochs is not None:  # train.epochs sets the steps (giving both is refused): a fiftieth, at most 0.1 epoch
+        del settings["train.steps"]
+        settings["train.epochs"] = f"{min(float(epochs) / 50, 0.1):g}"
     settings |= {"progress.mode": "off", "report.plot": "false"}
     if not any("backend" in a for a in args):
         settings["backend"] = "numpy"

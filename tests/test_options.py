@@ -48,7 +48,7 @@ BASE = ["output_dir=/tmp/psdk-options-test"]
 # ------------------------------------------------------------------ every key reaches its options
 def changed(value: Any, name: str) -> Any:
     """A valid value other than ``value`` for key ``name`` (None-able keys get one of their type)."""
-    special = {"device": "cpu", "dir": "/tmp/elsewhere", "gpu_memory_fraction": 0.5, "compute_nice": 3}
+    special = {"device": "cpu", "dir": "/tmp/elsewhere", "gpu_memory_fraction": 0.5, "compute_nice": 3, "epochs": 2.5}
     if name in special:
         return special[name]
     if isinstance(value, bool):

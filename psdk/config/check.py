@@ -58,6 +58,8 @@ KEY_ALIASES = {
     "data_dir": "data.dir",
     "datadir": "data.dir",
     "mnist_dir": "data.dir",
+    "num_epochs": "epochs",
+    "train_epochs": "epochs",
 }
 
 
@@ -134,15 +136,40 @@ def _alias(key: str, known: Sequence[str]) -> str | None:
     return same_leaf[0] if len(same_leaf) == 1 else None
 
 
-def suggest_key(key: str, known: Sequence[str]) -> str:
-    """``; did you mean train.steps?`` for ``trian.steps``, ``train.stpes``, ``max_steps`` or a bare ``steps``."""
+def meant_key(key: str, known: Sequence[str]) -> str | None:
+    """The key of ``known`` that ``key`` most likely means: itself, psdk's name for another framework's, a dotted
+    key with the same last part (``steps``: ``train.steps``), or the closest; None when none is close."""
+    if key in known:
+        return key
     if (alias := _alias(key, known)) is not None:
-        return f"; did you mean {alias}?"
+        return alias
     last = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == last and k != key]
     if len(same_leaf) == 1:
-        return f"; did you mean {same_leaf[0]}?"
-    return did_you_mean(key, known)
+        return same_leaf[0]
+    return closest(key, known)
+
+
+def suggest_key(key: str, known: Sequence[str]) -> str:
+    """``; did you mean train.steps?`` for ``trian.steps``, ``train.stpes``, ``max_steps`` or a bare ``steps``."""
+    meant = meant_key(key, known)
+    return f"; did you mean {meant}?" if meant is not None and meant != key else ""
+
+
+def tf1_flag_override(text: str) -> ConfigError | None:
+    """An override named after a boolean TF1 flag (``sync_replicas=true``), refused naming the psdk override."""
+    from psdk.config.flags import BOOL_FLAGS, bool_override
+
+    key, _, value = text.partition("=")
+    flag = key.lstrip("+~")
+    if flag not in BOOL_FLAGS:
+        return None
+    when_true, when_false = BOOL_FLAGS[flag]
+    try:
+        meant = bool_override(flag, value or "true")
+    except ConfigError:
+        meant = f"{when_true} (true) or {when_false} (false)"
+    return ConfigError(flag, f"there is no such key; did you mean {meant}? ({PRINT_KEYS})")
 
 
 class OverrideChecker:
@@ -167,6 +194,10 @@ class OverrideChecker:
         """The config composed with ``args``, checked as :meth:`check` checks them: one composition."""
         overrides, group_choices = self._plan(args) or (list(args), [])
         return self._compose(overrides, group_choices)
+
+    def keys(self) -> list[str]:
+        """Every dotted key of the config composed with no overrides, and the config groups."""
+        return [k for k in leaf_keys(self._compose([], [])) if not k.startswith("hydra")] + list(self.groups)
 
     def explain(self, args: Sequence[str]) -> ConfigError | None:
         """Why Hydra could not compose the config with ``args``, in psdk's words; None if psdk finds no fault.
@@ -197,7 +228,10 @@ class OverrideChecker:
         parser = OverridesParser.create()
         composed: list[str] = []
         group_choices: list[str] = []
+        given: set[str] = set()
         for text in texts:
+            if (refused := tf1_flag_override(text)) is not None:
+                raise refused
             try:
                 override = parser.parse_override(text)
             except HydraException as exc:  # OverrideParseException, or a bare one from the grammar
@@ -219,10 +253,18 @@ class OverrideChecker:
             if key in self.groups:
                 for value in values or [override.value()]:
                     self._check_option(key, value)
+            if values is not None or str(override.value()) not in ("null", "None"):
+                given.add(key.lstrip("+"))
             single = text if values is None else f"{text.split('=', 1)[0]}={values[0]}"
             composed.append(single)
             if key in self.groups:
                 group_choices.append(single)
+        if {"train.steps", "train.epochs"} <= given:
+            raise ConfigError(
+                "train.epochs",
+                "and train.steps are both given, but train.epochs sets the step count (docs/configuration.md#epochs): "
+                "give one of them",
+            )
         return composed, group_choices
 
     def _check_option(self, group: str, value: object) -> None:

@@ -120,6 +120,7 @@ class TrainOptions(_Group):
 
     GROUP: ClassVar[str] = "train"
     steps: int = 12000
+    epochs: float | None = None
     batch_size: int = 100
     validate_every: int = 500
     log_every: int = 100
@@ -130,6 +131,7 @@ class TrainOptions(_Group):
     def __post_init__(self) -> None:
         self._at_least(1, "steps", "batch_size", "threads")
         self._at_least(0, "validate_every", "log_every", "final_wait_s")
+        self._positive("epochs", null=True)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,8 @@ class ModelConfig:
     hidden: list[int] = field(default_factory=list)
     input_dim: int = 784
     num_classes: int = 10
+    init: str = "glorot_uniform"  # how the kernels are drawn (psdk.models.INITIALIZERS)
+    init_stddev: float | None = None  # normal, truncated_normal: their stddev (null: 1.0)
 
 
 @dataclass

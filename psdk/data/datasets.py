@@ -113,6 +113,16 @@ def load_dataset(data: Any) -> mnist.Mnist:
     return loaded
 
 
+def train_size(data: Any) -> int:
+    """Training images the workers share (validation held out): known for MNIST, counted for any other dataset."""
+    held_out = int(_get(data, "validation_size", 0) or 0)
+    # MNIST's files are checked against their MD5 sums: its size needs no reading. Any other is counted.
+    total = mnist.TRAIN_SIZE if check_dataset_name(data) == "mnist" else len(load_dataset(data).train_x)
+    if not 0 <= held_out < total:
+        raise ConfigError("data.validation_size", f"must be in [0, {total}), got {held_out}")
+    return total - held_out
+
+
 def check_fits(dataset: mnist.Mnist, spec: Any, name: str) -> None:
     """Refuse a model whose input size or number of classes does not fit the dataset's."""
     pixels = int(dataset.train_x.shape[1])

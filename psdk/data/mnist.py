@@ -89,6 +89,8 @@ class Split:
     val_y: np.ndarray
     test_images: np.ndarray
     test_y: np.ndarray
+    train_size: int = 0
+    """Training images of every worker's shard together (what an epoch passes over: :mod:`psdk.epochs`)."""
 
     def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Training images ``rows`` scaled to [0, 1], and their labels."""
@@ -387,7 +389,7 @@ def _only_mine(entry: Path) -> None:
 def _digests_match(data: Mnist, path: Path) -> Mnist:
     for name in DECODED_ARRAYS:
         array = np.ascontiguousarray(getattr(data, name))
-        if hashlib.sha256(memoryview(array).cast("B")).hexdigest() != DECODED_SHA256[name]:
+        if hashlib.sha256(array.data.cast("B")).hexdigest() != DECODED_SHA256[name]:
             raise DataError(f"{path}: {name} differs from the standard MNIST files' decoded {name}")
     return data
 
@@ -461,4 +463,5 @@ def split(data: Mnist, worker: int, num_workers: int, validation_size: int = 500
         val_y=data.train_y[:validation_size],
         test_images=data.test_x if with_test else empty_x,
         test_y=data.test_y if with_test else empty_y,
+        train_size=len(rest),
     )

@@ -3,9 +3,10 @@
 Each worker reads its own shard of the training set, trains with
 :class:`~psdk.api.DistributedOptimizer` until the ps says the target global
 step is reached, and logs lines a TensorFlow user knows (worker, epoch,
-global step, local step, loss, validation accuracy). The chief also resumes
-from a checkpoint when asked, writes checkpoints, and at the end waits for the
-others, evaluates the final parameters of the ps on the test set and writes
+global step, local step, loss, validation accuracy); an epoch is the job's
+pass over the training set, counted from the global step (:mod:`psdk.epochs`).
+The chief also resumes from a checkpoint when asked, writes checkpoints, and
+at the end waits for the others, evaluates the final parameters of the ps on the test set and writes
 ``summary.json``, ``params.npz`` and a final checkpoint.
 """
 
@@ -30,6 +31,7 @@ from psdk.config import build
 from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
+from psdk.epochs import count_of
 from psdk.errors import TrainingResumed
 from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.jobs.divergence import DivergenceWatch
@@ -51,22 +53,22 @@ log = logging.getLogger(__name__)
 
 
 class Batches:
-    """Shuffled mini-batches of one worker's shard, epoch after epoch, scaled as they are cut."""
+    """Shuffled mini-batches of one worker's shard, pass after pass, scaled as they are cut."""
 
     def __init__(self, data: mnist.Split, batch_size: int, seed: int):
         if len(data.train_images) < batch_size:
             raise ValueError(f"a shard of {len(data.train_images)} images cannot fill a batch of {batch_size}")
         self.data, self.batch_size = data, batch_size
         self.rng = np.random.default_rng(seed)
-        self.epoch = 0
+        self.passes = 0  # over this shard: not the job's epochs (psdk.epochs), which count passes by all workers
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         size = len(self.data.train_images)
-        per_epoch = size // self.batch_size
+        per_pass = size // self.batch_size
         while True:
-            self.epoch += 1
+            self.passes += 1
             order = self.rng.permutation(size)
-            for i in range(per_epoch):
+            for i in range(per_pass):
                 yield self.data.batch(order[i * self.batch_size : (i + 1) * self.batch_size])
 
 
@@ -81,7 +83,7 @@ class WorkerReport:
     last_loss: float | None = None
     last_val_accuracy: float | None = None
     train_time_s: float = 0.0
-    epochs: int = 0
+    shard_passes: int = 0
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     divergence: dict[str, Any] | None = None
     computed: int = 0
@@ -118,7 +120,7 @@ class WorkerReport:
             "last_loss": self.last_loss,
             "last_val_accuracy": self.last_val_accuracy,
             "train_time_s": round(self.train_time_s, 3),
-            "epochs": self.epochs,
+            "shard_passes": self.shard_passes,
             "test_accuracy": self.test_accuracy,
             "time_per_step": self.time_per_step(),
         }
@@ -223,6 +225,8 @@ class WorkerJob:
         self.backend, self.model = optimizer.backend, optimizer.model
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
+        num_workers = session.job.num_workers
+        self.epochs = count_of(cfg, num_workers, data.train_size or len(data.train_images) * num_workers)
         self.fingerprint = build.fingerprint(cfg)
         self.divergence = DivergenceWatch(
             target_steps=options.train.steps,
@@ -329,7 +333,7 @@ class WorkerJob:
                 now = time.time()
                 rate = window_steps / max(now - window_start, 1e-9)
                 window_start, window_steps = now, 0
-                self._log_point(batches.epoch, result, loss, validate, rate, now - began)
+                self._log_point(result, loss, validate, rate, now - began)
             if self.divergence.observe(loss, result.global_step) is not None:
                 log.error("worker %d: %s", self.task, self.divergence.message())
                 self.report.divergence = self.divergence.verdict
@@ -342,7 +346,7 @@ class WorkerJob:
                     in_flight = self.optimizer.start_step(overlap=True, basis=basis)
                 x, y = next(upcoming)
         self.report.train_time_s = time.time() - began
-        self.report.epochs = batches.epoch
+        self.report.shard_passes = batches.passes
         self.report.recoveries = list(self.session.client.recoveries)
         log.info(
             "worker %d: training time %.2f s, %d local steps (%.0f steps/s)",
@@ -360,9 +364,9 @@ class WorkerJob:
             step = self.session.client.stop_at(self.session.global_step)
             self.session.record(StepResult(step, True, "stopped"))
 
-    def _log_point(
-        self, epoch: int, result: StepResult, loss: float, validate: bool, rate: float, elapsed: float
-    ) -> None:
+    def _log_point(self, result: StepResult, loss: float, validate: bool, rate: float, elapsed: float) -> None:
+        epoch = self.epochs.at_step(result.global_step)  # the job's epochs, from the global step (psdk.epochs)
+        target = self.cfg.train.get("epochs")
         accuracy = self.backend.accuracy(self.model, self.data.val_x, self.data.val_y) if validate else None
         if accuracy is not None:
             self.report.last_val_accuracy = accuracy
@@ -370,7 +374,7 @@ class WorkerJob:
             {
                 "task": f"worker{self.task}",
                 "backend": self.backend.name,
-                "epoch": epoch,
+                "epoch": round(epoch, 4),
                 "local_step": self.report.local_steps,
                 "global_step": result.global_step,
                 "loss": round(loss, 6),
@@ -381,9 +385,10 @@ class WorkerJob:
             }
         )
         log.info(
-            "worker %d: epoch %d, global step %d, local step %d, loss %.4f%s, %.0f steps/s",
+            "worker %d: epoch %.2f%s, global step %d, local step %d, loss %.4f%s, %.0f steps/s",
             self.task,
             epoch,
+            f"/{target:g}" if target is not None else "",
             result.global_step,
             self.report.local_steps,
             loss,
@@ -421,6 +426,8 @@ class WorkerJob:
         summary = build_summary(cfg, stats, workers, test_accuracy, time.time() - start, self.backend.name)
         summary["workers"].get("0", {})["test_accuracy"] = test_accuracy  # its own figure: the final parameters'
         summary["run_id"] = self.session.run_id
+        summary["epochs"] = round(self.epochs.at_step(summary["global_step"]), 4)  # the job's (psdk.epochs)
+        summary["batches_per_epoch"] = self.epochs.batches_per_epoch
         summary["rule_applied"] = dict(client.rule_json)  # e.g. the momentum scaled for async workers
         diverged = [w["divergence"] for _, w in sorted(summary["workers"].items()) if w.get("divergence")]
         summary["divergence"] = diverged[0] if diverged else None

@@ -57,6 +57,7 @@ def build_summary(
             "model": str(cfg.model.name),
             "optimizer": build.plain(cfg.optimizer),
             "steps": int(cfg.train.steps),
+            "train_epochs": cfg.train.get("epochs"),  # the epochs asked for (null: train.steps was), psdk.epochs
             "batch_size": int(cfg.train.batch_size),
             "resumed_from": str(cfg.resume) if cfg.resume else None,
         }

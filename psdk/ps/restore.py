@@ -35,7 +35,7 @@ def on_restore(shard: ServedShard, peer: bytes, message: Message) -> None:
     store.reset(dict(zip(names, message.arrays, strict=False)), restore)
     take_finished(shard.membership, message.fields.get("finished"), shard.job.num_workers)
     shard.epoch = message.fields["epoch"]
-    why = f"the chief restored the job at version {restore.version} (epoch {shard.epoch})"
+    why = f"the chief restored the job at version {restore.version} (restore epoch {shard.epoch})"
     stale = [(p.peer, p.rid) for p in [*shard.policy.release_parked(), *pause.pushes]]
     pause.pushes.clear()
     stale += pause.end()
