@@ -108,7 +108,7 @@ class ParameterServer:
         self.stats = ShardStats()
         self.outbox = Outbox(endpoint, self.stats, self.name)
         membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
-        self.sessions = Sessions(self.name, membership, self.options.max_workers)
+        self.sessions = Sessions(self.name, membership, self.options.max_workers, endpoint.connected)
         self.pause = PauseLease(self.options.pause_lease_s)
         self.shard = ServedShard(
             self.name,
