@@ -113,15 +113,26 @@ def test_a_worker_with_no_ps_says_within_12_s_that_nothing_listens_there(tmp_pat
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("worker_keys, ps_keys, cause", [
-    (True, False, "a key mismatch: this task uses CURVE keys and the ps does not"),
-    (False, True, "a key mismatch: the ps wants CURVE keys (it runs with transport.secure=true) and this task has none"),
-    ("other job", True, "a key mismatch: the CURVE handshake failed; the ps public key this task holds is not"),
-    ("unknown", True, "a key mismatch: the ps does not know this task's key"),
+@pytest.mark.parametrize("worker_keys, ps_keys, cause, ps_says", [
+    (True, False, "a key mismatch: this task uses CURVE keys and the ps does not",
+     "ps 0: refused a connection with CURVE keys (a key mismatch: this ps runs with transport.secure=false)"),
+    (False, True, "a key mismatch: the ps wants CURVE keys (it runs with transport.secure=true) and this task has none",
+     "ps 0: refused a connection without CURVE keys (a key mismatch: a task with transport.secure=false?)"),
+    ("other job", True, "a key mismatch: the CURVE handshake failed; the ps public key this task holds is not",
+     "ps 0: a CURVE handshake failed (a key mismatch: a task holding another job's ps key?)"),
+    ("unknown", True, "a key mismatch: the ps does not know this task's key",
+     "ps 0: refused a connection with an unknown CURVE key"),
 ])  # fmt: skip
 def test_a_worker_whose_keys_do_not_match_the_ps_says_so(
-    tmp_path: Path, lines_often: None, caplog: pytest.LogCaptureFixture, worker_keys: object, ps_keys: bool, cause: str
+    tmp_path: Path,
+    lines_often: None,
+    caplog: pytest.LogCaptureFixture,
+    worker_keys: object,
+    ps_keys: bool,
+    cause: str,
+    ps_says: str,
 ) -> None:
+    """Both ends say so: the worker in its waiting line, the ps as it refuses the connection."""
     keys = security.generate(tmp_path / "keys", 2)
     other = security.generate(tmp_path / "other", 2)
     ours, theirs = security.load_worker(keys, 0), security.load_worker(other, 0)
@@ -140,6 +151,7 @@ def test_a_worker_whose_keys_do_not_match_the_ps_says_so(
     said = [r.getMessage() for r in caplog.records if "waiting for ps 0" in r.getMessage()]
     assert said and f"waiting for ps 0 at {address} (initialising the variables): no reply for" in said[0]
     assert cause in said[-1], said[-1]
+    assert ps_says in caplog.text
     assert all(r.levelno == logging.WARNING for r in caplog.records if "waiting for ps 0" in r.getMessage())
 
 
@@ -159,6 +171,9 @@ def test_a_worker_waiting_for_the_chief_says_the_ps_is_up(lines_often: None, cap
     assert said, caplog.text
     assert f"worker 1: waiting for ps 0 at {address} (the chief (worker 0) to initialise the variables)" in said[-1]
     assert "of 2.0 s; it answers heartbeats (the last" in said[-1]
+    ps_said = [r.getMessage() for r in caplog.records if "for the chief (worker 0) to initialise" in r.getMessage()]
+    assert ps_said and ps_said[-1].startswith(f"ps 0: waiting at tcp://{address} for the chief (worker 0)")
+    assert "(transport.startup_timeout_s); connected: worker 1" in ps_said[-1]
 
 
 @pytest.mark.timeout(30)

@@ -77,6 +77,26 @@ def handshake_failure(event: int, value: int, secure: bool) -> str:
     return f"the ZeroMQ handshake failed (event {event:#x}, {value:#x}): is a psdk ps listening at that address?"
 
 
+def failed_at_server(event: int, value: int, secure: bool) -> str | None:
+    """What a ps (``secure``: with CURVE keys) logs of a connection whose handshake failed; ``None``: said
+    elsewhere (an unknown key: :class:`psdk.transport.security.KeyRing` names it)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return None
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        if secure:
+            return (
+                f"refused a connection without CURVE keys ({KEY_MISMATCH}: a task with transport.secure=false?); "
+                "transport.secure must be the same on every task"
+            )
+        return (
+            f"refused a connection with CURVE keys ({KEY_MISMATCH}: this ps runs with transport.secure=false); "
+            "transport.secure must be the same on every task"
+        )
+    if secure:
+        return f"a CURVE handshake failed ({KEY_MISMATCH}: a task holding another job's ps key?)"
+    return f"a ZeroMQ handshake failed (event {event:#x}, {value:#x}): not a psdk task?"
+
+
 class HandshakeWatch:
     """The latest handshake outcome of each of a client's sockets, from their monitors (owner thread only)."""
 
