@@ -78,9 +78,13 @@ def handshake_failure(event: int, value: int, secure: bool) -> str:
 
 
 def failed_at_server(event: int, value: int, secure: bool) -> str | None:
-    """What a ps (``secure``: with CURVE keys) logs of a connection whose handshake failed; ``None``: said
-    elsewhere (an unknown key: :class:`psdk.transport.security.KeyRing` names it)."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+    """What a ps (``secure``: with CURVE keys) logs of a connection whose handshake failed; ``None``: nothing.
+
+    An unknown key is named by :class:`psdk.transport.security.KeyRing`; a
+    peer that left mid-handshake (no detail, its errno: a port probe such as
+    :func:`listening`, a task stopping) is no mistake.
+    """
+    if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
         return None
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         if secure:
@@ -92,7 +96,7 @@ def failed_at_server(event: int, value: int, secure: bool) -> str | None:
             f"refused a connection with CURVE keys ({KEY_MISMATCH}: this ps runs with transport.secure=false); "
             "transport.secure must be the same on every task"
         )
-    if secure:
+    if secure and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return f"a CURVE handshake failed ({KEY_MISMATCH}: a task holding another job's ps key?)"
     return f"a ZeroMQ handshake failed (event {event:#x}, {value:#x}): not a psdk task?"
 
