@@ -43,7 +43,7 @@ def listening(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return None
     except ConnectionRefusedError:
-        return "nothing is listening there (is that task running, at that address?)"
+        return "nothing is listening there (is the ps started, at that address?)"
     except socket.gaierror as exc:
         return f"its host name cannot be resolved ({exc.strerror})"
     except TimeoutError:
