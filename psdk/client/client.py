@@ -148,14 +148,18 @@ class ParameterClient:
         """
         silence = self.heartbeat.silence if (self.heartbeat is not None and watch) else None
         timeout_s = timeout_s if timeout_s is not None else self.options.request_timeout_s
-        replies = pending.wait(
-            timeout_s,
-            what,
-            silence_s=silence,
-            dead_after_s=self.options.heartbeat_timeout_s,
-            restarted=self._restarted if watch else None,
-            report=ReplyWait(self, what, timeout_s),
-        )
+        report = ReplyWait(self, what, timeout_s)
+        try:
+            replies = pending.wait(
+                timeout_s,
+                what,
+                silence_s=silence,
+                dead_after_s=self.options.heartbeat_timeout_s,
+                restarted=self._restarted if watch else None,
+                report=report,
+            )
+        except PeerTimeoutError as exc:
+            raise report.explained(exc, [i for i in pending.expected if i not in pending.replies]) from None
         for index, reply in replies.items():
             if reply.op == "error":
                 raise RemoteError(self.names[index], str(reply.fields.get("error")), str(reply.fields.get("kind")))

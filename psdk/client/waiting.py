@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from psdk.errors import ConfigError, RemoteError
+from psdk.errors import ConfigError, PeerTimeoutError, RemoteError
 from psdk.waits import WaitLog, seconds
 
 if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
@@ -37,6 +37,8 @@ class ReplyWait:
     def __init__(self, client: ParameterClient, what: str, timeout_s: float):
         self.client, self.what, self.timeout_s = client, what, timeout_s
         self.clock: WaitLog | None = None  # made at the first turn that matters: most waits end within one
+        self.causes: dict[int, str] = {}
+        """The cause each line named, by shard: the timeout's error names it again."""
 
     def __call__(self, pending: list[int], waited_s: float) -> None:
         if self.clock is None:
@@ -48,6 +50,10 @@ class ReplyWait:
         client = self.client
         for index in pending:
             cause = client.endpoint.diagnose(index)
+            if cause:
+                self.causes[index] = cause
+            else:
+                self.causes.pop(index, None)
             level = logging.WARNING if cause else logging.INFO
             log.log(
                 level,
@@ -60,6 +66,13 @@ class ReplyWait:
                 seconds(self.timeout_s),
                 cause or self._heartbeats(index),
             )
+
+    def explained(self, timeout: PeerTimeoutError, missing: list[int]) -> PeerTimeoutError:
+        """``timeout``, naming the cause the lines named for the shards that did not answer, if any."""
+        causes = sorted({self.causes[i] for i in missing if i in self.causes})
+        if not causes:
+            return timeout
+        return PeerTimeoutError(timeout.peer, timeout.what, timeout.waited_s, "; ".join(causes))
 
     def _heartbeats(self, index: int) -> str:
         heartbeat = self.client.heartbeat

@@ -8,7 +8,11 @@ each of the worker's sockets, set up before it connects, records how its
 handshakes went: a secure worker and an insecure ps (or the reverse) fail
 with a mechanism mismatch and never retry, a key the ps does not know fails
 with ZAP's status 400, a ps key that is not the ps's fails the CURVE
-handshake (measured with libzmq 4.3.5).
+handshake (measured with libzmq 4.3.5). A mismatch is seen by the side that
+reads the other's greeting first; that side hangs up, and the other sees only
+a handshake ended without detail (and, a worker, connects again): the ps's
+line for a mismatch is therefore not certain, the worker's is once it has
+retried.
 """
 
 from __future__ import annotations
@@ -70,9 +74,17 @@ def handshake_failure(event: int, value: int, secure: bool) -> str:
             "give every task the same transport.keys_dir"
         )
     if secure and (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC):
+        # The ps hung up mid-handshake: it could not decrypt this task's hello, or (the side that saw the
+        # mechanism mismatch first hangs up before the other sees it) it runs without keys.
         return (
-            f"{KEY_MISMATCH}: the CURVE handshake failed; the ps public key this task holds is not that ps's "
-            "(keys of another job?); give every task the same transport.keys_dir"
+            f"{KEY_MISMATCH}: the ps ended the CURVE handshake; the ps public key this task holds is not that ps's "
+            "(keys of another job?), or the ps runs with transport.secure=false; give every task the same "
+            "transport.keys_dir"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (
+            f"{KEY_MISMATCH}, likely: the ps ended the ZeroMQ handshake; does it want CURVE keys "
+            "(transport.secure=true there)? transport.secure must be the same on every task"
         )
     return f"the ZeroMQ handshake failed (event {event:#x}, {value:#x}): is a psdk ps listening at that address?"
 
