@@ -10,6 +10,7 @@ waiting for it to finish first.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -17,7 +18,11 @@ from pathlib import Path
 
 from psdk.errors import PsdkError
 from psdk.liveness import beat
+from psdk.logs import task_label
 from psdk.metrics import write_json_atomic
+from psdk.waits import WaitLog, seconds
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.02
 
@@ -41,12 +46,22 @@ def wait_for(
     """
     files = [file_for(folder, i) for i in range(num_ps)]
     deadline = time.monotonic() + timeout_s
+    clock = WaitLog()
     while not all(f.exists() for f in files):
         beat()  # a worker waiting for its ps tasks is not hung (psdk.liveness)
         if still_worth_it is not None:
             still_worth_it()
+        waiting = ", ".join(f"ps {i}" for i, f in enumerate(files) if not f.exists())
+        if (waited := clock.due()) is not None:
+            log.info(
+                "%s: waiting for %s to announce its address in %s: %s of %s; the ps task has not bound its port yet",
+                task_label(),
+                waiting,
+                folder,
+                seconds(waited),
+                seconds(timeout_s),
+            )
         if time.monotonic() > deadline:
-            waiting = ", ".join(f"ps {i}" for i, f in enumerate(files) if not f.exists())
             raise PsdkError(f"{waiting} did not announce an address in {folder} within {timeout_s:.0f} s")
         time.sleep(POLL_S)
     return [str(json.loads(f.read_text())["address"]) for f in files]

@@ -143,11 +143,13 @@ class TransportError(PsdkError):
 class PeerTimeoutError(TransportError):
     """No reply came from a peer before the deadline."""
 
-    def __init__(self, peer: str, what: str, waited_s: float) -> None:
+    def __init__(self, peer: str, what: str, waited_s: float, cause: str | None = None) -> None:
         self.peer = peer
         self.what = what
         self.waited_s = waited_s
-        super().__init__(f"timed out after {waited_s:.1f} s waiting for {peer} ({what})")
+        self.cause = cause
+        """The likely reason, when the wait could tell one (see :mod:`psdk.waits`)."""
+        super().__init__(f"timed out after {waited_s:.1f} s waiting for {peer} ({what}){f'; {cause}' if cause else ''}")
 
 
 class PeerDeadError(TransportError):

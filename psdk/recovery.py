@@ -25,6 +25,7 @@ from psdk.client.shards import StepResult
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
 from psdk.liveness import beat
 from psdk.transport.wire import Message
+from psdk.waits import WaitLog, seconds
 
 if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
     from psdk.client.client import ParameterClient
@@ -116,6 +117,7 @@ def statuses(client: ParameterClient, deadline: float, what: str, reports: bool 
     finished workers' reports on the way (a surviving shard knows them)."""
     found: dict[int, dict[str, Any]] = {}
     fields: dict[str, Any] = {"reports": True} if reports else {}
+    clock = WaitLog()
     while True:
         for index in range(client.cluster.num_ps):
             if index in found:
@@ -131,6 +133,18 @@ def statuses(client: ParameterClient, deadline: float, what: str, reports: bool 
                 pass
         if len(found) == client.cluster.num_ps:
             return found
+        if (waited := clock.due()) is not None:
+            for index in (i for i in range(client.cluster.num_ps) if i not in found):
+                log.warning(
+                    "worker %d: waiting for ps %d at %s (%s): no answer for %s, giving up in %s; %s",
+                    client.task_index,
+                    index,
+                    client.addresses[index],
+                    what,
+                    seconds(waited),
+                    seconds(max(0.0, deadline - time.monotonic())),
+                    client.endpoint.diagnose(index) or "it is reachable",
+                )
         if time.monotonic() > deadline:
             missing = ", ".join(client.names[i] for i in range(client.cluster.num_ps) if i not in found)
             raise PsdkError(f"gave up recovering: {missing} did not come back in time")
@@ -179,6 +193,7 @@ def lead(client: ParameterClient, deadline: float) -> int:
 
 def follow(client: ParameterClient, deadline: float) -> None:
     """Any other worker: wait until the chief has restored every shard into a newer epoch."""
+    clock = WaitLog()
     while True:
         shards = statuses(client, deadline, "the chief to restore the job")
         epochs = {int(s["epoch"]) for s in shards.values()}
@@ -187,6 +202,13 @@ def follow(client: ParameterClient, deadline: float) -> None:
             for index, status in shards.items():
                 client.set_boot(index, status.get("boot"))
             return
+        if (waited := clock.due()) is not None:
+            log.info(
+                "worker %d: waiting for the chief (worker 0) to restore the job: %s so far, giving up in %s",
+                client.task_index,
+                seconds(waited),
+                seconds(max(0.0, deadline - time.monotonic())),
+            )
         if time.monotonic() > deadline:
             raise PsdkError("gave up recovering: the chief did not restore the job in time")
         time.sleep(POLL_S)

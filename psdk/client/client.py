@@ -26,6 +26,7 @@ from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
 from psdk.client.shards import Basis, Shard, StepResult
+from psdk.client.waiting import ReplyWait, rejoining
 from psdk.cluster import ClusterSpec
 from psdk.errors import (
     PeerDeadError,
@@ -146,13 +147,19 @@ class ParameterClient:
         restarted (off while waiting for what may take long, e.g. the chief's init).
         """
         silence = self.heartbeat.silence if (self.heartbeat is not None and watch) else None
-        replies = pending.wait(
-            timeout_s if timeout_s is not None else self.options.request_timeout_s,
-            what,
-            silence_s=silence,
-            dead_after_s=self.options.heartbeat_timeout_s,
-            restarted=self._restarted if watch else None,
-        )
+        timeout_s = timeout_s if timeout_s is not None else self.options.request_timeout_s
+        report = ReplyWait(self, what, timeout_s)
+        try:
+            replies = pending.wait(
+                timeout_s,
+                what,
+                silence_s=silence,
+                dead_after_s=self.options.heartbeat_timeout_s,
+                restarted=self._restarted if watch else None,
+                report=report,
+            )
+        except PeerTimeoutError as exc:
+            raise report.explained(exc, [i for i in pending.expected if i not in pending.replies]) from None
         for index, reply in replies.items():
             if reply.op == "error":
                 raise RemoteError(self.names[index], str(reply.fields.get("error")), str(reply.fields.get("kind")))
@@ -228,20 +235,8 @@ class ParameterClient:
         self._set_layout(replies)
 
     def _rejoining(self, request: Callable[[], dict[int, Message]]) -> dict[int, Message]:
-        """``request``, retried while a ps still holds this worker's previous (dead) connection.
-
-        A restarted worker gets in once the ps has declared its old process
-        dead, which takes at most a heartbeat timeout.
-        """
-        deadline = time.monotonic() + self.options.heartbeat_timeout_s + 10.0
-        while True:
-            try:
-                return request()
-            except RemoteError as exc:
-                if "another session" not in exc.remote_message or time.monotonic() > deadline:
-                    raise
-                log.info("worker %d: the ps still holds this worker's old connection; retrying", self.task_index)
-                time.sleep(0.5)
+        """``request``, retried while a ps holds this worker's previous connection (see :func:`rejoining`)."""
+        return rejoining(self, request)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
         self.shards, self._params, self._grads = shards_from(replies, self.endpoint, self.cluster.num_ps)

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from psdk.errors import PsdkError, TransportError
+from psdk.waits import WaitLog, seconds
 
 if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
     from psdk.client.client import ParameterClient
@@ -30,6 +31,7 @@ POLL_S = 0.05
 def wait_for_workers(client: ParameterClient, timeout_s: float) -> dict[str, dict[str, str]]:
     """Chief: wait until every other worker finished (and, if it stays, saw its report collected) or is dead."""
     deadline = time.monotonic() + timeout_s
+    clock = WaitLog()
     while True:
         statuses = client.wrapping_up(lambda: client.statuses(reports=True), "waiting for the workers")
         for index, status in sorted(statuses.items()):
@@ -40,11 +42,30 @@ def wait_for_workers(client: ParameterClient, timeout_s: float) -> dict[str, dic
         waiting += sorted({str(i) for status in statuses.values() for i in status.get("leaving", ())})
         if not waiting:
             return dict(workers)
+        if (waited := clock.due()) is not None:
+            log.info(
+                "worker %d: waiting for worker(s) %s to finish: %s of %s (train.final_wait_s); %s",
+                client.task_index,
+                ", ".join(waiting),
+                seconds(waited),
+                seconds(timeout_s),
+                "; ".join(_why_waiting(worker, workers.get(worker, {}), client.addresses[0]) for worker in waiting),
+            )
         if time.monotonic() > deadline:
             raise TransportError(
                 f"timed out after {timeout_s:.0f} s waiting for worker(s) {', '.join(waiting)} to finish"
             )
         time.sleep(POLL_S)
+
+
+def _why_waiting(worker: str, status: dict[str, str], ps_address: str) -> str:
+    """What ps 0 knows of a worker the chief waits for, in words."""
+    state = status.get("status")
+    if state == "unseen":
+        return f"worker {worker} has never reached ps 0 at {ps_address} (is it started, with the same ps_hosts?)"
+    if state == "alive":
+        return f"worker {worker} is still training"
+    return f"worker {worker} finished and waits for this worker to collect its report"
 
 
 def wait_collected(client: ParameterClient, timeout_s: float) -> bool:
@@ -54,12 +75,20 @@ def wait_collected(client: ParameterClient, timeout_s: float) -> bool:
     """
     deadline = time.monotonic() + timeout_s
     me = str(client.task_index)
+    clock = WaitLog()
     while True:
         statuses = client.wrapping_up(client.statuses, "waiting for the chief to collect this worker's report")
         if all(client.task_index in status.get("collected", ()) for status in statuses.values()):
             return True
         if any(status["workers"].get(me, {}).get("status") != "finished" for status in statuses.values()):
             client.finish(client.report, stays=True)
+        if (waited := clock.due()) is not None:
+            log.info(
+                "worker %d: waiting for the chief (worker 0) to collect this worker's report: %s of %s",
+                client.task_index,
+                seconds(waited),
+                seconds(timeout_s),
+            )
         if time.monotonic() > deadline:
             log.warning("worker %d: the chief did not collect this worker's report in %.0f s", client.task_index,
                         timeout_s)  # fmt: skip

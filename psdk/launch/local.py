@@ -46,6 +46,7 @@ from psdk.placement import RankPlacement, visible_gpus
 from psdk.plugins import check_framework, installed_backends, merged_options, resolve_backend_name
 from psdk.report.runs import forget_failure, recorded_failure
 from psdk.transport import security
+from psdk.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
@@ -444,9 +445,8 @@ class LocalLauncher:
             time.sleep(POLL_S)
         deadline = time.monotonic() + self.shutdown_timeout_s
         for task in self.tasks:
-            left = max(0.1, deadline - time.monotonic())
             try:
-                task.process.wait(timeout=left)
+                self._wait_for_exit(task, deadline)
             except subprocess.TimeoutExpired:
                 log.warning(
                     "launcher: %s still running %.0f s after the chief finished; killing it",
@@ -457,6 +457,25 @@ class LocalLauncher:
                 task.process.wait(timeout=10)
             if task.job == "ps" and task.process.returncode != 0:
                 raise JobFailedError(f"{task.name} {task.describe_exit()} at the end of the job")
+
+    def _wait_for_exit(self, task: Task, deadline: float) -> None:
+        """``task``'s exit after the chief's, by ``deadline`` (else ``TimeoutExpired``), said while it lasts."""
+        clock = WaitLog()
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                task.process.wait(timeout=max(0.1, min(left, clock.every_s)))
+                return
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
+            if (waited := clock.due()) is not None:
+                log.info(
+                    "launcher: waiting for %s to exit after the chief finished: %s of %s (launcher.shutdown_timeout_s)",
+                    task.name,
+                    seconds(waited),
+                    seconds(self.shutdown_timeout_s),
+                )
 
     def _kill_hung(self) -> None:
         """Kill each running task whose loop stopped turning; supervision then treats it as any dead task.

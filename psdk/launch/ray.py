@@ -36,6 +36,7 @@ from psdk.errors import ConfigError, JobFailedError, PsdkError
 from psdk.launch.local import LocalLauncher, Task, alive_file, task_args
 from psdk.launch.ray_actors import POLL_S, RPC_TIMEOUT_S, RemoteProcess, TaskRunner
 from psdk.transport import security
+from psdk.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ class RayLauncher(LocalLauncher):
         pending = {self.actors[slot].where.remote(): i for i, slot in enumerate(slots)}
         places: dict[int, tuple[str, str]] = {}
         deadline = time.monotonic() + self.ready_timeout_s
+        clock = WaitLog()
         while pending:
             left = deadline - time.monotonic()
             ready, _ = self._ray.wait(list(pending), num_returns=len(pending), timeout=max(0.0, min(left, 1.0)))
@@ -229,6 +231,14 @@ class RayLauncher(LocalLauncher):
                 except self._ray.exceptions.RayError as exc:
                     job, i = names[index]
                     raise JobFailedError(f"Ray could not start {job} {i}: {exc}") from exc
+            if pending and (waited := clock.due()) is not None:
+                log.info(
+                    "launcher: waiting for Ray to place %s: %s of %s (launcher.ready_timeout_s); %s free",
+                    ", ".join(f"{names[i][0]} {names[i][1]}" for i in sorted(pending.values())),
+                    seconds(waited),
+                    seconds(self.ready_timeout_s),
+                    self._ray.available_resources(),
+                )
             if pending and time.monotonic() > deadline:
                 waiting = ", ".join(f"{names[i][0]} {names[i][1]}" for i in sorted(pending.values()))
                 asked = {names[i][0]: self._resources(names[i][0]) for i in pending.values()}
@@ -331,6 +341,7 @@ class RayLauncher(LocalLauncher):
         deadline = time.monotonic() + self.ready_timeout_s
         ps_tasks = [t for t in self.tasks if t.job == "ps"]
         addresses: dict[int, str] = {}
+        clock = WaitLog()
         while len(addresses) < num_ps:
             for task in ps_tasks:
                 if task.index in addresses:
@@ -344,8 +355,15 @@ class RayLauncher(LocalLauncher):
                 address = self._ray.get(task.process.actor.announced.remote(path), timeout=RPC_TIMEOUT_S)
                 if address:
                     addresses[task.index] = address
+            waiting = ", ".join(t.name for t in ps_tasks if t.index not in addresses)
+            if len(addresses) < num_ps and (waited := clock.due()) is not None:
+                log.info(
+                    "launcher: waiting for %s to listen: %s of %s (launcher.ready_timeout_s)",
+                    waiting,
+                    seconds(waited),
+                    seconds(self.ready_timeout_s),
+                )
             if len(addresses) < num_ps and time.monotonic() > deadline:
-                waiting = ", ".join(t.name for t in ps_tasks if t.index not in addresses)
                 raise JobFailedError(f"{waiting} did not start listening within {self.ready_timeout_s:.0f} s")
             time.sleep(POLL_S)
         return [addresses[i] for i in range(num_ps)]

@@ -42,6 +42,7 @@ from psdk.ps.stats import ShardStats
 from psdk.store import FlatStore, ParameterStore
 from psdk.transport import Incoming, ServerEndpoint, worker_name
 from psdk.transport.wire import Message
+from psdk.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class ParameterServer:
         self.stats = ShardStats()
         self.outbox = Outbox(endpoint, self.stats, self.name)
         membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
-        self.sessions = Sessions(self.name, membership, self.options.max_workers)
+        self.sessions = Sessions(self.name, membership, self.options.max_workers, endpoint.connected)
         self.pause = PauseLease(self.options.pause_lease_s)
         self.shard = ServedShard(
             self.name,
@@ -126,6 +127,7 @@ class ParameterServer:
         self._blocked_since: float | None = None
         """When a sync round became unable to fill (workers left); ``None`` while it can."""
         self._last_log = time.monotonic()
+        self._startup_wait = WaitLog()
         self._next_housekeeping = 0.0
         shard, checkpoints = self.shard, self.checkpoints
         self._handlers: dict[str, Callable[[bytes, Message, int], None]] = {
@@ -265,6 +267,8 @@ class ParameterServer:
             )
         self._check_chief_idle(now)
         self._check_blocked_round(now)
+        if self.job is None and (waited := self._startup_wait.due(now - self.membership.started)) is not None:
+            self._waiting_for_the_chief(waited)
         if self.job is None and now - self.membership.started > self.options.startup_timeout_s:
             log.error(
                 "%s: no chief initialised the job within %.0f s; exiting (raise "
@@ -282,6 +286,19 @@ class ParameterServer:
                 self.stats.applied,
                 self.stats.dropped,
             )
+
+    def _waiting_for_the_chief(self, waited_s: float) -> None:
+        """Before the job starts: what this ps waits for, how long of how long, and who has reached it."""
+        here = sorted(i for i, state in self.membership.workers.items() if state.status == "alive")
+        log.info(
+            "%s: waiting at %s for the chief (worker 0) to initialise the variables: %s of %s "
+            "(transport.startup_timeout_s); %s",
+            self.name,
+            self.endpoint.address,
+            seconds(waited_s),
+            seconds(self.options.startup_timeout_s),
+            f"connected: {', '.join(f'worker {i}' for i in here)}" if here else "no worker has connected yet",
+        )
 
     def _check_chief_idle(self, now: float) -> None:
         """Exit once the chief has been silent for ``idle_timeout_s``, even after it finished.

@@ -8,17 +8,27 @@ forged one, is refused before it can touch the store. A worker that died
 may come back on a new connection: :meth:`Sessions.bind` says so, and the ps
 forgets what belonged to the old process (its push counter, what it lent
 the transport, a pause its chief held).
+
+A second process started with an id in use is refused at once, as
+:data:`IN_USE` says, while the holder is alive: its connection is open and
+it was heard from lately. A holder that died is not: its connection closed
+with it (a host that died leaves it open, but silent), and the new process
+is told to retry until the heartbeat timeout makes the old one dead.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from psdk.errors import ProtocolError
 from psdk.ps.membership import Membership
 from psdk.transport.wire import HEARTBEAT_SUFFIX
 
 log = logging.getLogger("psdk.ps.server")
+
+IN_USE = "is in use by a running process"
+"""What the refusal of an id whose holder is alive says; a worker gives up at once on it (never retries)."""
 
 
 def session_of(peer: bytes) -> bytes:
@@ -27,8 +37,16 @@ def session_of(peer: bytes) -> bytes:
 
 
 class Sessions:
-    def __init__(self, name: str, membership: Membership, max_workers: int):
+    def __init__(
+        self,
+        name: str,
+        membership: Membership,
+        max_workers: int,
+        connected: Callable[[bytes], bool | None] = lambda peer: None,
+    ):
         self.name = name
+        self.connected = connected
+        """Whether a peer's connection is still open (the transport's ``connected``)."""
         self.membership = membership
         self.max_workers = max_workers
         """Worker ids this ps accepts, before and after init (a per-task ps: the length of worker_hosts)."""
@@ -48,11 +66,27 @@ class Sessions:
         if known == session:
             return None
         if known is not None and not self.membership.gone(worker, now):
-            raise ProtocolError(f"worker {worker} is already connected from another session: not accepted")
+            raise ProtocolError(self._refusal(worker, known, now))
         self.by_worker[worker] = session
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
         return known
+
+    def _refusal(self, worker: int, holder: bytes, now: float) -> str:
+        """Why ``worker``'s id is refused to a new connection: in use (give up), or held by a process that died."""
+        silent = self.membership.silent_for(worker, now)
+        timeout = self.membership.heartbeat_timeout_s
+        if silent is not None and silent < timeout / 2 and self.connected(holder):
+            return (
+                f"worker {worker} is already connected from another session: not accepted; worker index {worker} "
+                f"{IN_USE} (its connection is open and it was heard from {silent:.1f} s ago): every worker needs "
+                "its own task index"
+            )
+        heard = "never heard from" if silent is None else f"silent for {silent:.1f} s"
+        return (
+            f"worker {worker} is already connected from another session: not accepted until that one ({heard}) "
+            f"has been silent for transport.heartbeat_timeout_s={timeout:g} s"
+        )
 
     def current(self, worker: int, peer: bytes) -> bool:
         """Whether ``peer`` is the connection of ``worker``'s current process."""

@@ -64,6 +64,14 @@ class ServerEndpoint(ABC):
         """
         return False
 
+    def connected(self, peer: bytes) -> bool | None:
+        """Whether ``peer``'s connection is still open (its process is alive); ``None``: this transport cannot tell.
+
+        A ps asks before it refuses a worker id held by another connection:
+        a holder whose connection closed is a process that died (see :mod:`psdk.ps.sessions`).
+        """
+        return None
+
     def forget(self, peer: bytes) -> None:  # noqa: B027 - nothing to let go without lent memory
         """``peer`` is gone for good (finished, or replaced by a new process): let go what it lent."""
 
@@ -131,6 +139,11 @@ class ClientEndpoint(ABC):
     def sharing(self, index: int) -> str:
         """How arrays travel to server ``index`` just now, in words (for logs and tests)."""
         return "frames"
+
+    def diagnose(self, index: int) -> str | None:
+        """Why server ``index`` may not answer, in words (nothing listening, a key mismatch); ``None``: no known
+        reason. Asked when a wait has lasted a while (see :mod:`psdk.waits`), never on a hot path."""
+        return None
 
     def new_rid(self) -> int:
         rid = self._next_rid
@@ -202,11 +215,14 @@ class Pending:
         silence_s: Callable[[int], float | None] | None = None,
         dead_after_s: float | None = None,
         restarted: Callable[[int], bool] | None = None,
+        report: Callable[[list[int], float], None] | None = None,
     ) -> dict[int, Message]:
         """Every reply, or an error naming the server that did not answer (see ``request_many``).
 
         ``restarted(index)`` tells when a server came back as a new process:
-        a request to its old self will never be answered.
+        a request to its old self will never be answered. ``report(pending,
+        waited_s)`` is called on every turn of the wait, to say what it waits
+        for once that lasts (see :mod:`psdk.waits`).
         """
         endpoint, expected, replies = self.endpoint, self.expected, self.replies
         start = time.monotonic()
@@ -226,6 +242,8 @@ class Pending:
                 for index in pending:
                     if restarted(index):
                         raise PeerRestartedError(endpoint.peers[index], what)
+            if report is not None:
+                report(pending, now - start)
             for index, message in endpoint.receive(min(WAIT_SLICE_S, deadline - now)):
                 if expected.get(index) == message.rid and index not in replies:
                     replies[index] = message

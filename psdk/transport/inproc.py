@@ -233,6 +233,10 @@ class InprocServer(ServerEndpoint):
         except MalformedMessage as exc:
             return Incoming(link.peer, None, exc, rid=exc.rid, nbytes=nbytes)
 
+    def connected(self, peer: bytes) -> bool:
+        link = self._peers.get(peer)
+        return link is not None and not link.closed and not self._closed
+
     def reply(self, peer: bytes, message: Message) -> bool:
         frames = frames_of(message, MAX_REPLY_HEADER_BYTES)  # ProtocolError: the caller's to answer
         link = self._peers.get(peer)

@@ -37,6 +37,8 @@ UNLENT = "transport:unlent"
 """The ps endpoint's answer to a request naming memory it holds none of (it let go, or is a new process):
 the worker's endpoint sends that request again, whole, in frames."""
 CONTROL_PREFIX = "transport:"
+PROBE = "transport:probe"
+"""Sent by a ps endpoint to learn whether a peer's connection is still open; a worker's endpoint ignores it."""
 MAX_LINKS = 256
 """Lent memories a ps endpoint maps at once (each holds up to two pipes open)."""
 AWAITED_KEPT = 64
@@ -273,6 +275,8 @@ class ClientLinks:
         A request the server refused as naming memory it does not hold and
         that is no longer kept (long abandoned) comes back as an error reply.
         """
+        if message.op == PROBE:
+            return None
         if message.op == UNLENT:
             self._lost(index, str(message.fields.get("error")))
             lent = self.by_index.get(index)

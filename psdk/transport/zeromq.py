@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 
 from psdk.errors import PeerTimeoutError, PortInUseError, TransportError
 from psdk.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, ShardBuffers, Transport, shm, zmq_guard
-from psdk.transport.lending import ATTACH, CONTROL_PREFIX, REPLY_SLOT, ClientLinks, ServerLinks
+from psdk.transport.frames import FrameReuse, TimedReceiver, send_parts
+from psdk.transport.handshakes import HandshakeWatch, listening
+from psdk.transport.lending import ATTACH, CONTROL_PREFIX, PROBE, REPLY_SLOT, ClientLinks, ServerLinks
 from psdk.transport.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, decode_reply, encode
 
@@ -60,72 +61,6 @@ def endpoint(address: str) -> str:
     if not sep or not host:
         raise TransportError(f"address {address!r} is not host:port")
     return f"tcp://{host}:{'*' if port == '0' else port}"
-
-
-class FrameReuse:
-    """Zero-copy frames built once per long-lived buffer, not once per send.
-
-    pyzmq can send one ``zmq.Frame`` many times (each send takes a reference
-    to the same message data), while a fresh ``copy=False`` frame per send
-    costs a Python object and a release through pyzmq's garbage-collector
-    thread, and a copying send allocates (and page-faults) a new buffer. For
-    messages marked ``stable`` (a worker's gradient buffer, a ps's reply
-    buffer for one worker) the frame is kept. The sender must not change a
-    buffer until the peer has received it, which a request/reply exchange
-    guarantees.
-    """
-
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._frames: dict[int, tuple[Any, zmq.Frame]] = {}
-
-    def frames(self, parts: list[Any]) -> list[Any]:
-        out = list(parts)
-        for i, part in enumerate(parts):
-            if isinstance(part, np.ndarray) and part.nbytes >= zmq.COPY_THRESHOLD:
-                kept = self._frames.get(id(part))
-                if kept is None or kept[0] is not part:
-                    if len(self._frames) >= self.capacity:
-                        self._frames.pop(next(iter(self._frames)))
-                    kept = self._frames[id(part)] = (part, zmq.Frame(part))
-                out[i] = kept[1]
-        return out
-
-
-# Plain ints: pyzmq's flag enums cost a Python-level ``Flag.__or__`` on every frame sent.
-_NOBLOCK = int(zmq.NOBLOCK)
-_NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
-
-
-def send_parts(sock: zmq.Socket[Any], parts: list[Any], copy: bool) -> None:
-    """``send_multipart`` without blocking, minus its per-frame flag arithmetic."""
-    last = len(parts) - 1
-    for i, part in enumerate(parts):
-        sock.send(part, _NOBLOCK if i == last else _NOBLOCK_MORE, copy=copy)
-
-
-class TimedReceiver:
-    """Whole messages from one socket, each waited for at most a given time.
-
-    A receive timeout set on the socket (only when it changes) instead of a
-    poll before each receive: libzmq waits with the GIL released either way,
-    but a poll costs its own system calls and Python objects per message,
-    which a ps answering thousands of pushes a second feels.
-    """
-
-    def __init__(self, sock: zmq.Socket[Any]):
-        self.sock = sock
-        self._timeout_ms: int | None = None
-
-    def receive(self, timeout_s: float) -> list[Any] | None:
-        timeout_ms = max(0, int(timeout_s * 1000))
-        if timeout_ms != self._timeout_ms:
-            self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-            self._timeout_ms = timeout_ms
-        try:
-            return self.sock.recv_multipart(copy=False)
-        except zmq.Again:
-            return None
 
 
 def _apply_client(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
@@ -240,6 +175,14 @@ class ZmqServer(ServerEndpoint):
     def forget(self, peer: bytes) -> None:
         self.links.forget(peer)
 
+    def connected(self, peer: bytes) -> bool:
+        """Probed with a transport op the peer's endpoint ignores: ``ROUTER_MANDATORY`` refuses a closed one."""
+        try:
+            send_parts(self.sock, [peer, *encode(Message(PROBE, {}, [], 0))], copy=True)
+        except zmq.ZMQError as exc:
+            return exc.errno != zmq.EHOSTUNREACH  # EAGAIN: there, only not reading
+        return True
+
     def receive(self, timeout_s: float) -> Incoming | None:
         got = self._receive_once(timeout_s)
         if got is not None or timeout_s <= 0:
@@ -349,8 +292,8 @@ class ZmqClient(ClientEndpoint):
         identity: bytes | None = None,
     ):
         super().__init__()
-        self.options = options
-        self.peers = list(names)
+        self.options, self.peers, self.addresses = options, list(names), list(addresses)
+        self.watch = HandshakeWatch(secure=options.curve is not None)
         self.shares_memory = options.shared_memory and shm.available()
         """Whether to lend a ps on this host the buffers of its arrays (see :mod:`psdk.transport.lending`)."""
         self.socks: list[zmq.Socket[Any]] = []
@@ -372,6 +315,7 @@ class ZmqClient(ClientEndpoint):
                 sock.curve_publickey = options.curve.public
                 sock.curve_secretkey = options.curve.secret
                 sock.curve_serverkey = options.curve.servers[index]
+            self.watch.add(sock)
             sock.connect(endpoint(address))
             self.socks.append(sock)
             self.poller.register(sock, zmq.POLLIN)
@@ -462,9 +406,15 @@ class ZmqClient(ClientEndpoint):
             landed = self.links.landed(index, reply)
             if landed is not None:
                 got.append((index, landed))
+        if not got:  # idle: the handshake monitors are read now, or a full one would stall the I/O thread
+            self.watch.drain()
         return got
 
+    def diagnose(self, index: int) -> str | None:
+        return listening(self.addresses[index]) or self.watch.failure(index)
+
     def close(self) -> None:
+        self.watch.close()
         self.links.close()
         for sock in self.socks:
             self.poller.unregister(sock)

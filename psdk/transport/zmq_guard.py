@@ -57,6 +57,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from psdk.logs import RateLimitedLog
+from psdk.transport.handshakes import failed_at_server
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,11 @@ CLOSE_CHECK_EVERY_S = 0.001
 SCAN_EVERY_S = 0.5
 _TCP_INFO_BYTES = 256
 _BYTES_RECEIVED_OFFSET = 128  # struct tcp_info: tcpi_bytes_received (u64), Linux >= 4.1
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_MONITOR_STOPPED
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+"""Logged, rate-limited: the one monitor a socket may have is this guard's, so it says why a peer is not let in."""
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_MONITOR_STOPPED | _HANDSHAKE_FAILED
 
 
 def supported() -> bool:
@@ -126,6 +131,7 @@ class ConnectionGuard:
         self.held_when_shut: list[int] = []
         """What each of them held when it was shut down (the last 100)."""
         self._sock = sock
+        self._secure = bool(sock.getsockopt(zmq.CURVE_SERVER))
         self._monitor = sock.get_monitor_socket(_EVENTS)  # made in the owner's thread, used only by ours
         self._connections: dict[int, _Connection] = {}
         self._ended: OrderedDict[tuple[int, Any], None] = OrderedDict()
@@ -190,6 +196,8 @@ class ConnectionGuard:
                 self._connections.pop(fd, None)
                 self.taken.pop(fd, None)  # the next connection on this descriptor starts from nothing
                 self.taken_bytes.pop(fd, None)
+            elif kind & _HANDSHAKE_FAILED and (why := failed_at_server(kind, fd, self._secure)) is not None:
+                self._warnings.warning("%s: %s", self.name, why)  # "value" is the error here, not a descriptor
             elif kind == zmq.EVENT_MONITOR_STOPPED:
                 self._stop.set()
                 return
