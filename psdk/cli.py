@@ -74,14 +74,14 @@ examples:
 """
 
 
-def normalize_args(args: Sequence[str], known_keys: Callable[[], Sequence[str]] | None = None) -> list[str]:
+def normalize_args(args: Sequence[str], meant_key: Callable[[str], str | None] | None = None) -> list[str]:
     """TensorFlow-style ``--flag=value`` and bare host lists, turned into Hydra overrides.
 
     A ``--flag`` psdk does not take is refused (:mod:`psdk.config.flags`);
-    ``known_keys``, the config's keys, then says which override was meant.
+    ``meant_key`` (:func:`meant_config_key`) then says which override was meant.
     """
     out: list[str] = []
-    for arg in flags.translate(args, known_keys):
+    for arg in flags.translate(args, meant_key):
         key, sep, value = arg.partition("=")
         if sep and key.startswith("+") and key.lstrip("+") in DEFAULT_GROUPS:
             key, arg = key.lstrip("+"), arg.lstrip("+")  # Hydra's docs say +experiment=...; here it is a choice
@@ -91,13 +91,13 @@ def normalize_args(args: Sequence[str], known_keys: Callable[[], Sequence[str]] 
     return out
 
 
-def config_keys() -> list[str]:
-    """Every key of the shipped config, composed with no overrides (to explain a flag psdk does not take)."""
+def meant_config_key(name: str) -> str | None:
+    """The key of the shipped config ``name`` most likely means (to explain a flag psdk does not take)."""
     from psdk.config import config_dir, prepare_hydra
-    from psdk.config.check import OverrideChecker
+    from psdk.config.check import OverrideChecker, meant_key
 
     prepare_hydra()
-    return OverrideChecker(config_dir()).keys()
+    return meant_key(name, OverrideChecker(config_dir()).keys())
 
 
 def _given(args: Sequence[str], key: str) -> str | None:
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in ("plugins", "fuzz", "keys", "data", "bench"):
             from psdk.commands import run_command
 
-            return run_command(command, normalize_args(args[1:], config_keys if command == "data" else None))
+            return run_command(command, normalize_args(args[1:], meant_config_key if command == "data" else None))
         if command == "report":
             from psdk.report.command import report
 
@@ -451,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in ("ps", "worker") and os.environ.get(HANDOFF_ENV):
             run_handed(args)
             return 0
-        run_hydra(command, normalize_args(args[1:], config_keys))
+        run_hydra(command, normalize_args(args[1:], meant_config_key))
     except PsdkError as exc:
         print(f"psdk: error: {exc}", file=sys.stderr)
         return 2

@@ -66,11 +66,12 @@ def bool_override(flag: str, value: str) -> str:
     )
 
 
-def translate(args: Sequence[str], known_keys: Callable[[], Sequence[str]] | None = None) -> list[str]:
+def translate(args: Sequence[str], meant_key: Callable[[str], str | None] | None = None) -> list[str]:
     """``args`` with every TF1 ``--flag`` turned into its override; a ``--flag`` psdk does not take is refused.
 
-    ``known_keys``: the config's keys, asked only to explain a flag that is
-    neither a flag nor near one (``--seed=3``: did you mean ``seed=3``?).
+    ``meant_key``: the config key a name most likely means, asked only to
+    explain a flag that is neither a flag nor near one (``--seed=3``: did
+    you mean ``seed=3``?).
     """
     out: list[str] = []
     i = 0
@@ -91,7 +92,7 @@ def translate(args: Sequence[str], known_keys: Callable[[], Sequence[str]] | Non
             i += 1
             continue
         if flag not in CLUSTER_FLAGS and flag not in TRAINING_FLAGS:
-            raise unknown_flag(flag, value, known_keys)
+            raise unknown_flag(flag, value, meant_key)
         if value is None:
             if i + 1 >= len(args):
                 raise ConfigError(f"--{flag}", f"--{flag} needs a value, e.g. --{flag}=<value>")
@@ -102,7 +103,7 @@ def translate(args: Sequence[str], known_keys: Callable[[], Sequence[str]] | Non
     return out
 
 
-def unknown_flag(flag: str, value: str | None, known_keys: Callable[[], Sequence[str]] | None) -> ConfigError:
+def unknown_flag(flag: str, value: str | None, meant_key: Callable[[str], str | None] | None) -> ConfigError:
     """Why ``--flag`` is refused, with what was probably meant."""
     name = f"--{flag}"
     said = SAID_OTHERWISE.get(flag.lower().replace("-", "_"))
@@ -112,11 +113,7 @@ def unknown_flag(flag: str, value: str | None, known_keys: Callable[[], Sequence
     if meant is not None:
         return ConfigError(name, f"psdk takes no such flag; did you mean --{meant}?")
     given = value if value is not None else "<value>"
-    key = None
-    if known_keys is not None:
-        from psdk.config.check import meant_key
-
-        key = meant_key(flag, known_keys())
+    key = meant_key(flag) if meant_key is not None else None
     if key is not None:
         return ConfigError(
             name, f"psdk takes no such flag; settings are key=value overrides: did you mean {key}={given}?"
