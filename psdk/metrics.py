@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from psdk.consistency import SyncSpec
+from psdk.disks import naming
 
 
 class RecordSink(Protocol):
@@ -35,7 +37,10 @@ class MetricsLog:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        try:
+            os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        except OSError as exc:  # a full disk: the error names this file, not a descriptor
+            raise naming(self.path, exc) from None
         for sink in self.sinks:
             sink.write(record)
 
@@ -54,10 +59,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` so a reader never sees half a file."""
+    """Write ``data`` so a reader never sees half a file; a failed write leaves none behind."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise naming(path, exc) from None
 
 
 def percentile(histogram: Mapping[str, int], q: float) -> float | None:
