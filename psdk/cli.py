@@ -528,4 +528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PsdkError as exc:
         print(f"psdk: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if not disks.is_write_failure(exc):
+            raise
+        # A command's own folder (keys, a report's figures) on a full or read-only disk: one line, no traceback.
+        print(f"psdk: error: {WriteError(exc.filename or '.', exc, FOLDER_KEYS.get(command))}", file=sys.stderr)
+        return 2
     return 0
+
+
+FOLDER_KEYS = {"keys": "keys_dir"}
+"""The setting that places what a command outside Hydra writes, to name in the fix of a refused write."""

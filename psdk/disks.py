@@ -110,12 +110,12 @@ def file_in_the_way(path: Path) -> Path | None:
 
 def advice(path: Path, error: OSError, key: str | None) -> str:
     """What to do about ``error`` writing ``path``; ``key`` is the setting that placed it."""
-    setting = f"set {key}={ELSEWHERE}" if key else f"write to {ELSEWHERE}"
+    setting = f"set {key}={ELSEWHERE}" if key else "choose a writable folder"
     code = error.errno
     if code in (errno.ENOSPC, errno.EFBIG):
         free = free_space(path)
         where = f"{mount_point(path)}" + (f" ({free})" if free else "")
-        other = f"set {key}=<a folder on another file system>" if key else "write elsewhere"
+        other = f"set {key}=<a folder on another file system>" if key else "choose a folder on another file system"
         return f"free space on {where} or {other}"
     if code == errno.EDQUOT:
         return f"free space within your quota on {mount_point(path)} or {setting}"

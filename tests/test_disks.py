@@ -8,6 +8,9 @@ saying so.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import pytest
 
 from psdk import checkpoint
 from psdk.disks import WriteError
+from psdk.metrics import MetricsLog
 
 from .jobs import FAST_FLAGS, env, psdk
 
@@ -132,6 +136,32 @@ def test_a_result_that_cannot_be_written_at_the_end_fails_the_run_with_one_line(
     assert not list(out.glob(".params.npz*"))  # no partial file left behind
 
 
+def test_points_a_full_disk_refuses_are_counted_and_training_goes_on(
+    tmpfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    filler = tmpfs / "filler"
+    log = MetricsLog(tmpfs / "metrics.jsonl")
+    point = {"task": "worker0", "global_step": 0, "loss": 0.5, "note": "x" * 300}
+    with filler.open("wb") as f, contextlib.suppress(OSError):
+        f.write(b"\0" * (2 * 1024 * 1024))
+    os.truncate(filler, filler.stat().st_size - 4096)  # one page left: a dozen points, then one cut short
+    for step in range(100):
+        log.write({**point, "global_step": step})  # never raises: the disk fills within a few points
+    assert log.dropped > 0
+    refusals = [r.getMessage() for r in caplog.records if "points not written" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].endswith("or set hydra.run.dir=<a folder on another file system>")
+    assert f"cannot write {tmpfs}/metrics.jsonl: No space left on device (ENOSPC); free space on {tmpfs}" in refusals[0]
+    filler.unlink()  # space again: the next point goes in, on a line of its own
+    log.write({**point, "global_step": 1000})
+    log.close()
+    assert any("is written again" in r.getMessage() for r in caplog.records)
+    lines = (tmpfs / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["global_step"] == 1000
+    whole = [json.loads(line)["global_step"] for line in lines[:-1] if line.endswith("}")]
+    assert whole == list(range(len(whole))) and len(whole) >= 5  # the points that fitted, whole
+    assert len(lines) - 1 - len(whole) == 1  # and the one cut short, on a line of its own
+
+
 def refused_before_any_task(result: subprocess.CompletedProcess[str]) -> str:
     """The one line of a run refused for its folders: exit 2, nothing started, no traceback."""
     output = result.stdout + result.stderr
@@ -155,6 +185,11 @@ def test_a_read_only_run_folder_is_refused_before_any_task_starts(tmp_path: Path
             [sys.executable, "-m", "psdk", *args], capture_output=True, text=True, timeout=50, env=env(), cwd=tmpfs
         )
         assert refused_before_any_task(result).endswith(f"is mounted read-only: set {key}=<a writable folder>")
+    # A command outside Hydra, the same.
+    line = refused_before_any_task(psdk("keys", f"keys_dir={tmpfs}/keys"))
+    assert line == f"psdk: error: cannot write {tmpfs}/keys: Read-only file system (EROFS); {tmpfs} is mounted " + (
+        "read-only: set keys_dir=<a writable folder>"
+    )
     # A checkpoint folder that could never be written is refused before training, not found out at its end.
     line = refused_before_any_task(psdk("run", "backend=numpy", f"checkpoint.dir={tmpfs}/ck", out=tmp_path / "run"))
     assert line.endswith(f"cannot create the folder {tmpfs}/ck: Read-only file system (EROFS); {tmpfs} is mounted "
