@@ -139,7 +139,9 @@ class WorkerSession:
         the job is restored from the previous one instead (returns ``None``).
         If the shards ended the pause first (this session was silent for
         ``ps.pause_lease_s``), this checkpoint is skipped with a warning and
-        ``None`` is returned: the next one is written when it is due.
+        ``None`` is returned: the next one is written when it is due. A file
+        the disk refuses (full, read-only) raises :class:`~psdk.disks.WriteError`
+        naming it and the fix, and leaves no partial file and every older one.
         """
         if not self.is_chief:
             raise PsdkError("only the chief (worker 0) writes checkpoints")

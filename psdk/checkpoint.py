@@ -29,6 +29,7 @@ they skipped and why, and ``keep`` counts only those that pass.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -41,14 +42,18 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from psdk.access import file_mode
+from psdk.disks import WriteError, probe_folder
 from psdk.errors import ConfigError, DataError, PsdkError
 from psdk.numerics import all_finite
 from psdk.registry import rule_from_json
+
+if TYPE_CHECKING:
+    from psdk.config.options import CheckpointOptions
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +114,26 @@ class Checkpoint:
             )
 
 
+def check_folder(options: CheckpointOptions) -> None:
+    """A ``checkpoint.dir`` that cannot be written is refused before training, not found out at its end."""
+    if options.final or options.every_steps > 0 or options.every_seconds > 0:
+        probe_folder(options.dir, "checkpoint.dir")
+
+
 def save(checkpoint: Checkpoint, path: Path) -> Path:
-    """Write ``checkpoint`` to ``path`` atomically (temporary file, fsync, rename)."""
+    """Write ``checkpoint`` to ``path`` atomically (temporary file, fsync, rename).
+
+    A write the file system refuses (full, read-only, forbidden) raises
+    :class:`~psdk.disks.WriteError` naming the file and the fix, and leaves
+    nothing behind: no partial file, and every older checkpoint as it was.
+    """
+    try:
+        return _save(checkpoint, path)
+    except OSError as exc:
+        raise WriteError(path, exc, "checkpoint.dir") from None
+
+
+def _save(checkpoint: Checkpoint, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": FORMAT,
@@ -139,7 +162,7 @@ def save(checkpoint: Checkpoint, path: Path) -> Path:
         os.replace(tmp, path)
         _fsync_folder(path.parent)
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):  # a write that failed leaves no partial file
             os.unlink(tmp)
     _checked[path] = _stamp(path)  # written from memory this process holds: known good
     return path

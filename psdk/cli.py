@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from psdk import access, tf_config
+from psdk import access, disks, tf_config
 from psdk.config import flags
+from psdk.disks import WriteError
 from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
@@ -264,15 +265,35 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
             run_evaluate(cfg)
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
-    except (ConfigError, DataError) as exc:  # the same command would fail again: a launcher does not retry it
+    except (ConfigError, DataError, WriteError) as exc:  # the same command would fail again: not retried
         log.error("%s", exc)
         _failed(job, USAGE_EXIT, str(exc), output_dir)
+    except OSError as exc:
+        if not disks.is_write_failure(exc):
+            raise
+        error = WriteError(exc.filename or output_dir, exc, _setting_for(exc.filename, cfg, output_dir))
+        log.error("%s", error)  # a full or read-only disk: one line naming the file and the fix
+        _failed(job, USAGE_EXIT, str(error), output_dir)
     except PsdkError as exc:
         log.error("%s", exc)
         _failed(job, 1, str(exc), output_dir)
     except KeyboardInterrupt:
         log.error("interrupted")
         _failed(job, 130, "interrupted", output_dir, stop=True)
+
+
+def _setting_for(path: object, cfg: DictConfig, output_dir: Path) -> str:
+    """The setting that placed ``path``: ``checkpoint.dir``, ``data.cache_dir``, else the run's folder."""
+    if path is not None:
+        where = Path(os.path.abspath(str(path)))
+        for key in ("checkpoint.dir", "data.cache_dir"):
+            try:
+                folder = OmegaConf.select(cfg, key)
+            except Exception:  # an interpolation that does not resolve places nothing
+                continue
+            if folder and where.is_relative_to(os.path.abspath(str(folder))):
+                return key
+    return "hydra.run.dir"
 
 
 def _beating(cfg: DictConfig) -> contextlib.AbstractContextManager[None]:
@@ -359,6 +380,8 @@ def run_hydra(command: str, args: list[str]) -> None:
             _one_run_only()
     elif command in ("ps", "worker", "task") and "--multirun" not in args:
         _one_run_only()
+    if not os.environ.get(LAUNCHED_ENV):  # a launcher's tasks write into the folder it checked
+        check_run_folder(args)
     sys.argv = [f"psdk {command}", *hydra_order(args)]
     try:
         with HYDRA_ERRORS:
@@ -366,10 +389,60 @@ def run_hydra(command: str, args: list[str]) -> None:
     except Exception as exc:
         if HYDRA_ERRORS.task_started:
             raise
+        if disks.is_write_failure(exc):  # Hydra could not make or fill the run's folder after all
+            key = "hydra.sweep.dir" if "--multirun" in args else "hydra.run.dir"
+            raise WriteError(exc.filename or ".", exc, key) from None
         raise _composition_failure(exc, checker, args) from None
     if FAILED_RUNS:
         print(f"psdk: {len(FAILED_RUNS)} run(s) of the multirun failed: {', '.join(map(str, FAILED_RUNS))}")
         raise SystemExit(1)
+
+
+def check_run_folder(args: Sequence[str]) -> None:
+    """Refuse (exit 2, no traceback) a run folder that cannot be created or written, before Hydra makes it.
+
+    The folder is ``hydra.run.dir`` (``hydra.sweep.dir`` for a multirun) as
+    given, or the shipped default (``outputs/<date>/<time>`` under the
+    current folder); the part before its first interpolation is probed by
+    writing a file there (:func:`psdk.disks.probe_folder`). A folder that
+    starts with an interpolation is left to Hydra, whose failure to write it
+    is explained the same way.
+    """
+    from psdk.config.check import split_flags
+
+    split = split_flags(args)
+    if split is None or any(a.split("=", 1)[0] in PRINT_ONLY for a in args):
+        return  # the config is printed, or Hydra judges alone: no folder is made
+    key = "hydra.sweep.dir" if split[1] else "hydra.run.dir"
+    value = _given(args, key)
+    folder = literal_folder(str(value) if value is not None else _shipped(key))
+    if folder is not None:
+        disks.probe_folder(folder, key)
+
+
+PRINT_ONLY = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
+"""Hydra flags after which it prints and exits, making no run folder."""
+
+
+def literal_folder(value: str) -> Path | None:
+    """The folder ``value`` names up to its first interpolation (None: it starts with one, e.g. an env var)."""
+    text = os.path.expanduser(value.strip().strip("'\""))
+    if "${" in text:
+        text = text[: text.index("${")]
+        if not text:
+            return None
+        text = text[: text.rfind("/") + 1] or "."
+    return Path(text or ".")
+
+
+def _shipped(key: str) -> str:
+    """``hydra.run.dir`` or ``hydra.sweep.dir`` as the shipped config.yaml sets it, unresolved."""
+    from psdk.config import config_dir
+
+    node: object = OmegaConf.to_container(OmegaConf.load(config_dir() / "config.yaml"), resolve=False)
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return str(node) if node else "outputs/"
 
 
 def surely_one_run(args: Sequence[str]) -> bool:
@@ -455,4 +528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PsdkError as exc:
         print(f"psdk: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if not disks.is_write_failure(exc):
+            raise
+        # A command's own folder (keys, a report's figures) on a full or read-only disk: one line, no traceback.
+        print(f"psdk: error: {WriteError(exc.filename or '.', exc, FOLDER_KEYS.get(command))}", file=sys.stderr)
+        return 2
     return 0
+
+
+FOLDER_KEYS = {"keys": "keys_dir"}
+"""The setting that places what a command outside Hydra writes, to name in the fix of a refused write."""

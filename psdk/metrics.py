@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from psdk.consistency import SyncSpec
+from psdk.disks import WriteError, is_write_failure, naming
+
+log = logging.getLogger(__name__)
 
 
 class RecordSink(Protocol):
@@ -25,21 +31,51 @@ class MetricsLog:
     Each line goes out in one ``write`` on an ``O_APPEND`` descriptor, so
     lines from different processes never interleave. Each point also goes to
     ``sinks``.
+
+    A disk that refuses a point (full, read-only) does not stop training:
+    the first refusal is a warning naming the file and the fix (``key``, the
+    setting that placed it), later points are tried and counted, and the
+    count is logged once the disk takes them again or the log closes. The
+    results at the job's end decide whether the run failed.
     """
 
-    def __init__(self, path: Path | str, sinks: Sequence[RecordSink] = ()):
+    def __init__(self, path: Path | str, sinks: Sequence[RecordSink] = (), key: str = "hydra.run.dir"):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.key = key
         self.sinks = list(sinks)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.dropped = 0  # points the disk refused since it last took one
+        self._torn = False  # the last line was cut short: the next starts on a line of its own
 
     def write(self, record: Mapping[str, Any]) -> None:
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
-        for sink in self.sinks:
-            sink.write(record)
+        line = ("\n" if self._torn else "") + json.dumps(record, separators=(",", ":")) + "\n"
+        try:
+            written = os.write(self._fd, line.encode())
+            self._torn = written < len(line.encode())
+            if self._torn:  # a full disk took part of it
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+            for sink in self.sinks:
+                sink.write(record)
+        except OSError as exc:
+            if not is_write_failure(exc):
+                raise
+            self._refused(naming(exc.filename or self.path, exc))
+            return
+        if self.dropped:
+            log.warning("%s is written again; %d point(s) were not", self.path, self.dropped)
+            self.dropped = 0
+
+    def _refused(self, exc: OSError) -> None:
+        if not self.dropped:
+            log.warning("points not written (training goes on): %s", WriteError(exc.filename, exc, self.key))
+        self.dropped += 1
 
     def close(self) -> None:
+        if self.dropped:
+            log.warning("%d point(s) were not written to %s: the disk refused them", self.dropped, self.path)
+            self.dropped = 0
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -54,10 +90,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` so a reader never sees half a file."""
+    """Write ``data`` so a reader never sees half a file; a failed write leaves none behind."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise naming(path, exc) from None
 
 
 def percentile(histogram: Mapping[str, int], q: float) -> float | None:

@@ -31,6 +31,7 @@ from psdk.config import build
 from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
+from psdk.disks import WriteError, is_write_failure
 from psdk.epochs import count_of
 from psdk.errors import TrainingResumed
 from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
@@ -141,6 +142,8 @@ def run_worker(cfg: DictConfig) -> None:
     cluster = build.cluster_from(cfg)
     cluster.check_task("worker", task)
     build.check_training(cfg, options, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
+    if task == 0 and LAUNCHED_ENV not in os.environ:  # a launcher tried the chief's checkpoint folder already
+        checkpoint.check_folder(options.checkpoint)
     backend_name = build.topology(cfg).backend_of(task, str(cfg.backend))
     check_framework(backend_name)
     backend = load_backend(backend_name, build.backend_options(cfg, backend_name))
@@ -157,6 +160,7 @@ def run_worker(cfg: DictConfig) -> None:
     beat()  # the data and the model too
     rule = build.update_rule(cfg)  # named directly: no framework optimizer to build and inspect
     metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
+    unwritten: Exception | None = None  # a result the disk refused at the end
     cluster = build.with_announced_ps(cfg, cluster, options.transport)
     try:
         with connect(
@@ -180,9 +184,17 @@ def run_worker(cfg: DictConfig) -> None:
             workers = job.train_to_the_end(options.train.final_wait_s)
             if session.is_chief:
                 failpoint(TRAINED)
-                job.finalize(workers, start)
+                try:
+                    job.finalize(workers, start)
+                except OSError as exc:
+                    if not is_write_failure(exc):
+                        raise
+                    unwritten = exc  # the job itself is done: the ps tasks are shut down as usual first
     finally:
         metrics.close()
+    unwritten = unwritten or job.unwritten
+    if unwritten is not None:  # every result that could be written is, and the ps tasks are shut down
+        raise unwritten
 
 
 def record_sinks(cfg: DictConfig, task: int) -> list[RecordSink]:
@@ -239,6 +251,7 @@ class WorkerJob:
         self.every_seconds = self.checkpoints.every_seconds if session.is_chief else 0.0
         self.next_checkpoint = self._next_multiple(session.global_step)
         self.last_checkpoint_time = time.monotonic()
+        self.unwritten: WriteError | None = None  # the final checkpoint, when the disk refused it
 
     def _next_multiple(self, step: int) -> int | None:
         return (step // self.every_steps + 1) * self.every_steps if self.every_steps > 0 else None
@@ -255,7 +268,7 @@ class WorkerJob:
         while True:
             self.train()
             if self.session.is_chief and self.checkpoints.final:
-                self.save_checkpoint()
+                self.save_checkpoint(final=True)
                 if not self.session.should_stop():  # a ps lost during it: restored, maybe before the end
                     continue
             if not self.session.is_chief:  # the chief evaluates the final parameters in finalize()
@@ -401,15 +414,42 @@ class WorkerJob:
         by_time = self.every_seconds > 0 and time.monotonic() - self.last_checkpoint_time >= self.every_seconds
         return by_steps or by_time
 
-    def save_checkpoint(self) -> Path | None:
+    def save_checkpoint(self, final: bool = False) -> Path | None:
+        """Write a checkpoint, then prune this run's old ones; one the disk refuses is skipped with a warning.
+
+        A periodic checkpoint that cannot be written (a full or read-only
+        disk) costs only the protection it would have given: training goes
+        on and the next one is tried when due. Nothing is pruned after a
+        failed write, so every older good checkpoint stays. The final
+        checkpoint's failure is kept in :attr:`unwritten`: the chief writes
+        the other results first, then fails.
+        """
         config = OmegaConf.to_yaml(self.cfg, resolve=True)
         folder = Path(self.checkpoints.dir)
-        path = self.session.save_checkpoint(
-            folder, config=config, fingerprint=self.fingerprint, backend=self.backend.name
-        )
+        if final:
+            self.unwritten = None  # a final checkpoint written after a restore makes up for one refused before
+        try:
+            path = self.session.save_checkpoint(
+                folder, config=config, fingerprint=self.fingerprint, backend=self.backend.name
+            )
+        except WriteError as exc:
+            path = None
+            if final:
+                self.unwritten = exc  # raised once the other results are written: one line says it
+                log.warning("worker 0: final checkpoint not written; writing the other results first")
+            else:
+                log.warning("worker 0: checkpoint not written (training goes on; the next is tried when due): %s", exc)
         self.next_checkpoint = self._next_multiple(self.session.global_step)
         self.last_checkpoint_time = time.monotonic()
-        checkpoint.prune(folder, self.checkpoints.keep, self.session.run_id)  # this run's files only
+        if path is None:
+            return None
+        try:
+            checkpoint.prune(folder, self.checkpoints.keep, self.session.run_id)  # this run's files only
+        except OSError as exc:
+            log.warning(
+                "worker 0: old checkpoints not pruned: %s",
+                WriteError(exc.filename or folder, exc, "checkpoint.dir", what="remove"),
+            )
         return path
 
     def finalize(self, workers: dict[str, Any], start: float) -> dict[str, Any]:

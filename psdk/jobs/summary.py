@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -10,13 +12,26 @@ import numpy as np
 from omegaconf import DictConfig
 
 from psdk.config import build
+from psdk.disks import naming
 from psdk.metrics import percentile
 
 
 def save_params(path: Path, params: Mapping[str, np.ndarray]) -> None:
-    """The final parameters by canonical name, loadable with ``np.load`` (no pickle)."""
+    """The final parameters by canonical name, loadable with ``np.load`` (no pickle).
+
+    Written to a temporary file and renamed: a full disk leaves no half
+    ``params.npz`` that ``evaluate`` would later choke on.
+    """
     arrays: dict[str, Any] = {name: np.array(value) for name, value in params.items()}
-    cast(Any, np.savez)(path, **arrays)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            cast(Any, np.savez)(f, **arrays)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise naming(path, exc) from None
 
 
 def _worker_entry(

@@ -14,6 +14,7 @@ import logging
 import threading
 from pathlib import Path
 
+from psdk.disks import WriteError, is_write_failure
 from psdk.placement import lower_thread_priority
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class CurvesInBackground:
         if self.path is not None:
             log.info("launcher: training curves in %s", self.path)
             return
-        why = self.error or f"not drawn within {timeout_s:.0f} s"
+        why: object = self.error or f"not drawn within {timeout_s:.0f} s"
+        if is_write_failure(self.error):  # a full or read-only disk: where, and the fix
+            why = WriteError(self.error.filename or self.out / "curves.png", self.error, "hydra.run.dir")
         log.warning("launcher: could not draw the training curves (%s); `python -m psdk report %s` retries",
                     why, self.out)  # fmt: skip

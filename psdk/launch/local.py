@@ -231,6 +231,8 @@ class LocalLauncher:
         self.validate(cfg)
         out = self.out = Path(cfg.output_dir).resolve()
         (out / "tasks").mkdir(parents=True, exist_ok=True)
+        if self.shows_progress:  # the chief's files are on this machine: its checkpoint folder can be tried here
+            checkpoint.check_folder(self.options.checkpoint)
         with only_launcher_of(out):
             return self._launch(cfg, overrides, out, start)
 

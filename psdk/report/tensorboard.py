@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from psdk.disks import naming
+
 
 def _crc32c_table() -> list[int]:
     table = []
@@ -101,12 +103,18 @@ class EventWriter:
         now = time.time()
         self.path = folder / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.psdk"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(self._fd, record(event(now, file_version="brain.Event:2")))
+        self._write(record(event(now, file_version="brain.Event:2")))
 
     def scalars(self, step: int, values: Mapping[str, float], wall_time: float | None = None) -> None:
         if values and self._fd >= 0:
             data = event(time.time() if wall_time is None else wall_time, step, summary=scalar_summary(values))
-            os.write(self._fd, record(data))
+            self._write(record(data))
+
+    def _write(self, data: bytes) -> None:
+        try:
+            os.write(self._fd, data)
+        except OSError as exc:  # a full disk: the error names this file, not a descriptor
+            raise naming(self.path, exc) from None
 
     def close(self) -> None:
         if self._fd >= 0:
