@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from psdk import access, disks, tf_config
 from psdk.config import flags
 from psdk.disks import WriteError
-from psdk.errors import USAGE_EXIT, ConfigError, DataError, PsdkError, closest
+from psdk.errors import USAGE_EXIT, BindError, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
 from psdk.logs import set_task_label
 
@@ -242,6 +242,9 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
             from psdk.epochs import resolve_steps
 
             resolve_steps(cfg)  # train.epochs, when given, sets train.steps before anything reads it
+        from psdk.config.capacity import check_settings
+
+        check_settings(cfg)  # every numeric key in its range, before any task starts
         write_resolved_config(cfg, output_dir)
         if job is None:
             from hydra.core.hydra_config import HydraConfig
@@ -265,7 +268,7 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
             run_evaluate(cfg)
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
-    except (ConfigError, DataError, WriteError) as exc:  # the same command would fail again: not retried
+    except (ConfigError, DataError, BindError, WriteError) as exc:  # the same command would fail again: not retried
         log.error("%s", exc)
         _failed(job, USAGE_EXIT, str(exc), output_dir)
     except OSError as exc:
@@ -339,7 +342,8 @@ def run_hydra(command: str, args: list[str]) -> None:
     import hydra
 
     from psdk.config import config_dir, prepare_hydra
-    from psdk.config.check import OverrideChecker, hydra_order
+    from psdk.config.check import OverrideChecker, hydra_order, split_flags
+    from psdk.config.readers import refuse_ignored
 
     prepare_hydra()
     if command in ("ps", "worker", "task"):
@@ -376,6 +380,7 @@ def run_hydra(command: str, args: list[str]) -> None:
         # What needs composing is explained once Hydra's composition fails; a multirun's is checked first, as
         # Hydra writes the sweep's folder before it composes the jobs.
         checker.check(args, compose="--multirun" in args)
+        refuse_ignored(command, (split_flags(args) or ([], False))[0])
         if command == "run" and surely_one_run(args):
             _one_run_only()
     elif command in ("ps", "worker", "task") and "--multirun" not in args:

@@ -204,6 +204,7 @@ def _composed(overrides: list[str]) -> DictConfig:
     """psdk's config for a ps task with ``overrides``, checked and explained as on the command line."""
     from psdk.config import config_dir, prepare_hydra
     from psdk.config.check import OverrideChecker
+    from psdk.config.ranges import check_ranges
 
     prepare_hydra()
     # No Hydra run here: the output folder would come from it. A ps writes nothing there.
@@ -211,6 +212,7 @@ def _composed(overrides: list[str]) -> DictConfig:
     with _hydra_set_aside():
         cfg = OverrideChecker(config_dir()).composed(given)
     OmegaConf.set_struct(cfg, True)
+    check_ranges(cfg)  # every numeric key in its range, as on the command line
     return cfg
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from psdk.errors import ConfigError
+from psdk.transport.wire import MAX_HEADER_BYTES
 
 STRATEGIES = ("round_robin", "greedy")
 
@@ -53,6 +54,28 @@ def assign_shards(
         placement[name] = shard
         load[shard] += int(np.prod(shape, dtype=np.int64)) * 4
     return placement
+
+
+def shard_sizes(
+    variables: Sequence[tuple[str, tuple[int, ...]]], num_ps: int, strategy: str = "round_robin"
+) -> list[int]:
+    """The floats each ps shard holds, by index: what :func:`assign_shards` puts there."""
+    sizes = [0] * num_ps
+    placement = assign_shards(variables, num_ps, strategy)
+    for name, shape in variables:
+        sizes[placement[name]] += int(np.prod(shape, dtype=np.int64))
+    return sizes
+
+
+def largest_message_bytes(size: int, slots: int) -> int:
+    """The largest message a peer of a job can legitimately send a shard of ``size`` floats: the chief's restore.
+
+    It carries every variable and each of the update rule's ``slots`` of the
+    shard (a push carries the variables once), and a header. The ps limits
+    its messages to this once the job is known; before that, the job's
+    ``transport.max_message_bytes`` must let it through.
+    """
+    return (1 + slots) * 4 * size + MAX_HEADER_BYTES
 
 
 def layout(variables: Sequence[tuple[str, tuple[int, ...]]]) -> list[VarSpec]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from psdk.config.ranges import RANGES
 from psdk.errors import ConfigError, closest, did_you_mean
 
 # Hydra flags that take a value, and those after which psdk leaves the checking to Hydra.
@@ -309,6 +310,9 @@ class OverrideChecker:
             kind = {"Integer": "a whole number", "Float": "a number", "bool": "true or false"}.get(
                 (wanted.group(1) or wanted.group(2)) if wanted else "", "of the right type"
             )
+            limits = RANGES.get(key)
+            if limits is not None and kind in ("a whole number", "a number"):
+                kind = limits.describe()  # the key's valid range (psdk.config.ranges), not only its type
             value = re.search(r"Value '([^']*)'", str(cause))
             default = OmegaConf.select(base, key, default=None)
             shown = str(default).lower() if isinstance(default, bool) else default

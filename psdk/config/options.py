@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from psdk.config.ranges import CONNECTIONS_MAX
 from psdk.errors import ConfigError
 from psdk.placement import DEVICE_CHOICES, check_memory_fraction
 
@@ -276,8 +277,9 @@ class TaskOptions:
         if limit < 2 * num_workers:
             raise ConfigError(
                 "ps.max_connections",
-                f"is {limit} but each of the {num_workers} workers makes two connections; "
-                f"use ps.max_connections={4 * num_workers + 16} or null",
+                f"is {limit} but each of the {num_workers} workers makes two connections to every ps; must be null "
+                f"or in [{2 * num_workers}, {CONNECTIONS_MAX}]: use ps.max_connections={4 * num_workers + 16} or null "
+                "(4 per worker + 16, room for restarted workers)",
             )
         return limit
 

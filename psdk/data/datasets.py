@@ -15,6 +15,8 @@ int64 labels; the job scales and splits them). Two are built in:
 
 from __future__ import annotations
 
+import gzip
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -123,11 +125,74 @@ def train_size(data: Any) -> int:
     return total - held_out
 
 
+MNIST_SHAPE = (784, 10)
+"""MNIST's pixels per image and classes: known without reading its files (they are checked against their MD5s)."""
+
+
+def _idx_file(folder: Path, key: str) -> Path | None:
+    stem = IDX_FILES[key]
+    return next((p for p in (folder / f"{stem}.gz", folder / stem) if p.is_file()), None)
+
+
+def _idx_pixels(path: Path) -> int:
+    """Pixels per image from an IDX images file's header alone (its first 4 + 4 x dims bytes)."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as stream:
+            head = stream.read(4)
+            dims = stream.read(4 * head[3]) if len(head) == 4 else b""
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise DataError(f"{path} cannot be read: {exc}") from None
+    sizes = [int.from_bytes(dims[i : i + 4], "big") for i in range(0, len(dims), 4)]
+    if len(head) != 4 or head[:3] != b"\x00\x00\x08" or len(sizes) < 2 or len(dims) != 4 * head[3]:
+        raise DataError(f"{path} is not an IDX file of unsigned-byte images")
+    return math.prod(sizes[1:])
+
+
+def known_shape(data: Any) -> tuple[int, int] | None:
+    """``(pixels per image, classes)`` of the data set ``data.name`` names, without decoding its images.
+
+    MNIST's are known; an ``idx`` folder's come from its training images'
+    header and its label files (small); a plugin's data set is only known
+    once loaded (None: its workers check it, :func:`check_fits`).
+    """
+    name = check_dataset_name(data)
+    if name == "mnist":
+        return MNIST_SHAPE
+    if name != "idx":
+        return None
+    folder = Path(str(_get(data, "dir"))).expanduser()
+    paths = {key: _idx_file(folder, key) for key in ("train_images", "train_labels", "test_labels")}
+    if any(path is None for path in paths.values()):
+        return None  # the workers' loading names what is missing
+    classes = 0
+    for key in ("train_labels", "test_labels"):
+        path = paths[key]
+        assert path is not None
+        labels = mnist.parse_idx(mnist.raw_bytes(path, path.suffix == ".gz"), path)
+        classes = max(classes, int(labels.max(initial=0)) + 1)
+    images = paths["train_images"]
+    assert images is not None
+    return _idx_pixels(images), classes
+
+
 def check_fits(dataset: mnist.Mnist, spec: Any, name: str) -> None:
     """Refuse a model whose input size or number of classes does not fit the dataset's."""
     pixels = int(dataset.train_x.shape[1])
     classes = int(max(dataset.train_y.max(initial=0), dataset.test_y.max(initial=0))) + 1
-    if int(spec.input_dim) != pixels:
-        raise ConfigError("model.input_dim", f"is {spec.input_dim}, but the {name} images have {pixels} pixels")
-    if int(spec.num_classes) < classes:
-        raise ConfigError("model.num_classes", f"is {spec.num_classes}, but the {name} labels go up to {classes - 1}")
+    check_shape((pixels, classes), spec, name)
+
+
+def check_shape(shape: tuple[int, int], spec: Any, name: str) -> None:
+    """Refuse a model whose input or output does not fit a data set of ``shape`` (pixels, classes)."""
+    pixels, classes = shape
+    input_dim, num_classes = getattr(spec, "input_dim", None), getattr(spec, "num_classes", None)
+    if input_dim is not None and int(input_dim) != pixels:
+        raise ConfigError(
+            "model.input_dim",
+            f"is {input_dim}, but the {name} images have {pixels} pixels; must be {pixels} (one input per pixel)",
+        )
+    if num_classes is not None and int(num_classes) < classes:
+        raise ConfigError(
+            "model.num_classes",
+            f"is {num_classes}, but the {name} labels go up to {classes - 1}; must be at least {classes}",
+        )

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from psdk import announce, checkpoint, liveness
 from psdk.cluster import ClusterSpec
-from psdk.config import build
+from psdk.config import build, capacity
 from psdk.config.options import TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_dataset_name
@@ -189,6 +189,8 @@ class Task:
 class LocalLauncher:
     # Whether the tasks' files (metrics.jsonl, ps progress) appear in the run's folder as they train.
     shows_progress = True
+    # Whether every task runs on this host: its memory and topology.host are checked before they start.
+    starts_tasks_here = True
 
     def __init__(self, ready_timeout_s: float = 60.0, shutdown_timeout_s: float = 30.0):
         self.ready_timeout_s = ready_timeout_s
@@ -222,6 +224,9 @@ class LocalLauncher:
         build.check_training(cfg, self.options, topology.num_workers)
         build.run_id(cfg)
         build.check_liveness(self.options)
+        if self.starts_tasks_here:
+            capacity.check_host(cfg, topology.num_ps, topology.num_workers)
+        capacity.check_job(cfg, self.options, topology.num_ps, topology.num_workers)
         if cfg.resume:
             checkpoint.load(cfg.resume)  # a path that is no checkpoint fails here, not in a restarted chief
 

@@ -59,6 +59,7 @@ class RayLauncher(LocalLauncher):
     """Places the ps tasks (CPU only) and the workers (``gpus_per_worker`` each) on a Ray cluster."""
 
     shows_progress = False  # the tasks' files may be on other nodes until the job ends
+    starts_tasks_here = False  # Ray places them: this host's memory and addresses are not theirs
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
 from psdk.registry import rule_from_json
+from psdk.sharding import largest_message_bytes
 from psdk.store import ParameterStore, RestoreState
 from psdk.transport import ServerEndpoint
 from psdk.transport.wire import MAX_HEADER_BYTES, Message
@@ -132,7 +133,7 @@ class ServedShard:
         It carries every variable and every slot of the shard (a push carries
         the variables' size once), and a header.
         """
-        return (1 + len(self.store.slots())) * 4 * self.store.size + MAX_HEADER_BYTES
+        return largest_message_bytes(self.store.size, len(self.store.slots()))
 
     # ------------------------------------------------------------- replies
     def resync(self, peer: bytes, rid: int, why: str) -> None:
