@@ -41,6 +41,18 @@ def test_a_loss_still_at_its_start_after_a_tenth_of_the_job_is_divergence() -> N
     assert learning.verdict is None
 
 
+def test_a_job_joined_late_is_judged_only_by_a_non_finite_loss() -> None:
+    """A job resumed at half its steps (or a restarted worker) starts from a trained model's low loss.
+
+    `run train.steps=6000 resume=<a 3000-step run>` was reported DIVERGED at step 3144: its loss, 0.05
+    from the start, had not fallen by 2%.
+    """
+    resumed = watch()
+    for step in range(500, 700):
+        assert resumed.observe(0.05, step) is None
+    assert resumed.observe(math.nan, 700) is not None
+
+
 def test_sync_mode_and_two_workers_name_the_step_size_not_asynchrony() -> None:
     assert "async" not in watch(mode="sync").likely_cause()
     assert "async" not in watch(workers=2).likely_cause()

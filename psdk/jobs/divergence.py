@@ -5,7 +5,8 @@ it settles at or above where it started (dead ReLUs, a constant guess) and
 the job reports chance accuracy as if all were well. A worker watches its
 own loss: non-finite at any step, or, once the job is 10% through its
 steps, a recent mean that has not fallen 2% below the mean of its first
-steps. Either
+steps (unless those first steps came late, from a trained model: a resumed
+job, a restarted worker). Either
 is reported once, in the log and in the worker's report (the summary's
 ``divergence``), with the likely cause and the settings to change.
 """
@@ -39,6 +40,9 @@ class DivergenceWatch:
     start: list[float] = field(default_factory=list)
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     verdict: dict[str, Any] | None = None
+    joined_late: bool = False
+    """Its first loss came past :data:`CHECK_AFTER` of the job (a resumed job, a restarted worker): only a
+    non-finite loss counts, as its starting level is already a trained model's."""
 
     def observe(self, loss: float, global_step: int) -> dict[str, Any] | None:
         """Take one step's loss; the verdict the first time the job is seen to diverge, else ``None``."""
@@ -47,7 +51,11 @@ class DivergenceWatch:
         if not math.isfinite(loss):
             return self._diverged(global_step, f"the loss became {loss}")
         if len(self.start) < START_STEPS:
+            if not self.start and global_step >= CHECK_AFTER * self.target_steps:
+                self.joined_late = True
             self.start.append(loss)
+            return None
+        if self.joined_late:  # its first losses are a trained model's: they need not fall by 2% any more
             return None
         self.recent.append(loss)
         if global_step < CHECK_AFTER * self.target_steps or len(self.recent) < RECENT_STEPS:
