@@ -101,7 +101,12 @@ class LivePs:
         endpoint = self.transport.serve("127.0.0.1:0", "ps 0")
         self.address = endpoint.address
         server_options = ServerOptions(
-            heartbeat_timeout_s=60.0, startup_timeout_s=600.0, poll_s=0.01, idle_timeout_s=None, max_workers=WORKERS
+            heartbeat_timeout_s=60.0,
+            startup_timeout_s=600.0,
+            poll_s=0.01,
+            idle_timeout_s=None,
+            max_workers=WORKERS,
+            pause_lease_s=3600.0,  # a pause ends by the chief's resume or a restore, never by a slow step's timing
         )
         self.server = ParameterServer(endpoint, 0, server_options)
         self.crashed: BaseException | None = None
@@ -261,6 +266,8 @@ class Harness:
         self.trace: list[str] = []
         self.epoch = 0
         """The latest epoch the ps answered with (a push names it)."""
+        self.answers: dict[tuple[int | None, int], Message] = {}
+        """Each reply by (worker, request id), for the reference model to follow (it takes them out)."""
         self.coverage = coverage
         self.failures = failures
 
@@ -290,16 +297,18 @@ class Harness:
                 self._violation(f"the ps's transport did not answer an offer of memory within {SETTLE_S} s")
             self._collect(0.005)
 
-    def knock(self, actor: Actor, version: int, seq: int, epoch: int) -> None:
+    def knock(self, actor: Actor, version: int, seq: int, epoch: int) -> int | None:
+        """Knock a push of the gradient in ``actor``'s memory; its request id (``None``: no knock was made)."""
         assert actor.buffers is not None
         rid = actor.rid()
         if not actor.buffers.knock(rid, actor.knock_header(rid, version=version, seq=seq, epoch=epoch)):
-            return  # the ps let go: no knock was made (the worker would push as a message)
+            return None  # the ps let go: no knock was made (the worker would push as a message)
         self.books.requests += 1
         self.books.answerable += 1
         actor.outstanding[rid] = Sent("knock", False)
         self.trace.append(f"worker {actor.worker} knocked {rid}: version {version} seq {seq} epoch {epoch}")
         self.settle()
+        return rid
 
     def settle(self) -> None:
         """Wait (bounded) until the ps has handled every request sent and its replies have arrived."""
@@ -336,6 +345,7 @@ class Harness:
             self.coverage[f"{sent.op if sent else '?'} (lent) -> {reply.op}"] += 1
             if sent is None:
                 self._violation(f"{reply.op} for request {reply.rid} of worker {actor.worker}, not waiting for one")
+            self.answers[(actor.worker, reply.rid)] = reply
             self.books.requests -= 1
             self.books.answerable -= 1
             actor.attached = actor.knocks = False  # as a worker's transport: it would send the request whole
@@ -346,6 +356,8 @@ class Harness:
             self._violation(f"an untyped reply {reply.op!r} to {actor.worker}: {reply.fields}")
             return
         sent = actor.outstanding.pop(reply.rid, None)
+        if sent is not None:
+            self.answers[(actor.worker, reply.rid)] = reply
         detail = reply.fields.get("outcome") or reply.fields.get("kind") or ""
         if reply.op == "error":
             detail += ": " + " ".join(str(reply.fields.get("error", "")).split()[:6])
