@@ -39,6 +39,9 @@ def test_sequences_of_every_op_keep_the_books_the_store_and_the_ps(mode: Mode) -
     assert ops <= reached, ops - reached
     assert any(key.startswith("push_pull -> params applied") for key in stateful.COVERAGE)
     assert any("the update would leave" in key for key in stateful.COVERAGE)  # an overflow refused, live
+    # The model followed a restore of a checkpoint the fuzzer took, and a ps restarted from one.
+    assert stateful.COVERAGE["lifecycle: a checkpoint the fuzzer took, restored"] > 0
+    assert stateful.COVERAGE["lifecycle: a ps restarted from a checkpoint the fuzzer took"] > 0
     if mode.shared_memory:  # the transport's own offers, and requests and replies through the memory lent
         assert {"offer -> transport:attached", "offer -> transport:refused"} <= set(stateful.COVERAGE)
         assert any(key.startswith("knock -> params") for key in stateful.COVERAGE)

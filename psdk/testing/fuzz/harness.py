@@ -255,14 +255,9 @@ class Harness:
 
     def __init__(self, mode: Mode, coverage: Counter[str], failures: list[str]) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="psdk-fuzz-")
-        keys_dir = security.generate(Path(self._tmp.name), WORKERS + 1) if mode.curve else None
-        self.ps = LivePs(mode, keys_dir)
-        context = self.ps.transport.context
-        keys = [security.load_worker(keys_dir, i) if keys_dir else None for i in range(WORKERS + 1)]
-        self.actors = [Actor(context, self.ps.address, i, keys[i]) for i in range(WORKERS)]
-        # A stranger: no session, and under CURVE only a key the ps does not list as a worker of this job's.
-        self.actors.append(Actor(context, self.ps.address, None, keys[WORKERS]))
-        self.books = Books()
+        self.mode = mode
+        self._keys_dir = security.generate(Path(self._tmp.name), WORKERS + 1) if mode.curve else None
+        self._start()
         self.trace: list[str] = []
         self.epoch = 0
         """The latest epoch the ps answered with (a push names it)."""
@@ -270,6 +265,27 @@ class Harness:
         """Each reply by (worker, request id), for the reference model to follow (it takes them out)."""
         self.coverage = coverage
         self.failures = failures
+
+    def _start(self) -> None:
+        """A new, empty ps, and a connection to it for each worker and the stranger; fresh books."""
+        keys_dir = self._keys_dir
+        self.ps = LivePs(self.mode, keys_dir)
+        context = self.ps.transport.context
+        keys = [security.load_worker(keys_dir, i) if keys_dir else None for i in range(WORKERS + 1)]
+        self.actors = [Actor(context, self.ps.address, i, keys[i]) for i in range(WORKERS)]
+        # A stranger: no session, and under CURVE only a key the ps does not list as a worker of this job's.
+        self.actors.append(Actor(context, self.ps.address, None, keys[WORKERS]))
+        self.books = Books()
+
+    def restart(self) -> None:
+        """The ps is lost and a new one starts, empty, on a new port, as a restarted task would; the workers
+        connect to it as new processes (what waited on the old ps is gone with it)."""
+        self.trace.append("the ps is lost; a new one starts")
+        for actor in self.actors:
+            actor.close()
+        self.ps.close()
+        self.answers.clear()  # the new connections count their request ids from 1 again
+        self._start()
 
     # ------------------------------------------------------------ sending
     def send(self, actor: Actor, message: Message, must_fail: bool = False, frames: list[bytes] | None = None) -> None:
@@ -435,19 +451,23 @@ class Harness:
         if self.ps.exit_code != code or not self.ps.tap.said(reason):
             self._violation(f"after {ended} the ps exited {self.ps.exit_code} without logging {reason!r}")
 
+    def probe(self) -> None:
+        """The ps still answers a ping, if it serves."""
+        if self.ps.serving:
+            probe = self.actors[0]
+            rid = probe.rid()
+            probe.outstanding[rid] = Sent("ping")
+            probe.sock.send_multipart(encode(Message("ping", {}, [], rid)))
+            self.books.requests += 1
+            self.books.answerable += 1
+            self.settle()
+            if rid in probe.outstanding:
+                self._violation("the ps no longer answers a ping")
+
     def close(self) -> None:
         """The ps still answers a ping, if it serves; then the connections, the ps and its keys go."""
         try:
-            if self.ps.serving:  # it still answers a ping
-                probe = self.actors[0]
-                rid = probe.rid()
-                probe.outstanding[rid] = Sent("ping")
-                probe.sock.send_multipart(encode(Message("ping", {}, [], rid)))
-                self.books.requests += 1
-                self.books.answerable += 1
-                self.settle()
-                if rid in probe.outstanding:
-                    self._violation("the ps no longer answers a ping")
+            self.probe()
         finally:
             for actor in self.actors:
                 actor.close()

@@ -109,6 +109,8 @@ class PsMachine(RuleBasedStateMachine):
         self.names = ["dense/kernel", "dense/bias"]
         self.shapes = [(4, 5), (4,)]
         self.model = Model()
+        self.saved: Message | None = None
+        """The last checkpoint the chief read (a ``state`` reply): what a restore or a restarted ps starts from."""
         """What the shard should hold (:mod:`psdk.testing.fuzz.model`), checked after every step."""
 
     @initialize(
@@ -185,6 +187,7 @@ class PsMachine(RuleBasedStateMachine):
                 self._disagree(f"stop_at answered steps {reply.fields.get('steps')}, the model says {steps}")
         elif message.op == "state" and said == "state" and reply is not None:
             self._check_state(reply)
+            self.saved = reply
 
     def _follow_push(self, actor: Actor, rid: int, version: Any, grad: np.ndarray, worker: Any = None) -> None:
         """A push the ps handled: if its checks let it through, the model submits it and must agree on the outcome."""
@@ -398,6 +401,54 @@ class PsMachine(RuleBasedStateMachine):
         must_fail = actor.worker != 0 or not store.initialized or wrong_slots or bad_values
         self.send(actor, Message("restore", fields, arrays, actor.rid()), must_fail=must_fail)
 
+    def _checkpoint_arrays(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """The saved checkpoint as a restore sends it: ``{version, rule_step, slots}``, variables, then slots."""
+        assert self.saved is not None
+        fields, flats = self.saved.fields, self.saved.arrays
+        shapes = [tuple(shape) for shape in fields["shapes"]]
+        cuts = np.cumsum([math.prod(shape) for shape in shapes])[:-1]
+        arrays = [
+            part.reshape(shape).copy()
+            for flat in flats
+            for part, shape in zip(np.split(flat, cuts), shapes, strict=True)
+        ]
+        restore = {"version": fields["version"], "rule_step": fields["rule_step"], "slots": fields["slots"]}
+        return restore, arrays
+
+    @precondition(lambda self: self.ps.serving and self.saved is not None and self.ps.server.store.initialized)
+    @rule()
+    def restore_checkpoint(self) -> None:
+        """The chief rolls the shard back to the checkpoint it took, as after another shard was lost."""
+        assert self.saved is not None
+        chief, (restore, arrays) = self.actors[0], self._checkpoint_arrays()
+        fields = chief.fields(names=self.saved.fields["names"], restore=restore, epoch=self.harness.epoch + 1)
+        self.send(chief, Message("restore", fields, arrays, chief.rid()))
+        if self.model.version == restore["version"] and self.model.epoch == fields["epoch"]:
+            COVERAGE["lifecycle: a checkpoint the fuzzer took, restored"] += 1
+
+    @precondition(lambda self: self.saved is not None or (self.ps.serving and self.ps.server.store.initialized))
+    @rule()
+    def restart(self) -> None:
+        """The ps is lost and restarted empty; the chief initialises it from the checkpoint it took (it takes one
+        first if it has none), in a new epoch, and the other workers wait for that (the model starts again from
+        the checkpoint)."""
+        if self.saved is None:
+            self.checkpoint()
+        if self.saved is None:
+            return  # no checkpoint could be read (the chief's pause was refused): nothing to restart from
+        self.harness.restart()
+        self.ps, self.actors, self.ended = self.harness.ps, self.harness.actors, None
+        self.model = Model()
+        chief, (restore, arrays) = self.actors[0], self._checkpoint_arrays()
+        saved = self.saved.fields
+        fields = chief.fields(job=saved["job"], rule=saved["rule"], names=saved["names"], restore=restore)
+        fields["epoch"] = self.harness.epoch + 1
+        self.send(chief, Message("init", fields, arrays, chief.rid()))
+        if self.model.initialized:
+            COVERAGE["lifecycle: a ps restarted from a checkpoint the fuzzer took"] += 1
+        for who in range(1, WORKERS):
+            self.wait_init(who)
+
     @precondition(lambda self: self.ps.serving)
     @rule(who=st.integers(0, WORKERS), op=st.sampled_from(["shutdown", "abort"]), now=st.integers(0, 2))
     def end(self, who: int, op: str, now: int) -> None:
@@ -539,7 +590,16 @@ class PsMachine(RuleBasedStateMachine):
         self.harness.check_exit(self.ended)
 
     def teardown(self) -> None:
-        self.harness.close()
+        """After each sequence the ps answers a ping, takes the chief's shutdown and exits 0, saying why."""
+        try:
+            if self.ps.serving and not FIRST_FAILURES:
+                self.harness.probe()
+                chief = self.actors[0]
+                self.send(chief, Message("shutdown", chief.fields(), [], chief.rid()))
+                self.ended = "shutdown"
+                self.harness.check_exit(self.ended)
+        finally:
+            self.harness.close()
 
 
 def _ill_typed(op: str, key: str, value: Any) -> bool:
