@@ -39,6 +39,12 @@ SETTLE_S = 10.0
 # What the ps may answer comes from the protocol's declaration.
 REPLY_OPS = frozenset(protocol.REPLIES)
 ERROR_KINDS = frozenset(protocol.ERROR_KINDS)
+ENDINGS: dict[str, tuple[int, str]] = {
+    "shutdown": (0, "shut down by the chief"),
+    "abort": (1, "the chief aborted the job"),
+}
+"""The chief's requests that end the ps: the exit code it must end with, and what it must log."""
+assert set(ENDINGS) <= set(protocol.CHIEF_ONLY), "an ending the protocol does not declare"
 
 
 @dataclass(frozen=True)
@@ -443,11 +449,10 @@ class Harness:
         self.ps.thread.join(timeout=SETTLE_S)
         if self.ps.thread.is_alive():
             self._violation("the ps neither serves nor exits")
-        expected = {"shutdown": (0, "shut down by the chief"), "abort": (1, "the chief aborted the job")}
-        if ended not in expected:
+        if ended not in ENDINGS:
             self._violation(f"the ps exited ({self.ps.exit_code}) though the chief never ended the job")
             return
-        code, reason = expected[ended]
+        code, reason = ENDINGS[ended]
         if self.ps.exit_code != code or not self.ps.tap.said(reason):
             self._violation(f"after {ended} the ps exited {self.ps.exit_code} without logging {reason!r}")
 

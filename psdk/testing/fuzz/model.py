@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from psdk.consistency import POLICIES
+
 F32_MAX = float(np.finfo(np.float32).max)
 RTOL, ATOL = 1e-4, 1e-6
 """Float tolerance of the comparison: the ps computes in float32, the model in float64."""
@@ -173,6 +175,15 @@ class Model:
         return self.rule is not None
 
     @property
+    def rounds(self) -> bool:
+        """The mode gathers gradients into one update per version (its policy says); else each applies on arrival.
+
+        A new mode is fuzzed as one of these two kinds; if it is neither, the
+        model disagrees with the ps and the fuzzer says so: teach it here.
+        """
+        return POLICIES[self.mode].waits_for_rounds
+
+    @property
     def done(self) -> bool:
         return self.initialized and self.version >= self.steps
 
@@ -250,7 +261,7 @@ class Model:
             self.held.append(push)
             self._note(f"held worker {push.worker}'s push")
             return []
-        if self.mode != "sync":  # async and ssp apply on arrival (ssp only holds the reply)
+        if not self.rounds:  # applied on arrival (a staleness bound only holds the reply back)
             return [(push.worker, "applied" if self._apply(push.grad) else "refused")]
         if push.version < self.version or any(p.worker == push.worker for p in self.round):
             self._note(f"dropped worker {push.worker}'s push from version {push.version}")

@@ -49,10 +49,10 @@ from typing import Any
 import numpy as np
 
 from psdk import protocol
-from psdk.consistency import SyncSpec
+from psdk.consistency import MODES, POLICIES, SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
-from psdk.testing.fuzz.harness import WORKERS, Actor, Harness, Mode
+from psdk.testing.fuzz.harness import ENDINGS, WORKERS, Actor, Harness, Mode
 from psdk.testing.fuzz.model import Model, Pushed
 from psdk.transport import shm
 from psdk.transport.wire import Message
@@ -63,9 +63,28 @@ try:
 except ImportError:  # pragma: no cover - the CLI says how to install it
     raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[test]'") from None
 
-MUTATED_OPS = sorted(name for name, op in protocol.OPS.items() if op.fields and name not in ("abort", "shutdown"))
-"""Operations with fields of their own, each sent with one of them (or the worker id, or an unknown key) odd;
-the ops that end the job have a rule of their own (``end``), which expects the ps to exit."""
+# Every list of ops and modes below comes from the protocol's declaration and the sync policies, so a new op or
+# mode is fuzzed without editing this module (the reference model then says whether it knows what it does).
+MUTATED_OPS = sorted(name for name in protocol.OPS if name not in ENDINGS)
+"""Every operation, each sent with one field (or the worker id, or an unknown key) odd; the ops that end the
+job have a rule of their own (``end``), which expects the ps to exit."""
+ASKED = sorted(
+    name
+    for name, op in protocol.OPS.items()
+    if op.sender is protocol.Sender.WORKER and not any(f.required for f in op.fields)
+)
+"""What any worker may ask with no field required (ping, pull, status, ...): sent as it is."""
+CHIEF_STEPS = sorted(
+    name
+    for name in protocol.CHIEF_ONLY
+    if name not in ENDINGS and not any(f.required for f in protocol.OPS[name].fields)
+)
+"""The chief's requests with no field required (state, resume, ...)."""
+TARGETS = sorted(
+    name for name in protocol.CHIEF_ONLY if [f.name for f in protocol.OPS[name].fields if f.required] == ["version"]
+)
+"""The chief's requests that name a version and nothing else (pause_at, stop_at, ...)."""
+SYNC_MODES = list(MODES)
 MUTATED_KEYS = sorted({"worker", "x"} | {f.name for op in protocol.OPS.values() for f in op.fields})
 ODD: list[Any] = [-1, 0, 1, 7, 2**31, 2**63 - 1, -(2**63), 1.5, True, False, None, "", "x" * 300, [], [1], {}, {"a": 1}]
 
@@ -115,7 +134,7 @@ class PsMachine(RuleBasedStateMachine):
 
     @initialize(
         start=st.sampled_from(["nothing", "init", "init+attach"]),
-        mode=st.sampled_from(["async", "sync", "ssp"]),
+        mode=st.sampled_from(SYNC_MODES),
         rule_index=st.integers(0, len(RULES) - 1),
     )
     def start(self, start: str, mode: str, rule_index: int) -> None:
@@ -207,18 +226,13 @@ class PsMachine(RuleBasedStateMachine):
         outcomes = dict(model.submit(Pushed(worker, version, np.asarray(grad, np.float64).copy())))
         expected = outcomes.get(worker)
         got = "refused" if overflow else reply.fields.get("outcome") if reply is not None else None
-        if expected == "applied" and model.mode == "ssp" and (got is None or (got == "done" and model.done)):
+        if expected == "applied" and not model.rounds and (got is None or (got == "done" and model.done)):
             return  # applied, its answer held back by the staleness bound (and answered "done" once done)
         if got != expected:
             self._disagree(
                 f"worker {actor.worker}'s push was answered {got or 'later'}; the model says {expected or 'later'}"
             )
-        if (
-            reply is not None
-            and got == "applied"
-            and model.mode == "async"
-            and reply.fields.get("version") != model.version
-        ):
+        if reply is not None and got == "applied" and not model.rounds and reply.fields.get("version") != model.version:
             self._disagree(f"a push applied at version {reply.fields.get('version')}; the model is at {model.version}")
 
     def _check_state(self, reply: Message) -> None:
@@ -244,7 +258,7 @@ class PsMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ps.serving)
     @rule(
         who=st.integers(0, WORKERS),
-        mode=st.sampled_from(["async", "sync", "ssp"]),
+        mode=st.sampled_from(SYNC_MODES),
         rule_index=st.integers(0, len(RULES) - 1),
         steps=st.sampled_from([3, 20, 10**6]),
         restore=st.booleans(),
@@ -253,7 +267,8 @@ class PsMachine(RuleBasedStateMachine):
     def init(self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float) -> None:
         actor = self.actors[who]
         rule = RULES[rule_index]
-        sync = SyncSpec(mode, replicas_to_aggregate=2 if mode == "sync" else None, staleness=1)
+        rounds = POLICIES[mode].waits_for_rounds  # two of the three workers' gradients make a round: one is a backup
+        sync = SyncSpec(mode, replicas_to_aggregate=2 if rounds else None, staleness=1)
         fields = actor.fields(job=JobSpec(sync.resolved(WORKERS), steps, WORKERS).to_json(), rule=rule.to_json())
         fields["names"] = self.names
         arrays = self._variables(scale)
@@ -352,13 +367,13 @@ class PsMachine(RuleBasedStateMachine):
         )
 
     @precondition(lambda self: self.ps.serving)
-    @rule(who=st.integers(0, WORKERS), op=st.sampled_from(["ping", "status", "stats"]))
+    @rule(who=st.integers(0, WORKERS), op=st.sampled_from(ASKED))
     def query(self, who: int, op: str) -> None:
         actor = self.actors[who]
         self.send(actor, Message(op, actor.fields(), [], actor.rid()))
 
     @precondition(lambda self: self.ps.serving)
-    @rule(who=st.integers(0, WORKERS), ahead=st.integers(-2, 3), op=st.sampled_from(["pause_at", "stop_at"]))
+    @rule(who=st.integers(0, WORKERS), ahead=st.integers(-2, 3), op=st.sampled_from(TARGETS))
     def pause_or_stop(self, who: int, ahead: int, op: str) -> None:
         actor = self.actors[who]
         target = self._store_version() + ahead
@@ -366,7 +381,7 @@ class PsMachine(RuleBasedStateMachine):
         self.send(actor, Message(op, actor.fields(version=target), [], actor.rid()), must_fail=must_fail)
 
     @precondition(lambda self: self.ps.serving)
-    @rule(who=st.integers(0, WORKERS), op=st.sampled_from(["state", "resume"]))
+    @rule(who=st.integers(0, WORKERS), op=st.sampled_from(CHIEF_STEPS))
     def checkpoint_step(self, who: int, op: str) -> None:
         actor = self.actors[who]
         must_fail = actor.worker != 0 or (op == "state" and not self.ps.server.store.initialized)
@@ -450,7 +465,7 @@ class PsMachine(RuleBasedStateMachine):
             self.wait_init(who)
 
     @precondition(lambda self: self.ps.serving)
-    @rule(who=st.integers(0, WORKERS), op=st.sampled_from(["shutdown", "abort"]), now=st.integers(0, 2))
+    @rule(who=st.integers(0, WORKERS), op=st.sampled_from(sorted(ENDINGS)), now=st.integers(0, 2))
     def end(self, who: int, op: str, now: int) -> None:
         """The end of the job (one draw in three sends it, so most sequences run on)."""
         if now:
@@ -590,13 +605,14 @@ class PsMachine(RuleBasedStateMachine):
         self.harness.check_exit(self.ended)
 
     def teardown(self) -> None:
-        """After each sequence the ps answers a ping, takes the chief's shutdown and exits 0, saying why."""
+        """After each sequence the ps answers a ping, then takes one of the chief's endings (each in turn) and
+        exits as it must, saying why."""
         try:
             if self.ps.serving and not FIRST_FAILURES:
                 self.harness.probe()
-                chief = self.actors[0]
-                self.send(chief, Message("shutdown", chief.fields(), [], chief.rid()))
-                self.ended = "shutdown"
+                chief, op = self.actors[0], sorted(ENDINGS)[STEPS[0] % len(ENDINGS)]
+                self.send(chief, Message(op, chief.fields(), [], chief.rid()))
+                self.ended = op
                 self.harness.check_exit(self.ended)
         finally:
             self.harness.close()
