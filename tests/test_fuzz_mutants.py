@@ -3,7 +3,7 @@
 Each test patches the ps with one bug of the kind the model exists for (a
 lost update, a doubled one, a wrong sign, a wrong learning rate, a sync
 round one replica short, a checkpoint's slots restored into the wrong
-variable) and runs the stateful fuzzer over frames with the budget the test
+variable, bounded staleness without its bound) and runs the stateful fuzzer over frames with the budget the test
 suite gives one mode (``tests/test_fuzz_stateful.py``): it must fail, and
 say the ps and the model disagree. The real ps passes that budget in
 ``tests/test_fuzz_stateful.py``. Each prints the step that caught it,
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from psdk import store as store_module
-from psdk.consistency import SyncPolicy
+from psdk.consistency import SSPPolicy, SyncPolicy
 from psdk.optim import UpdateRule
 from psdk.store import FlatStore
 from psdk.testing.fuzz import stateful
@@ -95,6 +95,16 @@ def slots_into_the_wrong_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_module, "_restore_into", restore_into)
 
 
+def no_staleness_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded staleness answers every push at once, however far ahead its worker is."""
+
+    def release_ready(self: SSPPolicy) -> list[Any]:
+        ready, self._held = self._held, []
+        return ready
+
+    monkeypatch.setattr(SSPPolicy, "release_ready", release_ready)
+
+
 MUTANTS: dict[str, Patch] = {
     "drop every second gradient": drop_every_second_gradient,
     "apply a gradient twice": apply_a_gradient_twice,
@@ -102,6 +112,7 @@ MUTANTS: dict[str, Patch] = {
     "scale the learning rate by 1.1": scale_the_learning_rate,
     "a sync round one replica short": one_replica_too_few,
     "restore slots into the wrong variable": slots_into_the_wrong_variable,
+    "answer beyond the staleness bound": no_staleness_bound,
 }
 
 

@@ -37,6 +37,10 @@ from psdk.consistency import POLICIES
 F32_MAX = float(np.finfo(np.float32).max)
 RTOL, ATOL = 1e-4, 1e-6
 """Float tolerance of the comparison: the ps computes in float32, the model in float64."""
+ROUNDING = 2.0**-20
+"""What float32 may lose on one update, relative to the largest magnitude the update handled (a few roundings
+of 2^-24 each). A value that passed 3e37 and came back near zero carries float32's error of 3e37 with it, so the
+comparison's absolute tolerance grows by this much of each update's largest value (see Model.slack)."""
 
 
 class RuleModel:
@@ -157,6 +161,7 @@ class Model:
     rule: RuleModel | None = None
     mode: str = "async"
     replicas: int = 1
+    staleness: int = 0
     steps: int = 0
     version: int = 0
     rule_step: int = 0
@@ -166,6 +171,11 @@ class Model:
     pause: int | None = None
     held: list[Pushed] = field(default_factory=list)
     round: list[Pushed] = field(default_factory=list)
+    slack: dict[str, float] = field(default_factory=dict)
+    """Absolute error float32 may have gathered in the parameters (``""``) and in each slot since the last value
+    the ps was given exactly (an init, a restore)."""
+    clock: dict[int, int] = field(default_factory=dict)
+    """Iterations each worker has finished (its pushes answered applied or dropped), as the policy counts them."""
     failed: bool = False
     log: list[str] = field(default_factory=list)
     """What the model did, for the report of a disagreement."""
@@ -199,12 +209,13 @@ class Model:
         job = fields["job"]
         self.mode, self.steps = str(job["sync"]["mode"]), int(job["steps"])
         self.replicas = int(job["sync"].get("replicas_to_aggregate") or job["num_workers"])
+        self.staleness = int(job["sync"].get("staleness") or 0)
         self.epoch = int(fields.get("epoch") or 0)
         self.params = self._flat(arrays[: len(self.names)])
         self.slots, self.version, self.rule_step = self.rule.initial_slots(self.params.size), 0, 0
         if fields.get("restore"):
             self._restore_state(fields["restore"], arrays)
-        self.round, self.held, self.pause, self.failed = [], [], None, False
+        self.round, self.held, self.pause, self.failed, self.clock, self.slack = [], [], None, False, {}, {}
         self._note(f"init at version {self.version}, {self.rule.name}, {self.mode}, {self.steps} steps")
 
     def restore(self, fields: dict[str, Any], arrays: list[np.ndarray]) -> None:
@@ -212,7 +223,8 @@ class Model:
         self.params = self._flat(arrays[: len(self.names)])
         self._restore_state(fields["restore"], arrays)
         self.epoch = int(fields["epoch"])
-        self.round, self.held, self.pause = [], [], None
+        self.round, self.held, self.pause, self.clock = [], [], None, {}  # a new policy: its clocks start again
+        self.slack = {}
         self._note(f"restored at version {self.version}, epoch {self.epoch}")
 
     def _restore_state(self, restore: dict[str, Any], arrays: list[np.ndarray]) -> None:
@@ -262,9 +274,13 @@ class Model:
             self._note(f"held worker {push.worker}'s push")
             return []
         if not self.rounds:  # applied on arrival (a staleness bound only holds the reply back)
-            return [(push.worker, "applied" if self._apply(push.grad) else "refused")]
+            if not self._apply(push.grad):
+                return [(push.worker, "refused")]
+            self._tick(push.worker)
+            return [(push.worker, "applied")]
         if push.version < self.version or any(p.worker == push.worker for p in self.round):
             self._note(f"dropped worker {push.worker}'s push from version {push.version}")
+            self._tick(push.worker)
             return [(push.worker, "dropped")]
         total = sum((p.grad for p in self.round), push.grad)
         if _overflows(total):
@@ -275,9 +291,19 @@ class Model:
         mean = total / self.replicas
         answered, self.round = self.round, []
         outcome = "applied" if self._apply(mean) else "dropped"
+        for p in answered:
+            self._tick(p.worker)
         if self.done:
             self.round = []
         return [(p.worker, outcome) for p in answered]
+
+    def _tick(self, worker: int) -> None:
+        self.clock[worker] = self.clock.get(worker, 0) + 1
+
+    def beyond_bound(self, iterations: int, slowest: int) -> bool:
+        """Whether a reply that lets a worker start iteration ``iterations + 1`` while the slowest live worker
+        has finished ``slowest`` breaks the staleness bound (``ssp``; the other modes have none)."""
+        return self.mode == "ssp" and iterations - self.staleness > slowest
 
     def _apply(self, grad: np.ndarray) -> bool:
         assert self.rule is not None
@@ -286,6 +312,9 @@ class Model:
         if _overflows(params, *slots.values()):
             self._note(f"refused an update at version {self.version} (it overflows float32)")
             return False
+        for name, old, new in [("", self.params, params), *((n, self.slots[n], slots[n]) for n in slots)]:
+            largest = max(abs_max(old), abs_max(new), abs_max(grad))
+            self.slack[name] = self.slack.get(name, 0.0) + ROUNDING * largest
         self.params, self.slots = params, slots
         self.version += 1
         self.rule_step += 1
@@ -304,20 +333,24 @@ class Model:
             problems.append(f"the ps is at version {version}, the model at {self.version}")
         if rule_step != self.rule_step:
             problems.append(f"the ps's rule step is {rule_step}, the model's {self.rule_step}")
-        problems += _differs("parameters", params, self.params)
+        problems += _differs("parameters", params, self.params, self.slack.get("", 0.0))
         if set(slots) != set(self.slots):
             problems.append(f"the ps keeps slots {sorted(slots)}, the model {sorted(self.slots)}")
         for name in sorted(set(slots) & set(self.slots)):
-            problems += _differs(f"slot {name}", slots[name], self.slots[name])
+            problems += _differs(f"slot {name}", slots[name], self.slots[name], self.slack.get(name, 0.0))
         return problems
 
 
-def _differs(what: str, got: np.ndarray, want: np.ndarray) -> list[str]:
+def abs_max(values: np.ndarray) -> float:
+    return float(np.abs(values).max(initial=0.0))
+
+
+def _differs(what: str, got: np.ndarray, want: np.ndarray, slack: float) -> list[str]:
     got = np.asarray(got, np.float64).reshape(-1)
     if got.shape != want.shape:
         return [f"the ps's {what} have {got.size} values, the model's {want.size}"]
     with np.errstate(all="ignore"):
-        bad = ~np.isclose(got, want, rtol=RTOL, atol=ATOL)
+        bad = ~np.isclose(got, want, rtol=RTOL, atol=ATOL + slack)
     if not bad.any():
         return []
     i = int(np.argmax(bad))
