@@ -28,7 +28,7 @@ from psdk.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security, shm
 from psdk.transport.compact import Packer, Unpacker
-from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
+from psdk.transport.lending import ATTACH, ATTACHED, PROBE, REFUSED, UNLENT
 from psdk.transport.security import CurveKeys
 from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -361,6 +361,9 @@ class Harness:
             if actor.outstanding.pop(reply.rid, None) is None:
                 self._violation(f"an answer ({reply.op}) to an offer of memory {reply.rid} never made")
             actor.attached_as(reply)
+            return
+        if reply.op == PROBE:  # the ps asks whether this connection is open (another claimed its id): ignored
+            self.coverage[f"{reply.op} (from the ps's transport)"] += 1
             return
         if reply.op == UNLENT:  # a request naming memory the ps's transport holds no more: the ps never saw it
             sent = actor.outstanding.pop(reply.rid, None)
