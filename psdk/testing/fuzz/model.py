@@ -237,12 +237,21 @@ class Model:
     def _flat(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in arrays]) if arrays else np.zeros(0)
 
-    def pause_at(self, target: int) -> None:
-        """A chief's pause_at the ps took: held at ``target``, or here if past it (not once done)."""
+    def pause_at(self, target: int, waits: bool) -> None:
+        """A chief's pause_at the ps took: held at ``target``, or here if past it (not once done).
+
+        ``waits``: the request waits for the shard to reach ``target``; the
+        pushes an earlier pause held are then submitted, in order (the ps
+        does the same: they may go on to the new target).
+        """
         if self.done and self.version < target:
             return
         self.pause = max(target, self.version)
         self._note(f"paused at {self.pause}")
+        if waits:
+            held, self.held = self.held, []
+            for push in held:
+                self.submit(push)
 
     def resume(self) -> list[tuple[int, str]]:
         """The pause ends: the pushes it held are submitted in the order they came."""
