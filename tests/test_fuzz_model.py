@@ -85,7 +85,7 @@ def test_a_sync_round_applies_the_mean_once_and_drops_stale_and_second_gradients
 
 def test_a_pause_holds_pushes_and_the_resume_applies_them_in_order() -> None:
     model = _model("async")
-    model.pause_at(1, waits=False)
+    model.pause_at(1)
     assert model.submit(Pushed(0, 0, np.array([1.0, 1.0]))) == [(0, "applied")]
     assert model.submit(Pushed(1, 1, np.array([2.0, 2.0]))) == []  # at the pause version: held
     assert model.version == 1
@@ -111,7 +111,7 @@ def test_the_model_reports_where_a_store_differs() -> None:
 
 def test_a_pause_at_a_later_version_lets_the_pushes_held_so_far_go_on() -> None:
     model = _model("async")
-    model.pause_at(0, waits=False)
+    model.pause_at(0)
     assert model.submit(Pushed(0, 0, np.array([1.0, 1.0]))) == []
-    model.pause_at(2, waits=True)  # the ps submits what it held: it may reach the new target
+    model.pause_at(2)  # the ps submits what it held: it may reach the new target
     assert model.version == 1 and model.held == []

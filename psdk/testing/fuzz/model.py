@@ -237,18 +237,19 @@ class Model:
     def _flat(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in arrays]) if arrays else np.zeros(0)
 
-    def pause_at(self, target: int, waits: bool) -> None:
+    def pause_at(self, target: int, refused: bool = False) -> None:
         """A chief's pause_at the ps took: held at ``target``, or here if past it (not once done).
 
-        ``waits``: the request waits for the shard to reach ``target``; the
-        pushes an earlier pause held are then submitted, in order (the ps
-        does the same: they may go on to the new target).
+        A target ahead of the shard submits the pushes an earlier pause held,
+        in order, as the ps does (they may go on up to the new target);
+        ``refused``: the ps refused the request (too many pauses wait) after
+        it moved the pause, before that.
         """
         if self.done and self.version < target:
             return
-        self.pause = max(target, self.version)
+        ahead, self.pause = target > self.version, max(target, self.version)
         self._note(f"paused at {self.pause}")
-        if waits:
+        if ahead and not refused:
             held, self.held = self.held, []
             for push in held:
                 self.submit(push)

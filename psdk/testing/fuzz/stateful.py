@@ -204,7 +204,7 @@ class PsMachine(RuleBasedStateMachine):
         elif message.op == "pause_at" and model.initialized and not model.failed:
             error = str(reply.fields.get("error", "")) if reply is not None else ""
             if said in (None, "paused", "passed") or "already wait" in error:  # the ps holds the pause then
-                model.pause_at(int(fields["version"]), waits=said is None)
+                model.pause_at(int(fields["version"]), refused=said == "error")
         elif message.op == "resume" and said == "ok":
             model.resume()
         elif message.op == "stop_at" and said == "ok" and reply is not None:
