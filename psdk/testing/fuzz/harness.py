@@ -28,7 +28,7 @@ from psdk.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security, shm
 from psdk.transport.compact import Packer, Unpacker
-from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
+from psdk.transport.lending import ATTACH, ATTACHED, PROBE, REFUSED, UNLENT
 from psdk.transport.security import CurveKeys
 from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -39,6 +39,12 @@ SETTLE_S = 10.0
 # What the ps may answer comes from the protocol's declaration.
 REPLY_OPS = frozenset(protocol.REPLIES)
 ERROR_KINDS = frozenset(protocol.ERROR_KINDS)
+ENDINGS: dict[str, tuple[int, str]] = {
+    "shutdown": (0, "shut down by the chief"),
+    "abort": (1, "the chief aborted the job"),
+}
+"""The chief's requests that end the ps: the exit code it must end with, and what it must log."""
+assert set(ENDINGS) <= set(protocol.CHIEF_ONLY), "an ending the protocol does not declare"
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,12 @@ class LivePs:
         endpoint = self.transport.serve("127.0.0.1:0", "ps 0")
         self.address = endpoint.address
         server_options = ServerOptions(
-            heartbeat_timeout_s=60.0, startup_timeout_s=600.0, poll_s=0.01, idle_timeout_s=None, max_workers=WORKERS
+            heartbeat_timeout_s=60.0,
+            startup_timeout_s=600.0,
+            poll_s=0.01,
+            idle_timeout_s=None,
+            max_workers=WORKERS,
+            pause_lease_s=3600.0,  # a pause ends by the chief's resume or a restore, never by a slow step's timing
         )
         self.server = ParameterServer(endpoint, 0, server_options)
         self.crashed: BaseException | None = None
@@ -250,19 +261,37 @@ class Harness:
 
     def __init__(self, mode: Mode, coverage: Counter[str], failures: list[str]) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="psdk-fuzz-")
-        keys_dir = security.generate(Path(self._tmp.name), WORKERS + 1) if mode.curve else None
-        self.ps = LivePs(mode, keys_dir)
+        self.mode = mode
+        self._keys_dir = security.generate(Path(self._tmp.name), WORKERS + 1) if mode.curve else None
+        self._start()
+        self.trace: list[str] = []
+        self.epoch = 0
+        """The latest epoch the ps answered with (a push names it)."""
+        self.answers: dict[tuple[int | None, int], Message] = {}
+        """Each reply by (worker, request id), for the reference model to follow (it takes them out)."""
+        self.coverage = coverage
+        self.failures = failures
+
+    def _start(self) -> None:
+        """A new, empty ps, and a connection to it for each worker and the stranger; fresh books."""
+        keys_dir = self._keys_dir
+        self.ps = LivePs(self.mode, keys_dir)
         context = self.ps.transport.context
         keys = [security.load_worker(keys_dir, i) if keys_dir else None for i in range(WORKERS + 1)]
         self.actors = [Actor(context, self.ps.address, i, keys[i]) for i in range(WORKERS)]
         # A stranger: no session, and under CURVE only a key the ps does not list as a worker of this job's.
         self.actors.append(Actor(context, self.ps.address, None, keys[WORKERS]))
         self.books = Books()
-        self.trace: list[str] = []
-        self.epoch = 0
-        """The latest epoch the ps answered with (a push names it)."""
-        self.coverage = coverage
-        self.failures = failures
+
+    def restart(self) -> None:
+        """The ps is lost and a new one starts, empty, on a new port, as a restarted task would; the workers
+        connect to it as new processes (what waited on the old ps is gone with it)."""
+        self.trace.append("the ps is lost; a new one starts")
+        for actor in self.actors:
+            actor.close()
+        self.ps.close()
+        self.answers.clear()  # the new connections count their request ids from 1 again
+        self._start()
 
     # ------------------------------------------------------------ sending
     def send(self, actor: Actor, message: Message, must_fail: bool = False, frames: list[bytes] | None = None) -> None:
@@ -290,16 +319,18 @@ class Harness:
                 self._violation(f"the ps's transport did not answer an offer of memory within {SETTLE_S} s")
             self._collect(0.005)
 
-    def knock(self, actor: Actor, version: int, seq: int, epoch: int) -> None:
+    def knock(self, actor: Actor, version: int, seq: int, epoch: int) -> int | None:
+        """Knock a push of the gradient in ``actor``'s memory; its request id (``None``: no knock was made)."""
         assert actor.buffers is not None
         rid = actor.rid()
         if not actor.buffers.knock(rid, actor.knock_header(rid, version=version, seq=seq, epoch=epoch)):
-            return  # the ps let go: no knock was made (the worker would push as a message)
+            return None  # the ps let go: no knock was made (the worker would push as a message)
         self.books.requests += 1
         self.books.answerable += 1
         actor.outstanding[rid] = Sent("knock", False)
         self.trace.append(f"worker {actor.worker} knocked {rid}: version {version} seq {seq} epoch {epoch}")
         self.settle()
+        return rid
 
     def settle(self) -> None:
         """Wait (bounded) until the ps has handled every request sent and its replies have arrived."""
@@ -331,11 +362,15 @@ class Harness:
                 self._violation(f"an answer ({reply.op}) to an offer of memory {reply.rid} never made")
             actor.attached_as(reply)
             return
+        if reply.op == PROBE:  # the ps asks whether this connection is open (another claimed its id): ignored
+            self.coverage[f"{reply.op} (from the ps's transport)"] += 1
+            return
         if reply.op == UNLENT:  # a request naming memory the ps's transport holds no more: the ps never saw it
             sent = actor.outstanding.pop(reply.rid, None)
             self.coverage[f"{sent.op if sent else '?'} (lent) -> {reply.op}"] += 1
             if sent is None:
                 self._violation(f"{reply.op} for request {reply.rid} of worker {actor.worker}, not waiting for one")
+            self.answers[(actor.worker, reply.rid)] = reply
             self.books.requests -= 1
             self.books.answerable -= 1
             actor.attached = actor.knocks = False  # as a worker's transport: it would send the request whole
@@ -346,6 +381,8 @@ class Harness:
             self._violation(f"an untyped reply {reply.op!r} to {actor.worker}: {reply.fields}")
             return
         sent = actor.outstanding.pop(reply.rid, None)
+        if sent is not None:
+            self.answers[(actor.worker, reply.rid)] = reply
         detail = reply.fields.get("outcome") or reply.fields.get("kind") or ""
         if reply.op == "error":
             detail += ": " + " ".join(str(reply.fields.get("error", "")).split()[:6])
@@ -415,27 +452,30 @@ class Harness:
         self.ps.thread.join(timeout=SETTLE_S)
         if self.ps.thread.is_alive():
             self._violation("the ps neither serves nor exits")
-        expected = {"shutdown": (0, "shut down by the chief"), "abort": (1, "the chief aborted the job")}
-        if ended not in expected:
+        if ended not in ENDINGS:
             self._violation(f"the ps exited ({self.ps.exit_code}) though the chief never ended the job")
             return
-        code, reason = expected[ended]
+        code, reason = ENDINGS[ended]
         if self.ps.exit_code != code or not self.ps.tap.said(reason):
             self._violation(f"after {ended} the ps exited {self.ps.exit_code} without logging {reason!r}")
+
+    def probe(self) -> None:
+        """The ps still answers a ping, if it serves."""
+        if self.ps.serving:
+            probe = self.actors[0]
+            rid = probe.rid()
+            probe.outstanding[rid] = Sent("ping")
+            probe.sock.send_multipart(encode(Message("ping", {}, [], rid)))
+            self.books.requests += 1
+            self.books.answerable += 1
+            self.settle()
+            if rid in probe.outstanding:
+                self._violation("the ps no longer answers a ping")
 
     def close(self) -> None:
         """The ps still answers a ping, if it serves; then the connections, the ps and its keys go."""
         try:
-            if self.ps.serving:  # it still answers a ping
-                probe = self.actors[0]
-                rid = probe.rid()
-                probe.outstanding[rid] = Sent("ping")
-                probe.sock.send_multipart(encode(Message("ping", {}, [], rid)))
-                self.books.requests += 1
-                self.books.answerable += 1
-                self.settle()
-                if rid in probe.outstanding:
-                    self._violation("the ps no longer answers a ping")
+            self.probe()
         finally:
             for actor in self.actors:
                 actor.close()
