@@ -72,7 +72,7 @@ def _fuzz_stages(options: dict[str, str]) -> int:
     from psdk.testing.fuzz import single
 
     try:
-        from psdk.testing.fuzz import stateful
+        from psdk.testing.fuzz import runner
     except ImportError as exc:
         raise ConfigError("fuzz", str(exc)) from None
     from psdk.testing.fuzz.alongside import run_alongside
@@ -80,7 +80,7 @@ def _fuzz_stages(options: dict[str, str]) -> int:
 
     seed, ok = int(options["seed"]), True
     for mode in (Mode(False, False), Mode(False, True), Mode(True, True)):
-        result = stateful.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed)
+        result = runner.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed)
         print(result.line(), flush=True)
         ok = ok and result.failure is None
     alongside = run_alongside(steps=3000, seed=seed, curve=True)

@@ -22,7 +22,7 @@ from psdk import store as store_module
 from psdk.consistency import SSPPolicy, SyncPolicy
 from psdk.optim import UpdateRule
 from psdk.store import FlatStore
-from psdk.testing.fuzz import stateful
+from psdk.testing.fuzz import runner
 from psdk.testing.fuzz.harness import Mode
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,7 +119,7 @@ MUTANTS: dict[str, Patch] = {
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_the_fuzzer_catches_the_mutant(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     MUTANTS[name](monkeypatch)
-    report = stateful.run(Mode(shared_memory=False), examples=EXAMPLES, steps=STEPS, shrink=False)
+    report = runner.run(Mode(shared_memory=False), examples=EXAMPLES, steps=STEPS, shrink=False)
     print(f"\nmutant {name!r}: caught at step {report.caught_at} of at most {EXAMPLES * (STEPS + 1)}")
     assert report.failure is not None, f"the fuzzer passed a ps that does {name!r}"
     assert "the ps and the reference model disagree" in report.failure, report.failure

@@ -10,7 +10,7 @@ import pytest
 from psdk import protocol
 from psdk.consistency import POLICIES
 from psdk.ps.server import ParameterServer
-from psdk.testing.fuzz import harness, stateful
+from psdk.testing.fuzz import harness, runner, stateful
 from psdk.testing.fuzz.alongside import run_alongside
 from psdk.testing.fuzz.harness import Mode
 from psdk.transport import shm
@@ -31,7 +31,7 @@ def test_sequences_of_every_op_keep_the_books_the_store_and_the_ps(mode: Mode) -
     if mode.shared_memory and not shm.available():
         pytest.skip("needs Linux memfd and /proc")
     stateful.COVERAGE.clear()
-    report = stateful.run(mode, examples=80, steps=40)
+    report = runner.run(mode, examples=80, steps=40)
     print(report.line())
     assert report.failure is None, report.failure
     reached = {key.split(" -> ")[0] for key in stateful.COVERAGE}
@@ -64,14 +64,14 @@ def test_the_fuzzer_finds_a_ps_that_answers_twice(monkeypatch: pytest.MonkeyPatc
         original(self, peer, message, worker)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ParameterServer, "_on_ping", twice)
-    report = stateful.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
+    report = runner.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
     assert report.failure is not None and "not waiting for one" in report.failure
 
 
 def test_the_fuzzer_finds_a_ps_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ParameterServer, "_on_stats", lambda self, peer, message, worker: None)
     monkeypatch.setattr(harness, "SETTLE_S", 1.0)
-    report = stateful.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
+    report = runner.run(Mode(shared_memory=False), examples=20, steps=20, shrink=False)
     assert report.failure is not None
     assert any(words in report.failure for words in ("wait for a reply but the ps holds", "!= replies"))
 

@@ -32,7 +32,8 @@ sent:
 
 The live ps, the connections and the books are the harness's
 (:mod:`psdk.testing.fuzz.harness`); this module holds the rules that draw
-the sequences, and runs them. Run it through :func:`run` (``python -m psdk
+the sequences (what they draw from: :mod:`psdk.testing.fuzz.draws`; the
+model's bookkeeping: :mod:`psdk.testing.fuzz.following`). Run it through :func:`psdk.testing.fuzz.runner.run` (``python -m psdk
 fuzz``, long budgets) or the test suite (``tests/test_fuzz_stateful.py``,
 short ones).
 """
@@ -41,19 +42,16 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from psdk import protocol
-from psdk.consistency import MODES, POLICIES, SyncSpec
+from psdk.consistency import POLICIES, SyncSpec
 from psdk.jobspec import JobSpec
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
-from psdk.testing.fuzz.harness import ENDINGS, WORKERS, Actor, Harness, Mode
-from psdk.testing.fuzz.model import Model, Pushed
+from psdk.optim import SGD
+from psdk.testing.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
+from psdk.testing.fuzz.model import Model
 from psdk.transport import shm
 from psdk.transport.wire import Message
 
@@ -63,61 +61,25 @@ try:
 except ImportError:  # pragma: no cover - the CLI says how to install it
     raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[test]'") from None
 
-# Every list of ops and modes below comes from the protocol's declaration and the sync policies, so a new op or
-# mode is fuzzed without editing this module (the reference model then says whether it knows what it does).
-MUTATED_OPS = sorted(name for name in protocol.OPS if name not in ENDINGS)
-"""Every operation, each sent with one field (or the worker id, or an unknown key) odd; the ops that end the
-job have a rule of their own (``end``), which expects the ps to exit."""
-ASKED = sorted(
-    name
-    for name, op in protocol.OPS.items()
-    if op.sender is protocol.Sender.WORKER and not any(f.required for f in op.fields)
+from psdk.testing.fuzz.draws import (
+    ASKED,
+    CHIEF_STEPS,
+    COVERAGE,
+    FIRST_FAILURES,
+    MUTATED_KEYS,
+    MUTATED_OPS,
+    ODD,
+    RULES,
+    SPREAD_MODES,
+    SPREAD_RULES,
+    STEPS,
+    SYNC_MODES,
+    TARGETS,
 )
-"""What any worker may ask with no field required (ping, pull, status, ...): sent as it is."""
-CHIEF_STEPS = sorted(
-    name
-    for name in protocol.CHIEF_ONLY
-    if name not in ENDINGS and not any(f.required for f in protocol.OPS[name].fields)
-)
-"""The chief's requests with no field required (state, resume, ...)."""
-TARGETS = sorted(
-    name for name in protocol.CHIEF_ONLY if [f.name for f in protocol.OPS[name].fields if f.required] == ["version"]
-)
-"""The chief's requests that name a version and nothing else (pause_at, stop_at, ...)."""
-SYNC_MODES = list(MODES)
-SPREAD_MODES = st.integers(0, 1 << 16).map(lambda i: SYNC_MODES[i % len(SYNC_MODES)])
-"""A sequence's sync mode. ``sampled_from`` favours the first: in 80 sequences the last mode had no push
-applied, so a bug there went unseen; a wide integer's remainder spreads them."""
-MUTATED_KEYS = sorted({"worker", "x"} | {f.name for op in protocol.OPS.values() for f in op.fields})
-ODD: list[Any] = [-1, 0, 1, 7, 2**31, 2**63 - 1, -(2**63), 1.5, True, False, None, "", "x" * 300, [], [1], {}, {"a": 1}]
+from psdk.testing.fuzz.following import ModelFollowing
 
 
-class Failures(list[str]):
-    """The violations of a run, as first seen; ``caught_at``: the step (of :data:`STEPS`) that saw the first."""
-
-    caught_at: int | None = None
-
-    def append(self, item: str) -> None:
-        if not self:
-            self.caught_at = STEPS[0] + 1
-        super().append(item)
-
-    def clear(self) -> None:
-        self.caught_at = None
-        super().clear()
-
-
-STEPS = [0]
-"""Steps run (each sequence's start and each rule), over the current run."""
-FIRST_FAILURES = Failures()
-"""Every violation as first seen, before hypothesis replays and shrinks it (timing may not replay)."""
-COVERAGE: Counter[str] = Counter()
-"""What the sequences reached, over every run in this process: ``request -> reply`` (outcome, or error kind)."""
-RULES: list[UpdateRule] = [SGD(lr=0.1), SGD(lr=0.5, momentum=0.9), Adam(lr=0.01), Adagrad(lr=0.1), RMSProp(lr=0.01)]
-SPREAD_RULES = st.integers(0, 1 << 16).map(lambda i: i % len(RULES))
-
-
-class PsMachine(RuleBasedStateMachine):
+class PsMachine(ModelFollowing, RuleBasedStateMachine):
     """Hypothesis's state machine over one live ps; :data:`MODE` picks the transport (set by :func:`machine`)."""
 
     MODE = Mode()
@@ -166,125 +128,6 @@ class PsMachine(RuleBasedStateMachine):
     def _pattern(self, key: int) -> np.ndarray:
         """Values in [0.25, 1] that differ along the shard and from push to push (a constant hides a mix-up)."""
         return 0.25 + 0.075 * ((np.arange(self._flat_size()) * 7 + key * 5) % 11)
-
-    # ------------------------------------------------------ following
-    def send(self, actor: Actor, message: Message, must_fail: bool = False) -> None:
-        """Send ``message`` through the harness, then let the reference model follow what the ps did with it."""
-        grad = None
-        if message.op == "push_pull":
-            if message.arrays:
-                grad = message.arrays[0]
-            elif actor.buffers is not None:
-                grad = actor.buffers.grads.copy()
-        pauses_ended = self._pauses_ended()
-        self.harness.send(actor, message, must_fail=must_fail)
-        if self._pauses_ended() > pauses_ended:  # the chief's id from a new connection: the ps resumed by itself
-            self.model.resume()
-        if message.op == "push_pull":
-            if grad is not None:
-                self._follow_push(actor, message.rid, message.fields.get("version"), grad, message.fields.get("worker"))
-            return
-        self._follow(actor, message)
-
-    def _pauses_ended(self) -> int:
-        return sum("training goes on" in record.getMessage() for record in self.ps.tap.records)
-
-    def _follow(self, actor: Actor, message: Message) -> None:
-        model, fields = self.model, message.fields
-        reply = self.harness.answers.pop((actor.worker, message.rid), None)
-        said = reply.op if reply is not None else None
-        if reply is not None and reply.op == "error" and reply.fields.get("kind") == "failed":
-            model.fail()
-        if fields.get("worker") != 0 or (said == "error" and message.op != "pause_at"):
-            return
-        if message.op == "init" and said == "ok":
-            model.init(fields, message.arrays)
-        elif message.op == "restore" and said == "ok":
-            model.restore(fields, message.arrays)
-        elif message.op == "pause_at" and model.initialized and not model.failed:
-            error = str(reply.fields.get("error", "")) if reply is not None else ""
-            if said in (None, "paused", "passed") or "already wait" in error:  # the ps holds the pause then
-                model.pause_at(int(fields["version"]), refused=said == "error")
-        elif message.op == "resume" and said == "ok":
-            model.resume()
-        elif message.op == "stop_at" and said == "ok" and reply is not None:
-            steps = model.stop_at(int(fields["version"]))
-            if reply.fields.get("steps") != steps:
-                self._disagree(f"stop_at answered steps {reply.fields.get('steps')}, the model says {steps}")
-        elif message.op == "state" and said == "state" and reply is not None:
-            self._check_state(reply)
-            self.saved = reply
-
-    def _follow_push(self, actor: Actor, rid: int, version: Any, grad: np.ndarray, worker: Any = None) -> None:
-        """A push the ps handled: if its checks let it through, the model submits it and must agree on the outcome."""
-        model = self.model
-        reply = self.harness.answers.pop((actor.worker, rid), None)
-        error = str(reply.fields.get("error", "")) if reply is not None and reply.op == "error" else ""
-        if reply is not None and reply.op == "error" and reply.fields.get("kind") == "failed":
-            model.fail()
-            return
-        overflow = "NaN or Inf in the store" in error or "overflow" in error
-        if reply is not None and reply.op not in ("params",) and not overflow:
-            return  # refused by the checks before the policy (a resync, a repeat, a stranger...): nothing changed
-        worker = actor.worker if worker is None else worker  # the id the push claims is the one the ps counts
-        if not model.initialized or not isinstance(worker, int) or not isinstance(version, int):
-            self._disagree(f"the ps took a push the model cannot place: {reply.op if reply else 'parked'}")
-            return
-        outcomes = dict(model.submit(Pushed(worker, version, np.asarray(grad, np.float64).copy())))
-        expected = outcomes.get(worker)
-        got = "refused" if overflow else reply.fields.get("outcome") if reply is not None else None
-        if expected == "applied" and not model.rounds:
-            self.bounded[(actor.worker, rid)] = (worker, model.clock[worker])
-            if reply is not None:  # checked against the bound with the answers that come later
-                self.harness.answers[(actor.worker, rid)] = reply
-            self._check_bounds()
-            if got is None or (got == "done" and model.done):
-                return  # applied, its answer held back by the staleness bound (and answered "done" once done)
-        if got != expected:
-            self._disagree(
-                f"worker {actor.worker}'s push was answered {got or 'later'}; the model says {expected or 'later'}"
-            )
-        if reply is not None and got == "applied" and not model.rounds and reply.fields.get("version") != model.version:
-            self._disagree(f"a push applied at version {reply.fields.get('version')}; the model is at {model.version}")
-
-    def _check_bounds(self) -> None:
-        """Every push answered since the last look was answered within the staleness bound, by its reply's word."""
-        for key, (worker, iterations) in list(self.bounded.items()):
-            reply = self.harness.answers.get(key)
-            if reply is None:
-                continue
-            del self.bounded[key]
-            slowest = reply.fields.get("slowest")
-            applied = reply.op == "params" and reply.fields.get("outcome") == "applied"
-            if applied and isinstance(slowest, int) and self.model.beyond_bound(iterations, slowest):
-                self._disagree(
-                    f"worker {worker} may start iteration {iterations + 1} while the slowest worker has finished "
-                    f"{slowest}: beyond the staleness bound {self.model.staleness}"
-                )
-
-    def _check_state(self, reply: Message) -> None:
-        """A checkpoint's state, as the chief reads it, must be the model's."""
-        slots = {str(name): reply.arrays[1 + i] for i, name in enumerate(reply.fields.get("slots", []))}
-        problems = self.model.compare(
-            int(reply.fields["version"]), reply.arrays[0], slots, int(reply.fields.get("rule_step", -1))
-        )
-        if problems:
-            self._disagree("the checkpoint's state differs from the model: " + "; ".join(problems))
-
-    def _disagree(self, what: str) -> None:
-        self.harness.trace.extend(self.model.log[-8:])
-        model = self.model
-        rule = model.rule.spec if model.rule is not None else None
-        self.harness._violation(
-            f"the ps and the reference model disagree: {what} (rule {rule}, {model.mode} mode, version {model.version},"
-            f" rule step {model.rule_step})"
-        )
-
-    def _push(self, actor: Actor, grad: np.ndarray, version: int, seq: int, epoch: int) -> Message:
-        return Message("push_pull", actor.fields(version=version, seq=seq, epoch=epoch), [grad], actor.rid())
-
-    def _store_version(self) -> int:
-        return self.ps.server.store.version
 
     # --------------------------------------------------------------- rules
     @precondition(lambda self: self.ps.serving)
@@ -447,20 +290,6 @@ class PsMachine(RuleBasedStateMachine):
         )
         must_fail = actor.worker != 0 or not store.initialized or wrong_slots or bad_values
         self.send(actor, Message("restore", fields, arrays, actor.rid()), must_fail=must_fail)
-
-    def _checkpoint_arrays(self) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """The saved checkpoint as a restore sends it: ``{version, rule_step, slots}``, variables, then slots."""
-        assert self.saved is not None
-        fields, flats = self.saved.fields, self.saved.arrays
-        shapes = [tuple(shape) for shape in fields["shapes"]]
-        cuts = np.cumsum([math.prod(shape) for shape in shapes])[:-1]
-        arrays = [
-            part.reshape(shape).copy()
-            for flat in flats
-            for part, shape in zip(np.split(flat, cuts), shapes, strict=True)
-        ]
-        restore = {"version": fields["version"], "rule_step": fields["rule_step"], "slots": fields["slots"]}
-        return restore, arrays
 
     @precondition(lambda self: self.ps.serving and self.saved is not None and self.ps.server.store.initialized)
     @rule()
@@ -659,64 +488,3 @@ def _ill_typed(op: str, key: str, value: Any) -> bool:
     if declared is None:
         return False
     return not (value is None and declared.nullable) and not declared.type.accepts(value)
-
-
-def machine(mode: Mode) -> type[PsMachine]:
-    """The state machine over a ps in ``mode`` (a subclass per mode: hypothesis builds it without arguments)."""
-    return type(
-        f"PsMachine_{'curve' if mode.curve else 'plain'}_{'shm' if mode.shared_memory else 'frames'}",
-        (PsMachine,),
-        {"MODE": mode},
-    )
-
-
-@dataclass
-class StatefulReport:
-    mode: Mode
-    examples: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    failure: str | None = None
-    caught_at: int | None = None
-    """The step that saw the first violation, counting every sequence's steps."""
-
-    def line(self) -> str:
-        outcome = "PASS" if self.failure is None else f"FAIL (caught at step {self.caught_at}): {self.failure}"
-        return f"stateful ({self.mode.label}): {self.examples} sequences, {self.seconds:.1f} s: {outcome}"
-
-
-def run(mode: Mode, examples: int, steps: int, seed: int | None = None, shrink: bool = True) -> StatefulReport:
-    """Run ``examples`` sequences of up to ``steps`` steps each, each against a fresh ps in ``mode``.
-
-    ``seed`` fixes the sequences (the same seed, the same sequences); ``None``
-    derives them from the test itself, as the test suite does. ``shrink``:
-    on a failure, look for the shortest sequence that fails too.
-    """
-    from hypothesis import HealthCheck, Phase, settings
-    from hypothesis import seed as fixed_seed
-    from hypothesis.stateful import get_state_machine_test
-
-    report = StatefulReport(mode, examples, steps)
-    FIRST_FAILURES.clear()
-    STEPS[0] = 0
-    started = time.monotonic()
-    options = settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        deadline=None,
-        database=None,
-        derandomize=seed is None,
-        suppress_health_check=list(HealthCheck),
-        phases=list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate],
-    )
-    test = get_state_machine_test(machine(mode), settings=options)
-    if seed is not None:
-        test = fixed_seed(seed)(test)
-    try:
-        test()
-    except Exception as exc:  # a violation, or hypothesis's own error about one that did not replay
-        first = FIRST_FAILURES[0] if FIRST_FAILURES else str(exc) or repr(exc)
-        report.failure = first
-    report.seconds = time.monotonic() - started
-    report.caught_at = FIRST_FAILURES.caught_at
-    return report
