@@ -33,9 +33,9 @@ sent:
 The live ps, the connections and the books are the harness's
 (:mod:`psdk.testing.fuzz.harness`); this module holds the rules that draw
 the sequences (what they draw from: :mod:`psdk.testing.fuzz.draws`; the
-model's bookkeeping: :mod:`psdk.testing.fuzz.following`). Run it through :func:`psdk.testing.fuzz.runner.run` (``python -m psdk
-fuzz``, long budgets) or the test suite (``tests/test_fuzz_stateful.py``,
-short ones).
+model's bookkeeping: :mod:`psdk.testing.fuzz.following`). Run it through
+:func:`psdk.testing.fuzz.runner.run` (``python -m psdk fuzz``, long budgets)
+or the test suite (``tests/test_fuzz_stateful.py``, short ones).
 """
 
 from __future__ import annotations
