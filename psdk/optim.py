@@ -18,6 +18,11 @@ differs, the difference is a documented option:
   ``lr * decay_rate`` at ``decay_steps`` and stays there, as
   ``tf.train.cosine_decay`` with ``alpha=decay_rate``. torch expresses these
   with LR schedulers, which are not mapped.
+* **Warmup.** ``warmup_steps=W`` scales the rate of the t-th update by
+  ``min(1, (t + 1) / W)``: it climbs linearly over the first W updates onto
+  the schedule above (Goyal et al. 2017, "Accurate, Large Minibatch SGD"),
+  which lets many async workers start from a random model without
+  overshooting while their gradients are stalest relative to its change.
 * **Adam epsilon.** torch adds ``eps`` to the bias-corrected root,
   ``p -= lr * m_hat / (sqrt(v_hat) + eps)``; TensorFlow/Keras adds it to the
   uncorrected root, ``p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``
@@ -83,6 +88,7 @@ class UpdateRule(ABC):
     decay_rate: float = 1.0
     decay_steps: int = 1000
     decay: str = "exponential"
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -99,9 +105,16 @@ class UpdateRule(ABC):
             raise ConfigError("optimizer.decay_rate", f"must be in {interval} for {self.decay}, got {self.decay_rate}")
         if self.decay_steps < 1:
             raise ConfigError("optimizer.decay_steps", f"must be >= 1, got {self.decay_steps}")
+        if self.warmup_steps < 0:
+            raise ConfigError("optimizer.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the update that follows ``step`` earlier ones."""
+        warm = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        return self.decayed_lr_at(step) * warm
+
+    def decayed_lr_at(self, step: int) -> float:
+        """The rate the decay schedule alone gives, before warmup scales it."""
         if self.decay_rate == 1.0:
             return self.lr
         if self.decay == "cosine":

@@ -69,6 +69,7 @@ def test_the_launcher_sets_train_steps_from_epochs_and_what_reads_steps_follows(
     cfg = composed("train.epochs=3", "sync=sync", "topology.num_workers=3")
     assert resolve_steps(cfg) == 549 and cfg.train.steps == 549
     assert cfg.optimizer.decay_steps == 549  # the default schedule runs over the job's steps
+    assert cfg.optimizer.warmup_steps == 55  # and warms up over a tenth of them
     cfg = composed("train.epochs=1", "topology.num_workers=2", "data.validation_size=0", "train.batch_size=50")
     assert resolve_steps(cfg) == 1200  # async: a step a batch; 60,000 images in 1,200 batches of 50
     cfg = composed("train.steps=77")

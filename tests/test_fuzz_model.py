@@ -42,6 +42,7 @@ RULES: list[UpdateRule] = [
     Adam(lr=0.01),
     Adam(lr=0.01, epsilon_mode="tf", weight_decay=0.1, decay="cosine", decay_rate=0.1, decay_steps=4),
     Adagrad(lr=0.1, initial_accumulator_value=0.1),
+    SGD(lr=0.1, momentum=0.9, decay="cosine", decay_rate=0.0, decay_steps=6, warmup_steps=3),
     RMSProp(lr=0.01),
     RMSProp(lr=0.01, momentum=0.9, centered=True),
     NoOp(),

@@ -82,6 +82,19 @@ def test_cosine_decay_falls_by_half_a_cosine_to_its_floor_and_stays() -> None:
     )
 
 
+def test_warmup_climbs_linearly_onto_the_decay_schedule() -> None:
+    rule = SGD(lr=1.0, decay="cosine", decay_rate=0.2, decay_steps=4, warmup_steps=2)
+    assert [rule.lr_at(t) for t in (0, 2, 4)] == pytest.approx([0.5, 0.6, 0.2])  # t=0 at half its rate
+    constant = SGD(lr=0.1, warmup_steps=4)
+    assert [constant.lr_at(t) for t in range(6)] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
+    g = np.ones(1, np.float32)  # the rule's own updates follow it: 0.5 * 1.0, then 0.2 + 0.8 * (1 + cos(pi/4)) / 2
+    np.testing.assert_allclose(
+        run(rule, [g, g], np.zeros(1, np.float32)), [-(0.5 + 0.6 + 0.4 * 0.5**0.5)], rtol=1e-6, atol=1e-6
+    )
+    with pytest.raises(ConfigError, match=r"optimizer\.warmup_steps"):
+        SGD(lr=0.1, warmup_steps=-1)
+
+
 @pytest.mark.parametrize(
     "rule",
     [

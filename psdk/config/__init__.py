@@ -25,6 +25,11 @@ def _task_suffix(job_name: object, task_index: object) -> str:
     return "" if job_name in (None, "None", "null", "") else f"-{job_name}{task_index}"
 
 
+def _fraction_of(fraction: object, total: object) -> int:
+    """``${psdk_fraction:0.1,${train.steps}}``: a share of a step count, as whole steps (a recipe's warmup)."""
+    return round(float(str(fraction)) * int(str(total)))
+
+
 def register_configs() -> None:
     """The schemas in Hydra's ConfigStore (:mod:`psdk.config.schema`, imported only here: it imports Hydra)."""
     from psdk.config.schema import register_configs as register
@@ -37,3 +42,5 @@ def prepare_hydra() -> None:
     register_configs()
     if not OmegaConf.has_resolver("psdk_task_suffix"):
         OmegaConf.register_new_resolver("psdk_task_suffix", _task_suffix)
+    if not OmegaConf.has_resolver("psdk_fraction"):
+        OmegaConf.register_new_resolver("psdk_fraction", _fraction_of)

@@ -152,6 +152,7 @@ RANGES: dict[str, Range] = {
     "optimizer.weight_decay": FLOAT32,
     "optimizer.decay_rate": FRACTION,
     "optimizer.decay_steps": STEPS,
+    "optimizer.warmup_steps": COUNT,
     "optimizer.beta1": DECAY,
     "optimizer.beta2": DECAY,
     "optimizer.alpha": DECAY,

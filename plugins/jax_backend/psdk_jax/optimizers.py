@@ -60,6 +60,17 @@ SUPPORTED = ("psdk.rules.SGD", "psdk.rules.Adam", "psdk.rules.Adagrad", "psdk.ru
 
 def learning_rate(rule: UpdateRule) -> float | optax.Schedule:
     """The rule's rate: a float, or the optax schedule that gives ``rule.lr_at(t)`` at update ``t``."""
+    decayed = _decayed(rule)
+    if rule.warmup_steps <= 1:  # a warmup of one update scales nothing
+        return decayed
+    warmup = optax.linear_schedule(1.0 / rule.warmup_steps, 1.0, transition_steps=rule.warmup_steps - 1)
+    if callable(decayed):
+        return lambda step: decayed(step) * warmup(step)
+    return lambda step: decayed * warmup(step)
+
+
+def _decayed(rule: UpdateRule) -> float | optax.Schedule:
+    """The decay schedule alone (``rule.decayed_lr_at``)."""
     if rule.decay_rate == 1.0:
         return rule.lr
     if rule.decay == "cosine":

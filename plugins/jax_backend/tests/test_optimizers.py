@@ -78,8 +78,10 @@ def test_the_documented_differences_are_real(case: str) -> None:
         SGD(lr=0.1, decay_rate=0.25, decay_steps=100),
         SGD(lr=0.05, momentum=0.9, decay="cosine", decay_rate=0.0, decay_steps=100),
         SGD(lr=0.05, decay="cosine", decay_rate=0.25, decay_steps=100),
+        SGD(lr=0.1, momentum=0.9, decay="cosine", decay_rate=0.0, decay_steps=100, warmup_steps=30),
+        Adam(lr=1e-3, warmup_steps=50),
     ],
-    ids=["exponential", "cosine-to-0", "cosine-alpha"],
+    ids=["exponential", "cosine-to-0", "cosine-alpha", "cosine-warmup", "constant-warmup"],
 )
 def test_the_optax_schedule_is_the_rules_decay(rule: UpdateRule) -> None:
     schedule = learning_rate(rule)

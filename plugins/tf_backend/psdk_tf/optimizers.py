@@ -15,7 +15,9 @@ differences, each handled here:
 * **Learning-rate decay**: ``keras.optimizers.schedules.ExponentialDecay``
   (not staircase) is psdk's ``decay_rate``/``decay_steps``, and ``CosineDecay``
   (no warm-up) its ``decay="cosine"`` with ``alpha`` as ``decay_rate``; other
-  schedules are refused.
+  schedules are refused. psdk's ``warmup_steps`` scales the decayed rate,
+  where Keras's ``CosineDecay`` warm-up comes before the decay and adds to
+  its steps: the remembered rule keeps psdk's.
 * **Momentum under a decaying rate**: Keras scales each step by the rate
   before adding it to the velocity, the ps (as torch) after, so in Keras past
   steps keep the rate they were taken at. The ps runs its own rule; a constant
@@ -23,7 +25,7 @@ differences, each handled here:
 
 An optimizer made by :func:`make_optimizer` carries its exact psdk rule
 (:func:`psdk.backends.kit.remember_rule`), so options Keras cannot express
-(L2 ``weight_decay``, ``epsilon_mode="torch"``) survive the round trip,
+(L2 ``weight_decay``, ``epsilon_mode="torch"``, ``warmup_steps``) survive the round trip,
 unless the optimizer has been changed since.
 """
 
@@ -51,7 +53,7 @@ NEUTRAL: dict[str, Any] = {
     "amsgrad": False,
 }
 # What Keras has no place for; the kept rule supplies it.
-PSDK_ONLY = frozenset({"weight_decay", "epsilon_mode"})
+PSDK_ONLY = frozenset({"weight_decay", "epsilon_mode", "warmup_steps"})
 
 
 def make_optimizer(rule: UpdateRule) -> Any:

@@ -7,8 +7,8 @@ field for field. Options the ps cannot run (``dampening``, ``amsgrad``,
 ``maximize``, Adam's ``decoupled_weight_decay``, ...) are refused by name;
 so are parameter groups with different settings, since the ps runs one rule.
 
-What ``torch.optim`` has no place for, learning-rate decay (torch's LR
-schedulers are not mapped) and TensorFlow's Adam epsilon, is kept by the
+What ``torch.optim`` has no place for, learning-rate decay and warmup (torch's
+LR schedulers are not mapped) and TensorFlow's Adam epsilon, is kept by the
 rule :func:`make_optimizer` remembers beside the optimizer
 (:func:`psdk.backends.kit.remember_rule`); it answers for the optimizer as
 long as torch's own settings still agree with it.
@@ -25,7 +25,7 @@ from psdk.backends import kit
 from psdk.errors import ConfigError
 from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
-PSDK_ONLY = frozenset({"decay", "decay_rate", "decay_steps", "epsilon_mode"})
+PSDK_ONLY = frozenset({"decay", "decay_rate", "decay_steps", "warmup_steps", "epsilon_mode"})
 """Rule fields torch.optim cannot express; the remembered rule supplies them."""
 
 Reader = Callable[[Mapping[str, Any]], UpdateRule]

@@ -79,6 +79,10 @@ class RuleModel:
         return {name: np.full(size, fill, np.float64) for name in self.slot_names()}
 
     def lr(self, step: int) -> float:
+        warmup = int(self._get("warmup_steps", 0))
+        return self._decayed(step) * (min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+
+    def _decayed(self, step: int) -> float:
         lr, rate, steps = (
             float(self._get("lr", 0.01)),
             float(self._get("decay_rate", 1.0)),
