@@ -53,6 +53,16 @@ def test_a_job_joined_late_is_judged_only_by_a_non_finite_loss() -> None:
     assert resumed.observe(math.nan, 700) is not None
 
 
+def test_a_worker_that_starts_past_a_twentieth_of_the_job_is_not_judged_by_its_start() -> None:
+    """With 8 workers on a busy host one started late: its first losses were the partly trained model's."""
+    late, early = watch(), watch()
+    for step in range(60, 260):
+        assert late.observe(0.3, step) is None
+    for step in range(49, 260):
+        early.observe(0.3, step)
+    assert early.verdict is not None  # a twentieth in, a flat loss is still a stalled job
+
+
 def test_sync_mode_and_two_workers_name_the_step_size_not_asynchrony() -> None:
     assert "async" not in watch(mode="sync").likely_cause()
     assert "async" not in watch(workers=2).likely_cause()

@@ -5,8 +5,9 @@ it settles at or above where it started (dead ReLUs, a constant guess) and
 the job reports chance accuracy as if all were well. A worker watches its
 own loss: non-finite at any step, or, once the job is 10% through its
 steps, a recent mean that has not fallen 2% below the mean of its first
-steps (unless those first steps came late, from a trained model: a resumed
-job, a restarted worker). Either
+steps (unless those first steps came late, from a partly trained model: a
+resumed job, a restarted worker, or a worker that started after the others
+on a busy host). Either
 is reported once, in the log and in the worker's report (the summary's
 ``divergence``), with the likely cause and the settings to change.
 """
@@ -24,6 +25,14 @@ RECENT_STEPS = 50
 """Losses averaged into the recent level."""
 CHECK_AFTER = 0.10
 """The fraction of the job's global steps after which a loss above its start means divergence."""
+JOINED_LATE = CHECK_AFTER / 2
+"""A worker whose first step comes past this fraction of the job starts from a partly trained model.
+
+Its starting level is then too close to the loss at :data:`CHECK_AFTER` to
+tell a stalled job by: measured, one of 8 async workers on 2 ps whose
+processes started late on a loaded 2-core host was reported diverged at
+test accuracy 0.975, as the others had trained the model through most of
+its fast early fall before its first 20 steps."""
 FALLEN = 0.98
 """A loss that has not fallen below this fraction of its starting level has not moved (a constant guess)."""
 
@@ -41,8 +50,8 @@ class DivergenceWatch:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     verdict: dict[str, Any] | None = None
     joined_late: bool = False
-    """Its first loss came past :data:`CHECK_AFTER` of the job (a resumed job, a restarted worker): only a
-    non-finite loss counts, as its starting level is already a trained model's."""
+    """Its first loss came past :data:`JOINED_LATE` of the job (a resumed job, a restarted worker, a late
+    starter): only a non-finite loss counts, as its starting level is already a partly trained model's."""
 
     def observe(self, loss: float, global_step: int) -> dict[str, Any] | None:
         """Take one step's loss; the verdict the first time the job is seen to diverge, else ``None``."""
@@ -51,7 +60,7 @@ class DivergenceWatch:
         if not math.isfinite(loss):
             return self._diverged(global_step, f"the loss became {loss}")
         if len(self.start) < START_STEPS:
-            if not self.start and global_step >= CHECK_AFTER * self.target_steps:
+            if not self.start and global_step >= JOINED_LATE * self.target_steps:
                 self.joined_late = True
             self.start.append(loss)
             return None
