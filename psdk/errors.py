@@ -157,7 +157,12 @@ class NonFiniteError(RefusedError):
 
 
 class TransportError(PsdkError):
-    """A request could not be completed; names the peer it was waiting for."""
+    """A request could not be completed, or an address bound; names the peer or the address."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        self.reason = reason
+        """What the system said, alone (a bind's "No such device"), when the transport knows it."""
+        super().__init__(message)
 
 
 class PeerTimeoutError(TransportError):
