@@ -147,13 +147,18 @@ class RefusedError(PsdkError):
     modules raise it (a worker sees a refusal as :class:`RemoteError`).
     """
 
-    def __init__(self, message: str, kind: str = "rejected") -> None:
-        self.kind = kind
+    kind = "rejected"
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        if kind is not None:
+            self.kind = kind
         super().__init__(message)
 
 
 class NonFiniteError(RefusedError):
     """An update would leave the store holding NaN or Inf: refused, and the store is as it was."""
+
+    kind = "non_finite"
 
 
 class TransportError(PsdkError):

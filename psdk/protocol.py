@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import ProtocolError, RefusedError
+from psdk.errors import NonFiniteError, ProtocolError, RefusedError
 from psdk.transport.wire import Message
 
 CHIEF = 0
@@ -245,12 +245,18 @@ ID_IN_USE = "in_use"
 """The error kind of a worker id refused because a live process holds it: the worker gives up at once."""
 ID_HELD = "held"
 """The error kind of a worker id still held by a connection not yet taken for dead: a restarted worker retries."""
+BUSY = "busy"
+"""The error kind of a request refused because as many of its kind already wait as the ps holds for it."""
+NON_FINITE = NonFiniteError.kind
+"""The error kind of a push whose update would leave NaN or Inf in the store: refused, the store unchanged."""
 
 ERROR_KINDS: dict[str, str] = {
     "protocol": "the message could not be decoded",
     "rejected": "the request broke the protocol or the shard's rules (nothing changed)",
     ID_IN_USE: "the worker id is held by a running process: every worker needs its own task index",
     ID_HELD: "the worker id is held by a connection not yet taken for dead (heartbeat timeout): retry",
+    BUSY: "as many such requests already wait as the ps holds (nothing changed; those waiting stay)",
+    NON_FINITE: "the push's update would leave NaN or Inf in the store: refused, the store unchanged",
     "failed": "the job has failed: the reason follows",
     "internal": "a bug in the ps (logged there); the ps goes on",
     "not_paused": "state without a held pause: the chief skips that checkpoint",

@@ -26,6 +26,7 @@ from psdk.errors import ConfigError, NonFiniteError, ProtocolError, RefusedError
 from psdk.failpoints import PS_UPDATE, failpoint
 from psdk.jobspec import JobSpec
 from psdk.numerics import magnitude
+from psdk.protocol import BUSY
 from psdk.ps.membership import FINISHED, Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
@@ -222,7 +223,7 @@ class ServedShard:
         elif self.store.initialized:
             self.outbox.send(peer, message.rid, "layout", self.layout())
         elif sum(1 for waiter in self.init_waiters if waiter[2] == worker) >= MAX_WAITS_PER_WORKER:
-            raise RefusedError(f"worker {worker} already waits for the chief {MAX_WAITS_PER_WORKER} times")
+            raise RefusedError(f"worker {worker} already waits for the chief {MAX_WAITS_PER_WORKER} times", BUSY)
         else:
             self.init_waiters.append((peer, message.rid, worker))
 
@@ -260,7 +261,8 @@ class ServedShard:
         if waiting >= self.max_pushes_in_flight:
             raise RefusedError(
                 f"worker {worker} already has {waiting} pushes waiting for their answer on {self.name} "
-                f"(at most {self.max_pushes_in_flight}): not applied"
+                f"(at most {self.max_pushes_in_flight}): not applied",
+                BUSY,
             )
         bound = magnitude(grad)
         if not math.isfinite(bound):
@@ -310,7 +312,7 @@ class ServedShard:
         except NonFiniteError as exc:  # nothing changed: the worker is told, and counted
             counters.refused += 1
             self.stats.refused += 1
-            self.outbox.reject(push.peer, "push_pull", push.rid, f"worker {push.worker}: {exc}")
+            self.outbox.reject(push.peer, "push_pull", push.rid, f"worker {push.worker}: {exc}", exc.kind)
             return
         if decision.updates:
             now = time.time()
