@@ -81,8 +81,10 @@ class Backend(ABC):
         so a user's ``class Net(torch.nn.Module)`` defined in a script belongs
         to torch. Override to be stricter.
         """
+        from psdk.registry import package_of
+
         record = self.record
-        packages = {record.framework, *record.modules, record.target.split(".")[0]}
+        packages = {record.framework, *record.modules, package_of(record.target)}
         return any(cls.__module__.split(".")[0] in packages for cls in type(obj).__mro__ if cls is not object)
 
     @abstractmethod

@@ -203,17 +203,31 @@ def load(path: Path | str) -> Checkpoint:
         return found
     if not path.is_file():
         raise DataError(f"no checkpoint at {path}: no such file or folder; {WHAT_TO_RESUME}")
+    problem, checkpoint = _load_file(path)
+    if checkpoint is None:
+        raise DataError(f"{problem}; {WHAT_TO_RESUME}")
+    return checkpoint
+
+
+ZIP_PREFIXES = (b"PK\x03\x04", b"PK\x05\x06")
+"""How an .npz file (a zip archive) starts, as :func:`numpy.load` tells one (an empty archive: the second)."""
+
+
+def _load_file(path: Path) -> tuple[str, Checkpoint | None]:
+    """The checkpoint in file ``path``, or why there is none (naming the file): a folder's scan skips such a file."""
     try:
+        with path.open("rb") as file:
+            if file.read(4) not in ZIP_PREFIXES:
+                return f"{path} cannot be read as a psdk checkpoint (not an .npz file)", None
         checkpoint = _read(path)
-    except DataError:
-        raise
+    except DataError as exc:
+        return str(exc), None
     except DAMAGE as exc:
-        reason = "not an .npz file" if "pickled" in str(exc) else f"{type(exc).__name__}: {exc}"
-        raise DataError(f"{path} cannot be read as a psdk checkpoint ({reason}); {WHAT_TO_RESUME}") from None
+        return f"{path} cannot be read as a psdk checkpoint ({type(exc).__name__}: {exc})", None
     problem = implausible(checkpoint)
     if problem is not None:
-        raise DataError(f"{path} is damaged or not from a real job: {problem}; {WHAT_TO_RESUME}")
-    return checkpoint
+        return f"{path} is damaged or not from a real job: {problem}", None
+    return "", checkpoint
 
 
 def _read(path: Path) -> Checkpoint:
@@ -222,11 +236,11 @@ def _read(path: Path) -> Checkpoint:
         if META not in data.files:
             raise DataError(
                 f"{path} cannot be read as a psdk checkpoint (no {META} record: a params.npz holds the "
-                f"final weights only); {WHAT_TO_RESUME}"
+                "final weights only)"
             )
         meta = json.loads(data[META].tobytes())
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise DataError(f"{path} is not a psdk checkpoint; {WHAT_TO_RESUME}")
+            raise DataError(f"{path} is not a psdk checkpoint")
         variables = {str(n): np.array(data[f"params/{n}"]) for n in meta["variables"]}
         slots = {
             str(slot): {str(n): np.array(data[f"slots/{slot}/{n}"]) for n in names}
@@ -344,11 +358,10 @@ def latest_valid(folder: Path, run_id: str | None = ANY_RUN) -> tuple[Checkpoint
     """
     skipped: list[tuple[Path, str]] = []
     for _, path in _by_step(folder, run_id):
-        try:
-            checkpoint = load(path)
-        except DataError as exc:
-            skipped.append((path, str(exc).split(f"; {WHAT_TO_RESUME}")[0]))
-            log.warning("skipping checkpoint %s", skipped[-1][1])
+        why, checkpoint = _load_file(path)
+        if checkpoint is None:
+            skipped.append((path, why))
+            log.warning("skipping checkpoint %s", why)
             continue
         _checked[path] = _stamp(path)
         if skipped:

@@ -129,15 +129,45 @@ class DataError(PsdkError):
 
 
 class ProtocolError(PsdkError):
-    """A message off the wire is malformed; it is rejected, never half-applied."""
+    """A message off the wire is malformed; it is rejected, never half-applied.
+
+    Malformed is what the message alone shows: it cannot be decoded or sent
+    (the wire's limits), or an op is unknown, or a field is missing or of the
+    wrong type, or its arrays do not match its own fields. A well-formed
+    request the ps will not carry out is a :class:`RefusedError`.
+    """
 
 
-class NonFiniteError(ProtocolError):
+class RefusedError(PsdkError):
+    """A well-formed request the ps refuses, by its state, its job or its rules: nothing changed.
+
+    ``kind`` is the error kind its reply carries (:data:`psdk.protocol.ERROR_KINDS`),
+    so that a worker tells refusals apart by kind, never by their text. Not a
+    :class:`ProtocolError`: nothing was malformed, and only the ps's own
+    modules raise it (a worker sees a refusal as :class:`RemoteError`).
+    """
+
+    kind = "rejected"
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        if kind is not None:
+            self.kind = kind
+        super().__init__(message)
+
+
+class NonFiniteError(RefusedError):
     """An update would leave the store holding NaN or Inf: refused, and the store is as it was."""
+
+    kind = "non_finite"
 
 
 class TransportError(PsdkError):
-    """A request could not be completed; names the peer it was waiting for."""
+    """A request could not be completed, or an address bound; names the peer or the address."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        self.reason = reason
+        """What the system said, alone (a bind's "No such device"), when the transport knows it."""
+        super().__init__(message)
 
 
 class PeerTimeoutError(TransportError):
@@ -175,7 +205,7 @@ class PeerRestartedError(TransportError):
 
 
 class RemoteError(PsdkError):
-    """A ps task refused a request and said why."""
+    """A ps task refused a request and said why; ``kind`` (:data:`psdk.protocol.ERROR_KINDS`) says what refusal."""
 
     def __init__(self, peer: str, message: str, kind: str = "error") -> None:
         self.peer = peer

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import ProtocolError
+from psdk.errors import NonFiniteError, ProtocolError, RefusedError
 from psdk.transport.wire import Message
 
 CHIEF = 0
@@ -241,9 +241,22 @@ REPLIES: dict[str, Reply] = {
     )
 }  # fmt: skip
 
+ID_IN_USE = "in_use"
+"""The error kind of a worker id refused because a live process holds it: the worker gives up at once."""
+ID_HELD = "held"
+"""The error kind of a worker id still held by a connection not yet taken for dead: a restarted worker retries."""
+BUSY = "busy"
+"""The error kind of a request refused because as many of its kind already wait as the ps holds for it."""
+NON_FINITE = NonFiniteError.kind
+"""The error kind of a push whose update would leave NaN or Inf in the store: refused, the store unchanged."""
+
 ERROR_KINDS: dict[str, str] = {
     "protocol": "the message could not be decoded",
     "rejected": "the request broke the protocol or the shard's rules (nothing changed)",
+    ID_IN_USE: "the worker id is held by a running process: every worker needs its own task index",
+    ID_HELD: "the worker id is held by a connection not yet taken for dead (heartbeat timeout): retry",
+    BUSY: "as many such requests already wait as the ps holds (nothing changed; those waiting stay)",
+    NON_FINITE: "the push's update would leave NaN or Inf in the store: refused, the store unchanged",
     "failed": "the job has failed: the reason follows",
     "internal": "a bug in the ps (logged there); the ps goes on",
     "not_paused": "state without a held pause: the chief skips that checkpoint",
@@ -260,7 +273,7 @@ def _short(value: Any) -> str:
 def sender_of(message: Message) -> tuple[Op, int]:
     """The declared op and the worker id the request claims to come from (not yet checked against the job).
 
-    Raises :class:`~psdk.errors.ProtocolError` (answered as a refusal) for
+    Raises :class:`~psdk.errors.ProtocolError` (answered as a rejection) for
     an unknown op or a missing or ill-typed worker id. Whether the id
     belongs to the job and to this connection is the session's check.
     """
@@ -276,7 +289,7 @@ def sender_of(message: Message) -> tuple[Op, int]:
 def admit(op: Op, worker: int, fields: Mapping[str, Any]) -> None:
     """Refuse a chief-only op from another worker, or a declared field that is missing or of the wrong type."""
     if op.sender is Sender.CHIEF and worker != CHIEF:
-        raise ProtocolError(f"only the chief (worker {CHIEF}) {op.action}")
+        raise RefusedError(f"only the chief (worker {CHIEF}) {op.action}")
     for field in op.fields:
         field.check(fields)
 

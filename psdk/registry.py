@@ -35,6 +35,56 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+# ------------------------------------------------------------- targets
+def target_of(obj: Any) -> str:
+    """Where a class or function lives, in psdk's one target syntax: ``"package.module:Name"``."""
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def package_of(target: str) -> str:
+    """The top-level package a target lives in (``"psdk_torch.backend:TorchBackend"``: ``psdk_torch``)."""
+    return target.partition(":")[0].split(".")[0]
+
+
+def locate(target: str) -> Any:
+    """The object ``target`` names: the one function that reads targets, records' and configs' ``_target_`` alike.
+
+    The syntax is an entry point's, ``"package.module:Name"`` (the name may
+    be dotted, for a nested class): the colon says where the module ends,
+    so nothing is guessed. The dotted ``"package.module.Name"`` that Hydra
+    writes is read too, as an alias: the run folders of psdk before 0.2
+    saved their ``_target_`` so, and they still resume. Its module is the
+    longest prefix that imports. Raises ImportError saying what is missing:
+    a module that exists but imports one that does not names that one.
+    """
+    if not isinstance(target, str) or not target.strip(". :") or target.count(":") > 1:
+        raise ImportError(f"{target!r} is no target; write package.module:Name")
+    if ":" in target:
+        module, _, name = target.partition(":")
+        found: Any = importlib.import_module(module)
+        for attribute in name.split("."):
+            if not hasattr(found, attribute):
+                raise ImportError(f"{module} has no {name} (in {target})")
+            found = getattr(found, attribute)
+        return found
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and target != exc.name and not target.startswith(f"{exc.name}."):
+                raise  # the module exists but imports one that does not: that is the error to see
+            continue
+        try:
+            for attribute in parts[cut:]:
+                found = getattr(found, attribute)
+        except AttributeError:
+            break
+        return found
+    raise ImportError(f"nothing named {target!r} can be imported (as package.module:Name, say where the module ends)")
+
+
 @dataclass(frozen=True)
 class InstalledBackend:
     record: BackendRecord
@@ -90,7 +140,7 @@ def _distributions() -> Mapping[str, str]:
 
 def distribution_of(target: str) -> str:
     """The distribution (name and version) whose package holds ``target`` (``"pkg.mod:Name"``)."""
-    package = target.partition(":")[0].split(".")[0]
+    package = package_of(target)
     return _distributions().get(package, f"{package}, not an installed distribution")
 
 
@@ -194,7 +244,7 @@ def merged_options(record: BackendRecord, given: Mapping[str, Any] | None) -> di
 
 def record_of(cls: type) -> BackendRecord:
     """The record that registers backend class ``cls`` (found by its target)."""
-    target = f"{cls.__module__}:{cls.__qualname__}"
+    target = target_of(cls)
     for entry in installed_backends().values():
         if entry.record.target == target:
             return entry.record
@@ -210,7 +260,7 @@ def installed_rules() -> dict[str, type[UpdateRule]]:
 
 def rule_target(rule: type) -> str:
     """Where a rule class lives, as a record's ``target`` says it (``package.module:Name``)."""
-    return f"{rule.__module__}:{rule.__qualname__}"
+    return target_of(rule)
 
 
 def _rule_origin(rule: type) -> str:
@@ -230,11 +280,10 @@ def installed_datasets() -> dict[str, DatasetRecord]:
 
 
 def load_target(target: str, what: str) -> Any:
-    """The object ``"package.module:name"`` points at; a clear error if it cannot be imported."""
-    module_name, _, attribute = target.partition(":")
+    """The object a plugin record's ``target`` points at (:func:`locate`); a PluginError naming ``what`` if none."""
     try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+        return locate(target)
+    except ImportError as exc:
         raise PluginError(f"{what} ({target}) could not be loaded: {exc}") from exc
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from psdk.errors import NonFiniteError, ProtocolError
+from psdk.errors import NonFiniteError, ProtocolError, RefusedError
 from psdk.numerics import all_finite, as_float32, magnitude
 from psdk.optim import Bounds, RuleState, UpdateRule
 from psdk.sharding import VarSpec, flat_size, layout, views
@@ -138,7 +138,7 @@ def _restore_into(state: RuleState, rule: UpdateRule, specs: list[VarSpec], rest
     """Fill a fresh rule state from a checkpoint's slots, refusing anything the rule could not run from."""
     expected = set(state.slots)
     if set(restore.slots) != expected:
-        raise ProtocolError(
+        raise RefusedError(
             f"the checkpoint has slots {sorted(restore.slots)} but the update rule keeps "
             f"{sorted(expected)}; resume with the optimizer that wrote it"
         )
@@ -148,11 +148,11 @@ def _restore_into(state: RuleState, rule: UpdateRule, specs: list[VarSpec], rest
         for name, view in views(state.slots[slot], specs).items():
             value = by_name.get(name)
             if value is None or value.shape != view.shape:
-                raise ProtocolError(f"slot {slot!r} of {name!r} is missing or has the wrong shape")
+                raise RefusedError(f"slot {slot!r} of {name!r} is missing or has the wrong shape")
             view[...] = as_float32(value)
     problem = rule.check_slots(state.slots)
     if problem is not None:
-        raise ProtocolError(f"the checkpoint's optimizer state cannot be used: {problem}")
+        raise RefusedError(f"the checkpoint's optimizer state cannot be used: {problem}")
     state.step = restore.rule_step
 
 
@@ -197,12 +197,12 @@ class FlatStore(ParameterStore):
         restore: RestoreState | None = None,
     ) -> None:
         if self._initialized:
-            raise ProtocolError("store is already initialised")
+            raise RefusedError("store is already initialised")
         for name, value in variables.items():
             if not np.issubdtype(value.dtype, np.floating):
                 raise ProtocolError(f"variable {name!r} has dtype {value.dtype}, not floating point")
             if not all_finite(as_float32(value)):
-                raise ProtocolError(f"variable {name!r} holds NaN or Inf (or a value beyond float32)")
+                raise RefusedError(f"variable {name!r} holds NaN or Inf (or a value beyond float32)")
         specs = layout([(name, tuple(v.shape)) for name, v in variables.items()])
         flat = np.empty(flat_size(specs), np.float32)
         for name, view in views(flat, specs).items():
@@ -218,12 +218,12 @@ class FlatStore(ParameterStore):
 
     def reset(self, variables: Mapping[str, np.ndarray], restore: RestoreState) -> None:
         if not self._initialized:
-            raise ProtocolError("only an initialised store can be rolled back")
+            raise RefusedError("only an initialised store can be rolled back")
         assert self.rule is not None
         for name, view in views(self._flat, self._specs).items():
             value = variables.get(name)
             if value is None or value.shape != view.shape or not all_finite(as_float32(value)):
-                raise ProtocolError(f"variable {name!r} is missing, has the wrong shape or is not finite")
+                raise RefusedError(f"variable {name!r} is missing, has the wrong shape or is not finite")
         state = self.rule.new_state(self._flat.size)
         _restore_into(state, self.rule, self._specs, restore)  # checked whole before anything changes
         for name, view in views(self._flat, self._specs).items():

@@ -69,8 +69,11 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
 
 def test_what_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(DataError, match="cannot be read"):
+    with pytest.raises(DataError, match=r"cannot be read as a psdk checkpoint \(not an \.npz file\); "):
         checkpoint.load(tmp_path / "junk.npz")
+    np.save(tmp_path / "array.npy", np.ones(2))  # numpy reads it, but as one array: no checkpoint either
+    with pytest.raises(DataError, match=r"\(not an \.npz file\)"):
+        checkpoint.load(tmp_path / "array.npy")
     np.savez(tmp_path / "params.npz", w=np.ones(2))
     with pytest.raises(DataError, match="cannot be read"):
         checkpoint.load(tmp_path / "params.npz")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +21,10 @@ from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
 from psdk.launch.local import LocalLauncher
 from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
+from psdk.optim import SGD, UpdateRule
+from psdk.protocol import Sender
 from psdk.ps.server import ServerOptions
+from psdk.registry import locate, target_of
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
@@ -69,6 +73,70 @@ def test_a_target_whose_module_lacks_a_dependency_names_the_dependency(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match="No module named 'torchy'"):
         model_spec(compose("config", overrides=["model._target_=torchy_models.spec.Spec"]))
+
+
+@pytest.mark.parametrize("form", ["torchy_models.spec:Spec", "torchy_models.spec.Spec"])
+def test_a_target_in_either_form_whose_module_lacks_a_dependency_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    package = tmp_path / "torchy_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "spec.py").write_text("import torchy  # not installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="No module named 'torchy'"):
+        locate(form)
+
+
+def test_a_target_is_package_module_colon_name_and_the_dotted_form_is_read_too() -> None:
+    """One function reads every target: plugin records', and configs' _target_, saved ones included."""
+    assert locate("psdk.optim:SGD") is SGD and locate("psdk.optim.SGD") is SGD
+    assert locate("psdk.protocol:Sender.CHIEF") is Sender.CHIEF  # a dotted name after the colon: nested
+    assert target_of(SGD) == "psdk.optim:SGD" and locate(target_of(Sender)) is Sender
+    for bad, says in [
+        ("psdk.optim:NoSuchRule", "psdk.optim has no NoSuchRule"),
+        ("psdk:optim:SGD", "write package.module:Name"),
+        ("", "write package.module:Name"),
+        ("psdk.optim.NoSuchRule", "as package.module:Name"),
+    ]:
+        with pytest.raises(ImportError, match=says):
+            locate(bad)
+
+
+def test_a_saved_run_config_with_dotted_targets_still_builds() -> None:
+    """Run folders written before the colon form hold ``_target_: psdk.optim.SGD`` and the like."""
+    fresh = compose("config", overrides=["optimizer=sgd"])
+    assert fresh.optimizer._target_ == "psdk.optim:SGD" and fresh.model._target_ == "psdk.models:ModelSpec"
+    saved = compose(
+        "config",
+        overrides=[
+            "optimizer=sgd",
+            "optimizer._target_=psdk.optim.SGD",
+            "sync._target_=psdk.consistency.SyncSpec",
+            "model._target_=psdk.models.ModelSpec",
+            "topology._target_=psdk.cluster.Topology",
+        ],
+    )
+    assert update_rule(saved) == update_rule(fresh) and sync_spec(saved) == sync_spec(fresh)
+    assert model_spec(saved) == model_spec(fresh)
+    assert instantiate_node(saved, "topology") == instantiate_node(fresh, "topology")
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_schemas_loads_no_plugin_and_writes_no_globals() -> None:
+    """The derived schemas are made when the ConfigStore is filled, and pickle still finds them, in a fresh process."""
+    code = (
+        "import pickle, psdk.config.schema as schema, psdk.registry as registry\n"
+        "assert registry.get_plugin_manager.cache_info().currsize == 0, 'plugins loaded at import'\n"
+        "assert 'SGDConfig' not in vars(schema) and 'SyncConfig' not in vars(schema)\n"
+        "node = schema.SGDConfig(lr=0.5)\n"
+        "assert 'SGDConfig' not in vars(schema)\n"
+        "assert pickle.loads(pickle.dumps(node)) == node\n"
+        "print(node._target_)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "psdk.optim:SGD"
 
 
 def test_a_required_value_left_unset_is_a_config_error() -> None:

@@ -26,7 +26,6 @@ from psdk.api import WorkerSession
 from psdk.client import ClientOptions, ParameterClient
 from psdk.config import build, schema
 from psdk.config.options import GROUPS, TaskOptions, options_from
-from psdk.config.schema import RULES
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError
 from psdk.jobs.mnist import run_worker
@@ -121,15 +120,14 @@ def test_where_keys_overlap_one_wins() -> None:
 
 # ------------------------------------------------------------------ the schemas are the dataclasses
 def test_the_optimizer_and_sync_schemas_are_the_fields_of_their_dataclasses() -> None:
-    for rule in RULES.values():
-        if rule is NoOp:
-            continue
-        base = schema.GROUP_SCHEMAS["optimizer"][f"base_{rule.name}"]
+    assert NoOp not in schema.rules().values()  # the ps's own: never optimizer=
+    for rule in schema.rules().values():
+        base = schema.group_schemas()["optimizer"][f"base_{rule.name}"]
         fields = {f.name: f.default for f in dataclasses.fields(base)}
-        assert fields.pop("_target_") == f"{rule.__module__}.{rule.__qualname__}"
+        assert fields.pop("_target_") == f"{rule.__module__}:{rule.__qualname__}"
         assert fields == {f.name: f.default for f in dataclasses.fields(rule)}
     sync = {f.name: f.default for f in dataclasses.fields(schema.SyncConfig)}
-    assert sync.pop("_target_") == "psdk.consistency.SyncSpec"
+    assert sync.pop("_target_") == "psdk.consistency:SyncSpec"
     assert sync == {f.name: f.default for f in dataclasses.fields(SyncSpec)}
 
 
@@ -140,12 +138,10 @@ def test_a_field_added_to_a_rule_is_a_key_without_editing_the_schemas() -> None:
         """A field schema.py has never heard of."""
 
     derived = schema.schema_of(Lookahead, "LookaheadConfig", target=True)
-    try:
-        node = {f.name: f.default for f in dataclasses.fields(derived)}
-        assert node["horizon"] == 5 and node["momentum"] == 0.0
-        assert node["_target_"].endswith("Lookahead")
-    finally:
-        delattr(schema, "LookaheadConfig")
+    node = {f.name: f.default for f in dataclasses.fields(derived)}
+    assert node["horizon"] == 5 and node["momentum"] == 0.0
+    assert node["_target_"] == f"{__name__}:{Lookahead.__qualname__}"
+    assert not hasattr(schema, "LookaheadConfig")  # making a schema writes no module's globals
 
 
 # ------------------------------------------------------------------ the tasks behave by their keys

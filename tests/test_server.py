@@ -17,6 +17,7 @@ from psdk.consistency import SyncSpec
 from psdk.errors import PeerTimeoutError, RemoteError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
+from psdk.protocol import ID_HELD, ID_IN_USE
 from psdk.ps.server import process_usage
 from psdk.transport.wire import Message
 
@@ -192,6 +193,7 @@ def test_a_push_forged_on_another_connection_is_refused(ps_cluster: PsCluster) -
             fields = {"worker": worker, "version": 0, "seq": 10**6}
             reply = raw(ps_cluster, "push_pull", fields, [np.ones(9, np.float32)])
             assert reply.op == "error" and "another session" in reply.fields["error"]
+            assert reply.fields["kind"] in (ID_IN_USE, ID_HELD)  # what the worker reads: in use, or retry
         assert raw(ps_cluster, "shutdown", {"worker": 0}).op == "error"
         assert ps_cluster.servers[0].store.digest() == before and ps_cluster.servers[0].stats.applied == 0
         assert c1.push_pull(grads(0.5)).global_step == 1

@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import announce, waits
+from psdk import announce, protocol, waits
 from psdk.client import ClientOptions, ParameterClient
-from psdk.client import waiting as client_waiting
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
-from psdk.errors import ConfigError, PeerTimeoutError, PsdkError, TransportError
+from psdk.errors import ConfigError, PeerTimeoutError, ProtocolError, PsdkError, RefusedError, TransportError
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps import sessions
+from psdk.ps.membership import Membership
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -80,8 +80,20 @@ def test_a_shorter_interval_may_be_asked_for_never_a_longer_one(monkeypatch: pyt
         assert waits.log_every_s() == every
 
 
-def test_the_client_and_the_ps_agree_on_how_an_index_in_use_is_refused() -> None:
-    assert client_waiting.IN_USE == sessions.IN_USE
+@pytest.mark.parametrize(
+    ("connected", "silent_s", "kind"),
+    [(True, 0.1, protocol.ID_IN_USE), (False, 0.1, protocol.ID_HELD), (True, 3.0, protocol.ID_HELD)],
+)
+def test_the_ps_says_by_kind_whether_an_index_is_in_use_or_held(connected: bool, silent_s: float, kind: str) -> None:
+    """A worker gives up or retries on the refusal's kind (psdk.client.waiting), never on its words."""
+    membership = Membership(heartbeat_timeout_s=5.0, startup_timeout_s=60.0, now=0.0)
+    held = sessions.Sessions("ps 0", membership, max_workers=2, connected=lambda peer: connected)
+    membership.seen(1, 0.0)
+    assert held.bind(1, b"old", 0.0) is None
+    with pytest.raises(RefusedError) as refused:
+        held.bind(1, b"new", silent_s)
+    assert refused.value.kind == kind and kind in protocol.ERROR_KINDS
+    assert not isinstance(refused.value, ProtocolError)  # nothing was malformed
 
 
 @pytest.mark.timeout(60)

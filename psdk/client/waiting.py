@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from psdk.errors import ConfigError, PeerTimeoutError, RemoteError
+from psdk.protocol import ID_HELD, ID_IN_USE
 from psdk.waits import WaitLog, seconds
 
 if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
@@ -23,10 +24,6 @@ if TYPE_CHECKING:  # annotations only: the client imports this module, never the
 log = logging.getLogger("psdk.client.client")
 T = TypeVar("T")
 
-IN_USE = "is in use by a running process"
-"""How a ps's refusal of an id whose holder is alive reads (:data:`psdk.ps.sessions.IN_USE`)."""
-HELD = "another session"
-"""How a ps's refusal of an id still held by a connection reads, whether its process is alive or not."""
 QUIET_S = 0.2
 """A wait shorter than this never reads the clock for its lines, so none comes sooner (tests ask for 0.3 s)."""
 
@@ -90,6 +87,8 @@ def rejoining(client: ParameterClient, request: Callable[[], T]) -> T:
     A restarted worker gets in once the ps has declared its old process
     dead, which takes at most a heartbeat timeout. An id whose holder is
     alive (a second worker started with the same index) is refused at once.
+    The ps's error kind tells the two apart (:data:`~psdk.protocol.ID_HELD`,
+    :data:`~psdk.protocol.ID_IN_USE`), never the words of its message.
     """
     deadline = time.monotonic() + client.options.heartbeat_timeout_s + 10.0
     clock: WaitLog | None = None
@@ -97,9 +96,9 @@ def rejoining(client: ParameterClient, request: Callable[[], T]) -> T:
         try:
             return request()
         except RemoteError as exc:
-            if IN_USE in exc.remote_message:
+            if exc.kind == ID_IN_USE:
                 raise ConfigError("task_index", f"{exc.peer} refused this worker: {exc.remote_message}") from None
-            if HELD not in exc.remote_message or time.monotonic() > deadline:
+            if exc.kind != ID_HELD or time.monotonic() > deadline:
                 raise
             if clock is None or clock.due() is not None:
                 clock = clock or WaitLog()

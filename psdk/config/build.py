@@ -8,7 +8,6 @@ The typed options of the plain groups (transport, ps, train, ...) come from
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 from pathlib import Path
 from typing import Any, cast
@@ -24,7 +23,7 @@ from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PsdkError
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
-from psdk.registry import resolve_backend_name
+from psdk.registry import locate, resolve_backend_name
 from psdk.transport import security
 from psdk.transport.security import CurveKeys
 
@@ -78,31 +77,14 @@ def server_keys(transport: TransportOptions, task: int) -> CurveKeys | None:
     return security.load_server(Path(str(transport.keys_dir)), task)
 
 
-def locate(path: str) -> Any:
-    """The object a ``_target_`` names (``package.module.Name``): the longest importable module, then attributes."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            found: Any = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and path != exc.name and not path.startswith(f"{exc.name}."):
-                raise  # the module exists but imports one that does not: that is the error to see
-            continue
-        try:
-            for attribute in parts[cut:]:
-                found = getattr(found, attribute)
-        except AttributeError:
-            break
-        return found
-    raise ImportError(f"nothing named {path!r} can be imported")
-
-
 def instantiate_node(cfg: DictConfig, group: str) -> Any:
     """The object config group ``group`` describes: its ``_target_`` called with the group's other keys.
 
     As Hydra's ``instantiate`` would for these flat nodes, without
     importing Hydra: a task that a launcher handed its config starts about
-    50 ms sooner. Values arrive as plain lists and dicts.
+    50 ms sooner. Values arrive as plain lists and dicts. The ``_target_``
+    is read by :func:`psdk.registry.locate`, as plugin records' targets are:
+    ``package.module:Name``, or the dotted form saved runs hold.
     """
     try:
         values = OmegaConf.to_container(cfg[group], resolve=True, throw_on_missing=True)

@@ -2,10 +2,12 @@
 
 Each config group's YAML files extend one of these dataclasses (stored in
 Hydra's ConfigStore as ``base_<name>`` in that group) and carry a
-``_target_`` that :func:`hydra.utils.instantiate` turns into the object the
-code uses. Every option of the ``sync`` group shares one schema, so a sweep
-such as ``-m sync=sync,async sync.replicas_to_aggregate=2`` never fails on
-one of them.
+``_target_`` (``package.module:Name``) that
+:func:`psdk.config.build.instantiate_node` turns into the object the code
+uses, without Hydra's ``instantiate``. Every option of the ``sync`` group
+shares one schema, so a sweep such as
+``-m sync=sync,async sync.replicas_to_aggregate=2`` never fails on one of
+them.
 
 Where the code already has a dataclass for a group, the schema is derived
 from it (:func:`schema_of`) rather than copied: the update rules (one schema
@@ -17,11 +19,18 @@ Plugins extend the tree (:mod:`psdk.plugins`): a rule or model a plugin
 registers is also a choice of its group (``optimizer=<rule>``,
 ``model=<model>``) with its dataclass's defaults, unless ``conf/`` has a
 file of that name; a backend's options are ``backend_options.<backend>.*``.
+
+Importing this module loads no plugin and defines nothing but the fixed
+schemas: the derived ones are made on first use (:func:`register_configs`,
+or :func:`derived`), kept in :func:`derived`'s dictionary, and reached as
+attributes of this module through its ``__getattr__``, which is how pickle
+finds a config's schema class again, in this process or another one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import typing
 from dataclasses import dataclass, field
@@ -41,8 +50,8 @@ from psdk.config.options import (
     TransportOptions,
 )
 from psdk.consistency import SyncSpec
-from psdk.optim import NoOp
-from psdk.registry import installed_backends, installed_models, installed_rules, load_target
+from psdk.optim import NoOp, UpdateRule
+from psdk.registry import installed_backends, installed_models, installed_rules, load_target, target_of
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +59,15 @@ log = logging.getLogger(__name__)
 def schema_of(cls: type, name: str, target: bool = False) -> type:
     """A (mutable) schema dataclass with the init fields, types and defaults of dataclass ``cls``.
 
-    ``target``: with a ``_target_`` naming ``cls``, for :func:`hydra.utils.instantiate`. A field
-    without a default is ``???`` (required). The schema is a module attribute named ``name``, so a
-    config that refers to it can be pickled.
+    ``target``: with a ``_target_`` naming ``cls`` (``package.module:Name``), for
+    :func:`psdk.config.build.instantiate_node`. A field without a default is ``???``
+    (required). The schema says it lives in this module as ``name``: :func:`derived`
+    holds it under that name, so a config that refers to it can be pickled.
     """
     hints = typing.get_type_hints(cls)
     specs: list[tuple[str, Any, Any]] = []
     if target:
-        specs.append(("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}")))
+        specs.append(("_target_", str, field(default=target_of(cls))))
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
@@ -70,41 +80,85 @@ def schema_of(cls: type, name: str, target: bool = False) -> type:
         specs.append((f.name, hints[f.name], default))
     schema = dataclasses.make_dataclass(name, specs)
     schema.__module__ = __name__
-    schema.__doc__ = f"The schema of {cls.__module__}.{cls.__qualname__}'s fields (derived, never edited)."
-    globals()[name] = schema
+    schema.__qualname__ = name
+    schema.__doc__ = f"The schema of {target_of(cls)}'s fields (derived, never edited)."
     return schema
 
 
-RULES = {name: rule for name, rule in installed_rules().items() if rule is not NoOp}  # NoOp: the ps's own
+def rules() -> dict[str, type[UpdateRule]]:
+    """The update rules ``optimizer=`` may name: every installed one but NoOp (the ps's own)."""
+    return {name: rule for name, rule in installed_rules().items() if rule is not NoOp}
 
 
 def _ident(name: str) -> str:
-    """``name`` as a Python identifier, for a schema class's module-level name."""
+    """``name`` as a Python identifier, for a schema class's name."""
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-# Psdk's own rules keep their familiar names (SGDConfig); a plugin's gets its rule name too, so no two collide.
-OPTIMIZER_SCHEMAS = {
-    f"base_{rule.name}": schema_of(
-        rule,
-        f"{rule.__name__}Config" if rule.__module__ == "psdk.optim" else f"PluginRuleConfig_{_ident(rule.name)}",
-        target=True,
-    )
-    for rule in RULES.values()
+def rule_schema_name(rule: type[UpdateRule]) -> str:
+    """Psdk's own rules keep their familiar names (SGDConfig); a plugin's gets its rule name too, so no two collide."""
+    return f"{rule.__name__}Config" if rule.__module__ == "psdk.optim" else f"PluginRuleConfig_{_ident(rule.name)}"
+
+
+OPTIONS_SCHEMAS: dict[str, tuple[type, bool]] = {
+    "SyncConfig": (SyncSpec, True),
+    "TransportConfig": (TransportOptions, False),
+    "PsConfig": (PsOptions, False),
+    "TrainConfig": (TrainOptions, False),
+    "CheckpointConfig": (CheckpointOptions, False),
+    "RecoveryConfig": (RecoveryOptions, False),
+    "PlacementConfig": (PlacementOptions, False),
+    "LivenessConfig": (LivenessOptions, False),
 }
-SyncConfig = schema_of(SyncSpec, "SyncConfig", target=True)
-TransportConfig = schema_of(TransportOptions, "TransportConfig")
-PsConfig = schema_of(PsOptions, "PsConfig")
-TrainConfig = schema_of(TrainOptions, "TrainConfig")
-CheckpointConfig = schema_of(CheckpointOptions, "CheckpointConfig")
-RecoveryConfig = schema_of(RecoveryOptions, "RecoveryConfig")
-PlacementConfig = schema_of(PlacementOptions, "PlacementConfig")
-LivenessConfig = schema_of(LivenessOptions, "LivenessConfig")
+"""The schemas derived from psdk's own dataclasses, by name: the class, and whether it has a ``_target_``."""
+
+
+@functools.cache
+def derived() -> dict[str, type]:
+    """Every schema derived from a dataclass, by name: the options', and one per installed rule (made once)."""
+    schemas = {name: schema_of(cls, name, target) for name, (cls, target) in OPTIONS_SCHEMAS.items()}
+    for rule in rules().values():
+        schemas[rule_schema_name(rule)] = schema_of(rule, rule_schema_name(rule), target=True)
+    return schemas
+
+
+@functools.cache
+def model_schema(name: str) -> type | None:
+    """The schema of plugin model ``name``'s spec; None (logged) when its spec is no dataclass psdk can configure."""
+    record = installed_models()[name]
+    try:
+        spec = load_target(record.target, f"model {name!r}")
+        return schema_of(spec, f"PluginModelConfig_{_ident(name)}", target=True)
+    except Exception as exc:  # a plugin's broken model must not break jobs that do not use it
+        log.warning(
+            "model %r (%s) is skipped: its spec is no dataclass psdk can configure: %s", name, record.target, exc
+        )
+        return None
+
+
+def __getattr__(name: str) -> type:
+    """A derived schema by its name, as pickle asks for it (``psdk.config.schema.SGDConfig``)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name.endswith("Config") or name.startswith("PluginRuleConfig_"):
+        found = derived().get(name)
+        if found is not None:
+            return found
+    if name.startswith("PluginModelConfig_"):
+        for model in installed_models():
+            if f"PluginModelConfig_{_ident(model)}" == name and (schema := model_schema(model)) is not None:
+                return schema
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _options(name: str) -> Any:
+    """An instance of derived schema ``name``, for a field of :class:`PsdkConfig` (typed by the instance)."""
+    return derived()[name]()
 
 
 @dataclass
 class ModelConfig:
-    _target_: str = "psdk.models.ModelSpec"
+    _target_: str = "psdk.models:ModelSpec"
     name: str = MISSING
     hidden: list[int] = field(default_factory=list)
     input_dim: int = 784
@@ -115,7 +169,7 @@ class ModelConfig:
 
 @dataclass
 class TopologyConfig:
-    _target_: str = "psdk.cluster.Topology"
+    _target_: str = "psdk.cluster:Topology"
     num_ps: int = 1
     num_workers: int = 2
     host: str = "127.0.0.1"
@@ -125,14 +179,14 @@ class TopologyConfig:
 
 @dataclass
 class LocalLauncherConfig:
-    _target_: str = "psdk.launch.local.LocalLauncher"
+    _target_: str = "psdk.launch.local:LocalLauncher"
     ready_timeout_s: float = 60.0
     shutdown_timeout_s: float = 30.0
 
 
 @dataclass
 class RayLauncherConfig:
-    _target_: str = "psdk.launch.ray.RayLauncher"
+    _target_: str = "psdk.launch.ray:RayLauncher"
     address: Any = None
     num_cpus: Any = None
     cpus_per_ps: float = 1.0
@@ -191,14 +245,14 @@ class PsdkConfig:
     run_id: Any = None
     weights: Any = None
     file_access: str = "owner"
-    recovery: Any = field(default_factory=RecoveryConfig)  # derived: typed by the instance
-    checkpoint: Any = field(default_factory=CheckpointConfig)  # derived: typed by the instance
-    train: Any = field(default_factory=TrainConfig)  # derived: typed by the instance
+    recovery: Any = field(default_factory=lambda: _options("RecoveryConfig"))  # derived: typed by the instance
+    checkpoint: Any = field(default_factory=lambda: _options("CheckpointConfig"))  # derived: typed by the instance
+    train: Any = field(default_factory=lambda: _options("TrainConfig"))  # derived: typed by the instance
     data: DataConfig = field(default_factory=DataConfig)
-    transport: Any = field(default_factory=TransportConfig)  # derived: typed by the instance
-    ps: Any = field(default_factory=PsConfig)  # derived: typed by the instance
-    placement: Any = field(default_factory=PlacementConfig)  # derived: typed by the instance
-    liveness: Any = field(default_factory=LivenessConfig)  # derived: typed by the instance
+    transport: Any = field(default_factory=lambda: _options("TransportConfig"))  # derived: typed by the instance
+    ps: Any = field(default_factory=lambda: _options("PsConfig"))  # derived: typed by the instance
+    placement: Any = field(default_factory=lambda: _options("PlacementConfig"))  # derived: typed by the instance
+    liveness: Any = field(default_factory=lambda: _options("LivenessConfig"))  # derived: typed by the instance
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     backend_options: Any = field(default_factory=lambda: backend_option_defaults())
@@ -209,13 +263,15 @@ def backend_option_defaults() -> dict[str, dict[str, Any]]:
     return {name: dict(entry.record.options) for name, entry in sorted(installed_backends().items())}
 
 
-GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"base_model": ModelConfig},
-    "optimizer": OPTIMIZER_SCHEMAS,
-    "sync": {"base_sync": SyncConfig},
-    "topology": {"base_topology": TopologyConfig},
-    "launcher": {"base_local": LocalLauncherConfig, "base_ray": RayLauncherConfig},
-}
+def group_schemas() -> dict[str, dict[str, type]]:
+    """Each group's base schemas (``base_<name>``), as the YAML files of ``conf/<group>/`` extend them."""
+    return {
+        "model": {"base_model": ModelConfig},
+        "optimizer": {f"base_{rule.name}": derived()[rule_schema_name(rule)] for rule in rules().values()},
+        "sync": {"base_sync": derived()["SyncConfig"]},
+        "topology": {"base_topology": TopologyConfig},
+        "launcher": {"base_local": LocalLauncherConfig, "base_ray": RayLauncherConfig},
+    }
 
 
 def plugin_choices(conf: Path) -> dict[str, dict[str, Any]]:
@@ -225,27 +281,23 @@ def plugin_choices(conf: Path) -> dict[str, dict[str, Any]]:
         return (conf / group / f"{name}.yaml").is_file()
 
     choices: dict[str, dict[str, Any]] = {"optimizer": {}, "model": {}}
-    for name in RULES:
+    for name, rule in rules().items():
         if not _has_file("optimizer", name):
-            choices["optimizer"][name] = OPTIMIZER_SCHEMAS[f"base_{name}"]
-    for name, record in installed_models().items():
-        if _has_file("model", name):
-            continue
-        try:
-            spec = load_target(record.target, f"model {name!r}")
-            choices["model"][name] = schema_of(spec, f"PluginModelConfig_{_ident(name)}", target=True)(name=name)
-        except Exception as exc:  # a plugin's broken model must not break jobs that do not use it
-            log.warning(
-                "model %r (%s) is skipped: its spec is no dataclass psdk can configure: %s", name, record.target, exc
-            )
+            choices["optimizer"][name] = derived()[rule_schema_name(rule)]
+    for name in installed_models():
+        if not _has_file("model", name) and (schema := model_schema(name)) is not None:
+            choices["model"][name] = schema(name=name)
     return choices
 
 
 def register_configs(conf: Path) -> None:
-    """Put the schemas, and the choices plugins add, into Hydra's ConfigStore (idempotent)."""
+    """Put the schemas, and the choices plugins add, into Hydra's ConfigStore (idempotent).
+
+    This is where plugins are loaded and the derived schemas made, not at import.
+    """
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=PsdkConfig)
-    for group, schemas in GROUP_SCHEMAS.items():
+    for group, schemas in group_schemas().items():
         for name, node in schemas.items():
             cs.store(group=group, name=name, node=node)
     for group, choices in plugin_choices(conf).items():

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from psdk.errors import ProtocolError
+from psdk.errors import RefusedError
 from psdk.failpoints import PS_STATE, failpoint
+from psdk.protocol import BUSY
 from psdk.ps.sessions import session_of
 from psdk.ps.shard import MAX_WAITS_PER_WORKER, ServedShard
 from psdk.transport.wire import Message
@@ -52,7 +53,7 @@ class Checkpoints:
             self.outbox.send(peer, message.rid, "paused", {"version": store.version})
             return
         if len(self.pause.waiters) >= MAX_WAITS_PER_WORKER:
-            raise ProtocolError(f"{MAX_WAITS_PER_WORKER} pauses already wait for version {self.pause.version}")
+            raise RefusedError(f"{MAX_WAITS_PER_WORKER} pauses already wait for version {self.pause.version}", BUSY)
         self.pause.waiters.append((peer, message.rid))
         self.release_held()
 

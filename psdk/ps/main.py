@@ -97,8 +97,7 @@ def start_ps(cfg: DictConfig) -> PsTask:
         try:
             endpoint = transport.serve(bind, f"ps {task}")
         except TransportError as exc:
-            reason = str(exc).split(": ", 1)[-1].split(" (addr=")[0]  # "No such device (addr=...)"
-            raise BindError(bind, f"ps {task}", reason, explicit=bind != advertised) from None
+            raise BindError(bind, f"ps {task}", exc.reason or str(exc), explicit=bind != advertised) from None
         if options.ps.announce_file:
             announce.announce(Path(options.ps.announce_file), endpoint.address)
         server = ParameterServer(endpoint, task, options.server(cluster if workers else None))

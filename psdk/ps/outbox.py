@@ -47,11 +47,11 @@ class Outbox:
             text = text[:MAX_ERROR_CHARS] + "…"
         self.send(peer, rid, "error", {"error": text, "kind": kind})
 
-    def reject(self, peer: bytes, op: str, rid: int, text: str) -> None:
-        """A request that broke the protocol or the shard's rules: nothing changed, the sender is told."""
+    def reject(self, peer: bytes, op: str, rid: int, text: str, kind: str = "rejected") -> None:
+        """A request that broke the protocol or the shard's rules: nothing changed, the sender is told (as ``kind``)."""
         self.stats.rejected += 1
         self.rejections.warning("%s: rejected %.64s: %.300s", self.name, op, text)
-        self.error(peer, rid, text, "rejected")
+        self.error(peer, rid, text, kind)
 
     def internal_error(self, peer: bytes, rid: int, what: str, exc: BaseException) -> None:
         """A bug met while answering: logged (rate-limited) and answered, so the serving loop goes on."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from psdk.consistency import make_policy
-from psdk.errors import ProtocolError
+from psdk.errors import RefusedError
 from psdk.ps.shard import ServedShard, restore_state, take_finished
 from psdk.transport.wire import Message
 
@@ -29,7 +29,7 @@ def on_restore(shard: ServedShard, peer: bytes, message: Message) -> None:
     store, pause = shard.store, shard.pause
     names = [s.name for s in store.specs]
     if message.fields["names"] != names:
-        raise ProtocolError(f"restore must name this shard's variables {names}")
+        raise RefusedError(f"restore must name this shard's variables {names}")
     restore = restore_state(message.fields["restore"], names, message.arrays)
     assert restore is not None  # the protocol declares the field an object
     store.reset(dict(zip(names, message.arrays, strict=False)), restore)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from psdk import protocol
 from psdk.consistency import ConsistencyPolicy
-from psdk.errors import ProtocolError
+from psdk.errors import ProtocolError, RefusedError
 from psdk.failpoints import PS_SERVE, PS_WRAP_UP, failpoint
 from psdk.jobspec import JobSpec
 from psdk.liveness import beat
@@ -234,7 +234,7 @@ class ParameterServer:
             op, worker = protocol.sender_of(message)
             self.sessions.check_id(worker, self.job.num_workers if self.job is not None else None)
             if incoming.user is not None and incoming.user != worker_name(worker):
-                raise ProtocolError(f"the key of {incoming.user} cannot speak for worker {worker}")
+                raise RefusedError(f"the key of {incoming.user} cannot speak for worker {worker}")
             now = time.monotonic()
             replaced = self.sessions.bind(worker, incoming.peer, now)
             if replaced is not None:
@@ -244,8 +244,10 @@ class ParameterServer:
                 self.pause.renew(session_of(incoming.peer), now)
             protocol.admit(op, worker, message.fields)
             self._handlers[op.name](incoming.peer, message, worker)
-        except ProtocolError as exc:
+        except ProtocolError as exc:  # decoded, but not a request of the protocol
             self.outbox.reject(incoming.peer, message.op, message.rid, str(exc))
+        except RefusedError as exc:  # a request the shard will not carry out; its kind tells the worker which
+            self.outbox.reject(incoming.peer, message.op, message.rid, str(exc), exc.kind)
         except Exception as exc:  # a bug must not take the shard down with it
             self.outbox.internal_error(incoming.peer, message.rid, f"handling {message.op[:64]}", exc)
 
@@ -423,7 +425,7 @@ class ParameterServer:
         }
         if message.fields.get("reports"):  # the chief collects the finished workers' reports
             if worker != CHIEF:
-                raise ProtocolError("only the chief (worker 0) collects the workers' reports")
+                raise RefusedError("only the chief (worker 0) collects the workers' reports")
             fields["reports"] = {str(i): report for i, report in self.membership.collect().items()}
         self.outbox.send(peer, message.rid, "status", fields, [])
 

@@ -9,11 +9,12 @@ may come back on a new connection: :meth:`Sessions.bind` says so, and the ps
 forgets what belonged to the old process (its push counter, what it lent
 the transport, a pause its chief held).
 
-A second process started with an id in use is refused at once, as
-:data:`IN_USE` says, while the holder is alive: its connection is open and
-it was heard from lately. A holder that died is not: its connection closed
-with it (a host that died leaves it open, but silent), and the new process
-is told to retry until the heartbeat timeout makes the old one dead.
+A second process started with an id in use is refused at once, with the
+error kind :data:`~psdk.protocol.ID_IN_USE`, while the holder is alive: its
+connection is open and it was heard from lately. A holder that died is not:
+its connection closed with it (a host that died leaves it open, but silent),
+and the new process is refused with :data:`~psdk.protocol.ID_HELD`, which
+tells it to retry until the heartbeat timeout makes the old one dead.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from psdk.errors import ProtocolError
+from psdk.errors import RefusedError
+from psdk.protocol import ID_HELD, ID_IN_USE
 from psdk.ps.membership import Membership
 from psdk.transport.wire import HEARTBEAT_SUFFIX
 
 log = logging.getLogger("psdk.ps.server")
 
 IN_USE = "is in use by a running process"
-"""What the refusal of an id whose holder is alive says; a worker gives up at once on it (never retries)."""
+"""What the refusal of an id whose holder is alive says, in words for the user (the worker reads its kind)."""
 
 
 def session_of(peer: bytes) -> bytes:
@@ -55,9 +57,9 @@ class Sessions:
     def check_id(self, worker: int, num_workers: int | None) -> None:
         """Refuse an id outside the job (once known) or beyond what this ps serves."""
         if num_workers is not None and worker >= num_workers:
-            raise ProtocolError(f"worker {worker} is not in this job ({num_workers} workers)")
+            raise RefusedError(f"worker {worker} is not in this job ({num_workers} workers)")
         if worker >= self.max_workers:
-            raise ProtocolError(f"worker {worker} is beyond the {self.max_workers} workers this ps serves")
+            raise RefusedError(f"worker {worker} is beyond the {self.max_workers} workers this ps serves")
 
     def bind(self, worker: int, peer: bytes, now: float) -> bytes | None:
         """Accept ``peer`` as ``worker``'s connection; the old one's when it is a new process of a worker that died."""
@@ -66,26 +68,28 @@ class Sessions:
         if known == session:
             return None
         if known is not None and not self.membership.gone(worker, now):
-            raise ProtocolError(self._refusal(worker, known, now))
+            raise self._refusal(worker, known, now)
         self.by_worker[worker] = session
         if known is not None:
             log.info("%s: worker %d is back on a new connection", self.name, worker)
         return known
 
-    def _refusal(self, worker: int, holder: bytes, now: float) -> str:
+    def _refusal(self, worker: int, holder: bytes, now: float) -> RefusedError:
         """Why ``worker``'s id is refused to a new connection: in use (give up), or held by a process that died."""
         silent = self.membership.silent_for(worker, now)
         timeout = self.membership.heartbeat_timeout_s
         if silent is not None and silent < timeout / 2 and self.connected(holder):
-            return (
+            return RefusedError(
                 f"worker {worker} is already connected from another session: not accepted; worker index {worker} "
                 f"{IN_USE} (its connection is open and it was heard from {silent:.1f} s ago): every worker needs "
-                "its own task index"
+                "its own task index",
+                ID_IN_USE,
             )
         heard = "never heard from" if silent is None else f"silent for {silent:.1f} s"
-        return (
+        return RefusedError(
             f"worker {worker} is already connected from another session: not accepted until that one ({heard}) "
-            f"has been silent for transport.heartbeat_timeout_s={timeout:g} s"
+            f"has been silent for transport.heartbeat_timeout_s={timeout:g} s",
+            ID_HELD,
         )
 
     def current(self, worker: int, peer: bytes) -> bool:

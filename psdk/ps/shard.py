@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from psdk.consistency import ConsistencyPolicy, Push, make_policy
-from psdk.errors import ConfigError, NonFiniteError, ProtocolError
+from psdk.errors import ConfigError, NonFiniteError, ProtocolError, RefusedError
 from psdk.failpoints import PS_UPDATE, failpoint
 from psdk.jobspec import JobSpec
 from psdk.numerics import magnitude
+from psdk.protocol import BUSY
 from psdk.ps.membership import FINISHED, Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
@@ -69,7 +70,7 @@ def take_finished(membership: Membership, data: Any, num_workers: int) -> None:
         raise ProtocolError("finished must be an object {worker id: report}")
     for key, report in data.items():
         if not (isinstance(key, str) and key.isdigit() and int(key) < num_workers):
-            raise ProtocolError(f"finished names {key!r}, which is no worker of this job")
+            raise RefusedError(f"finished names {key!r}, which is no worker of this job")
         membership.finish(int(key), report=report, collected=True)
 
 
@@ -113,7 +114,7 @@ class ServedShard:
 
     def require_init(self) -> None:
         if not self.store.initialized or self.job is None:
-            raise ProtocolError("the store is not initialised yet (the chief initialises it)")
+            raise RefusedError("the store is not initialised yet (the chief initialises it)")
 
     def layout(self) -> dict[str, Any]:
         assert self.job is not None
@@ -176,13 +177,13 @@ class ServedShard:
             return
         job = JobSpec.from_json(message.fields["job"])
         if job.num_workers > self.sessions.max_workers:
-            raise ProtocolError(
+            raise RefusedError(
                 f"the job has {job.num_workers} workers but this ps serves at most {self.sessions.max_workers}"
             )
         try:
             rule = rule_from_json(message.fields.get("rule") or {})
         except (ConfigError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad update rule: {exc}") from None
+            raise RefusedError(f"bad update rule: {exc}") from None
         names = message.fields["names"]
         if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
             raise ProtocolError("variable names must be unique non-empty strings")
@@ -222,7 +223,7 @@ class ServedShard:
         elif self.store.initialized:
             self.outbox.send(peer, message.rid, "layout", self.layout())
         elif sum(1 for waiter in self.init_waiters if waiter[2] == worker) >= MAX_WAITS_PER_WORKER:
-            raise ProtocolError(f"worker {worker} already waits for the chief {MAX_WAITS_PER_WORKER} times")
+            raise RefusedError(f"worker {worker} already waits for the chief {MAX_WAITS_PER_WORKER} times", BUSY)
         else:
             self.init_waiters.append((peer, message.rid, worker))
 
@@ -248,26 +249,27 @@ class ServedShard:
         if message.borrowed and self.store.needs_stable_gradient():
             grad = self._stable(grad)
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
-            raise ProtocolError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
+            raise RefusedError(f"gradient is {grad.dtype}{list(grad.shape)}, expected float32[{self.store.size}]")
         if version > self.store.version:
-            raise ProtocolError(f"gradient computed from version {version}, but this shard is at {self.store.version}")
+            raise RefusedError(f"gradient computed from version {version}, but this shard is at {self.store.version}")
         if self.membership.status(worker) == FINISHED and not self.done:  # once done, every push is told "done"
-            raise ProtocolError(f"worker {worker} has finished: its pushes are refused (a new process may rejoin)")
+            raise RefusedError(f"worker {worker} has finished: its pushes are refused (a new process may rejoin)")
         counters = self.stats.worker(worker)
         if seq <= counters.last_seq:
-            raise ProtocolError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
+            raise RefusedError(f"duplicate push (seq {seq}) from worker {worker}: not applied")
         waiting = self._pushes_waiting(worker)
         if waiting >= self.max_pushes_in_flight:
-            raise ProtocolError(
+            raise RefusedError(
                 f"worker {worker} already has {waiting} pushes waiting for their answer on {self.name} "
-                f"(at most {self.max_pushes_in_flight}): not applied"
+                f"(at most {self.max_pushes_in_flight}): not applied",
+                BUSY,
             )
         bound = magnitude(grad)
         if not math.isfinite(bound):
             counters.last_seq = seq
             counters.refused += 1
             self.stats.refused += 1
-            raise ProtocolError(f"gradient from worker {worker} holds NaN or Inf: not applied")
+            raise RefusedError(f"gradient from worker {worker} holds NaN or Inf: not applied")
         counters.last_seq = seq
         if self.failure:
             self.outbox.error(peer, message.rid, self.failure, "failed")
@@ -310,7 +312,7 @@ class ServedShard:
         except NonFiniteError as exc:  # nothing changed: the worker is told, and counted
             counters.refused += 1
             self.stats.refused += 1
-            self.outbox.reject(push.peer, "push_pull", push.rid, f"worker {push.worker}: {exc}")
+            self.outbox.reject(push.peer, "push_pull", push.rid, f"worker {push.worker}: {exc}", exc.kind)
             return
         if decision.updates:
             now = time.time()

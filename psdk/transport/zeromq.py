@@ -134,7 +134,8 @@ class ZmqServer(ServerEndpoint):
             self.sock.close(linger=0)
             if exc.errno == zmq.EADDRINUSE:
                 raise PortInUseError(bind, name) from None
-            raise TransportError(f"{name} cannot bind {bind}: {exc}") from None
+            reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+            raise TransportError(f"{name} cannot bind {bind}: {exc}", reason) from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.guard: zmq_guard.ConnectionGuard | None = None
         if self.address.startswith("tcp://") and zmq_guard.supported():

@@ -40,8 +40,8 @@ def test_the_config_offers_them_with_their_defaults(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path, env=dict(os.environ),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "_target_: psdk_example.lion.Lion" in out.stdout and "beta2: 0.99" in out.stdout
-    assert "_target_: psdk_example.resmlp.ResMlpSpec" in out.stdout and "blocks: 2" in out.stdout
+    assert "_target_: psdk_example.lion:Lion" in out.stdout and "beta2: 0.99" in out.stdout
+    assert "_target_: psdk_example.resmlp:ResMlpSpec" in out.stdout and "blocks: 2" in out.stdout
 
 
 def test_the_spec_is_canonical_and_seeded() -> None:

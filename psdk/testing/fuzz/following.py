@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from psdk import protocol
 from psdk.testing.fuzz.harness import Actor, Harness, LivePs
 from psdk.testing.fuzz.model import Model, Pushed
 from psdk.transport.wire import Message
@@ -61,8 +62,8 @@ class ModelFollowing:
         elif message.op == "restore" and said == "ok":
             model.restore(fields, message.arrays)
         elif message.op == "pause_at" and model.initialized and not model.failed:
-            error = str(reply.fields.get("error", "")) if reply is not None else ""
-            if said in (None, "paused", "passed") or "already wait" in error:  # the ps holds the pause then
+            busy = reply is not None and reply.fields.get("kind") == protocol.BUSY
+            if said in (None, "paused", "passed") or busy:  # the ps holds the pause then
                 model.pause_at(int(fields["version"]), refused=said == "error")
         elif message.op == "resume" and said == "ok":
             model.resume()
@@ -78,11 +79,10 @@ class ModelFollowing:
         """A push the ps handled: if its checks let it through, the model submits it and must agree on the outcome."""
         model = self.model
         reply = self.harness.answers.pop((actor.worker, rid), None)
-        error = str(reply.fields.get("error", "")) if reply is not None and reply.op == "error" else ""
         if reply is not None and reply.op == "error" and reply.fields.get("kind") == "failed":
             model.fail()
             return
-        overflow = "NaN or Inf in the store" in error or "overflow" in error
+        overflow = reply is not None and reply.fields.get("kind") == protocol.NON_FINITE
         if reply is not None and reply.op not in ("params",) and not overflow:
             return  # refused by the checks before the policy (a resync, a repeat, a stranger...): nothing changed
         worker = actor.worker if worker is None else worker  # the id the push claims is the one the ps counts
