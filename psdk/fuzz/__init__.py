@@ -14,4 +14,9 @@ Three stages, each against a ps of its own:
 
 The first two share :mod:`psdk.fuzz.harness`: the live ps on a
 thread, the connections to it, and the record of what was sent and answered.
+
+This is psdk's own tooling, kept apart from :mod:`psdk.testing` (the kit
+plugin authors test with): it needs hypothesis (``pip install 'psdk[fuzz]'``),
+and no product module imports it but the ``fuzz`` command, when it runs
+(``tests/test_fuzz.py`` and ``tests/test_structure.py`` hold these).
 """
