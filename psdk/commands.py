@@ -68,15 +68,19 @@ def run_fuzz(args: Sequence[str]) -> int:
         psdk_log.propagate = propagate
 
 
-def _fuzz_stages(options: dict[str, str]) -> int:
-    from psdk.testing.fuzz import single
+FUZZ_EXTRA = "pip install 'psdk[fuzz]'"
+"""How to get what ``psdk fuzz`` needs beyond psdk itself (hypothesis, declared as the ``fuzz`` extra)."""
 
+
+def _fuzz_stages(options: dict[str, str]) -> int:
+    # psdk.fuzz is psdk's own tooling, not product code: imported here only, when the command runs.
     try:
-        from psdk.testing.fuzz import runner
-    except ImportError as exc:
-        raise ConfigError("fuzz", str(exc)) from None
-    from psdk.testing.fuzz.alongside import run_alongside
-    from psdk.testing.fuzz.harness import Mode
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise ConfigError("fuzz", f"needs hypothesis, which psdk does not install by default: {FUZZ_EXTRA}") from None
+    from psdk.fuzz import runner, single
+    from psdk.fuzz.alongside import run_alongside
+    from psdk.fuzz.harness import Mode
 
     seed, ok = int(options["seed"]), True
     for mode in (Mode(False, False), Mode(False, True), Mode(True, True)):

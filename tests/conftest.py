@@ -40,7 +40,8 @@ def _root_log_handlers_restored() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def mnist_dir() -> Path:
+def psdk_mnist_dir() -> Path:
+    """psdk's pytest plugin's fixture, overridden with this suite's fallbacks (``PSDK_TEST_DATA_DIR``, ../shared)."""
     if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
         pytest.fail(f"MNIST is expected in {MNIST_DIR} (set PSDK_DATA_DIR; default: ../shared/data/mnist)")
     return MNIST_DIR
@@ -118,9 +119,9 @@ def ps_cluster() -> Iterator[PsCluster]:
 
 
 @pytest.fixture
-def local_mirror(mnist_dir: Path) -> Iterator[str]:
+def local_mirror(psdk_mnist_dir: Path) -> Iterator[str]:
     """An HTTP mirror of MNIST on a free local port, for downloads without the internet."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(mnist_dir))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(psdk_mnist_dir))
     handler.log_message = lambda *a, **k: None  # type: ignore[assignment]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -1,4 +1,9 @@
-"""Running real psdk jobs as subprocesses, and reading what they leave behind."""
+"""Running real psdk jobs as subprocesses, and reading what they leave behind.
+
+The command line and the heartbeats come from the shipped helper (:mod:`psdk.testing.jobs`, which plugin
+tests use): this module adds what only psdk's own suite needs (jobs in the background, killing a task at
+measured progress, reading the files a job leaves).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from psdk.testing.jobs import fast_heartbeats, psdk_command
+
 from .conftest import MNIST_DIR, REPO
 
 FAST_FLAGS = [
-    "transport.heartbeat_interval_s=0.2",
-    "transport.heartbeat_timeout_s=2",
+    # 2 s, not the shipped 5 s: every job here trains numpy workers, whose heartbeat thread no framework
+    # holds off, and the loss and hang tests wait out a lost task (test_hangs' stall timeouts of 3.5 s
+    # must stay above it).
+    *fast_heartbeats(timeout_s=2),
     "train.log_every=20",
     "train.final_wait_s=30",
 ]
@@ -30,9 +38,8 @@ def env() -> dict[str, str]:
 
 
 def psdk(*args: str, out: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    extra = [f"hydra.run.dir={out}"] if out is not None else []
     return subprocess.run(
-        [sys.executable, "-m", "psdk", *args, *extra],
+        psdk_command(*args, out=out),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -49,7 +56,7 @@ def _interruptible() -> None:
 
 def start(*args: str, out: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "psdk", *args, f"hydra.run.dir={out}"],
+        psdk_command(*args, out=out),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -14,13 +14,13 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from psdk.bench.zmtp import RawZmtpPeer
 from psdk.client import ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
-from psdk.testing.zmtp import RawZmtpPeer
 from psdk.transport import zmq_guard
 from psdk.transport.zeromq import ZmqOptions, ZmqServer, ZmqTransport
 from tests.helpers import FAST

@@ -20,8 +20,8 @@ def no_data_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def data(mnist_dir: Path) -> mnist.Mnist:
-    return mnist.load(mnist_dir)
+def data(psdk_mnist_dir: Path) -> mnist.Mnist:
+    return mnist.load(psdk_mnist_dir)
 
 
 def test_the_four_files_load_with_their_shapes(data: mnist.Mnist) -> None:
@@ -49,9 +49,9 @@ def test_a_split_keeps_bytes_and_scales_each_batch_as_cut(data: mnist.Mnist) -> 
     np.testing.assert_array_equal(y, data.train_y[5000 + 27500 + rows])
 
 
-def test_uncompressed_files_work_too(mnist_dir: Path, tmp_path: Path) -> None:
+def test_uncompressed_files_work_too(psdk_mnist_dir: Path, tmp_path: Path) -> None:
     for stem, _ in mnist.FILES.values():
-        (tmp_path / stem).write_bytes(gzip.decompress((mnist_dir / f"{stem}.gz").read_bytes()))
+        (tmp_path / stem).write_bytes(gzip.decompress((psdk_mnist_dir / f"{stem}.gz").read_bytes()))
     assert mnist.load(mnist.resolve_dir(str(tmp_path))).test_y.shape == (10000,)
 
 
@@ -62,8 +62,8 @@ def test_a_folder_without_the_files_says_where_to_put_them(tmp_path: Path) -> No
     assert "train-images-idx3-ubyte.gz" in text and "PSDK_DATA_DIR" in text and "does not exist" in text
 
 
-def test_a_corrupt_file_is_refused(mnist_dir: Path, tmp_path: Path) -> None:
-    for path in mnist_dir.glob("*.gz"):
+def test_a_corrupt_file_is_refused(psdk_mnist_dir: Path, tmp_path: Path) -> None:
+    for path in psdk_mnist_dir.glob("*.gz"):
         shutil.copy(path, tmp_path / path.name)
     raw = bytearray(gzip.decompress((tmp_path / "t10k-labels-idx1-ubyte.gz").read_bytes()))
     raw[100] ^= 0xFF
@@ -95,17 +95,17 @@ def test_downloading_off_is_respected(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ the decoded cache
-def copy_of(mnist_dir: Path, folder: Path) -> Path:
+def copy_of(psdk_mnist_dir: Path, folder: Path) -> Path:
     folder.mkdir()
-    for path in mnist_dir.glob("*.gz"):
+    for path in psdk_mnist_dir.glob("*.gz"):
         shutil.copy(path, folder / path.name)
     return folder
 
 
 def test_decoded_arrays_are_cached_and_used_until_a_file_changes(
-    mnist_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    psdk_mnist_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    files, cache = copy_of(psdk_mnist_dir, tmp_path / "files"), tmp_path / "cache"
     first = mnist.load(files, cache_dir=cache)
     (entry,) = cache.glob("decoded-*")
     decoded: list[Path] = []
@@ -125,9 +125,9 @@ def test_decoded_arrays_are_cached_and_used_until_a_file_changes(
 
 
 def test_a_damaged_cache_entry_is_ignored_and_written_anew(
-    mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    psdk_mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    files, cache = copy_of(psdk_mnist_dir, tmp_path / "files"), tmp_path / "cache"
     truth = mnist.load(files, cache_dir=cache)
     (entry,) = cache.glob("decoded-*")
     for damage in (
@@ -143,15 +143,15 @@ def test_a_damaged_cache_entry_is_ignored_and_written_anew(
     np.testing.assert_array_equal(mnist.load(files, cache_dir=cache).train_x, truth.train_x)
 
 
-def test_the_cache_keeps_only_the_newest_entries(mnist_dir: Path, tmp_path: Path) -> None:
+def test_the_cache_keeps_only_the_newest_entries(psdk_mnist_dir: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     for copy in range(mnist.DECODED_KEPT + 1):
-        mnist.load(copy_of(mnist_dir, tmp_path / f"files{copy}"), cache_dir=cache)
+        mnist.load(copy_of(psdk_mnist_dir, tmp_path / f"files{copy}"), cache_dir=cache)
     assert len(list(cache.glob("decoded-*"))) == mnist.DECODED_KEPT
 
 
-def test_a_folder_missing_a_file_is_explained_with_the_cache_on_too(mnist_dir: Path, tmp_path: Path) -> None:
-    files = copy_of(mnist_dir, tmp_path / "files")
+def test_a_folder_missing_a_file_is_explained_with_the_cache_on_too(psdk_mnist_dir: Path, tmp_path: Path) -> None:
+    files = copy_of(psdk_mnist_dir, tmp_path / "files")
     (files / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(DataError, match=r"MNIST files missing in .*t10k-labels-idx1-ubyte\.gz"):
         mnist.load(files, cache_dir=tmp_path / "cache")
@@ -163,9 +163,9 @@ def planted(entry: Path, truth: mnist.Mnist) -> None:
 
 
 def test_a_cache_entry_that_is_not_the_standard_data_is_never_trained_on(
-    mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    psdk_mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    files, cache = copy_of(psdk_mnist_dir, tmp_path / "files"), tmp_path / "cache"
     truth = mnist.load(files, cache_dir=cache)
     (entry,) = cache.glob("decoded-*")
     planted(entry, truth)  # right shapes, labels in 0..9, this user's own files: only the digest tells
@@ -175,9 +175,9 @@ def test_a_cache_entry_that_is_not_the_standard_data_is_never_trained_on(
 
 @pytest.mark.parametrize("how", ["group-writable folder", "others-writable file", "another user's"])
 def test_a_cache_entry_another_user_could_have_written_is_not_used(
-    mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+    psdk_mnist_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
-    files, cache = copy_of(mnist_dir, tmp_path / "files"), tmp_path / "cache"
+    files, cache = copy_of(psdk_mnist_dir, tmp_path / "files"), tmp_path / "cache"
     truth = mnist.load(files, cache_dir=cache)
     (entry,) = cache.glob("decoded-*")
     if how == "group-writable folder":
@@ -203,9 +203,9 @@ def bomb(path: Path, header: bytes, megabytes: int) -> Path:
     return path
 
 
-def test_decompression_stops_at_the_size_the_file_may_have(mnist_dir: Path, tmp_path: Path) -> None:
+def test_decompression_stops_at_the_size_the_file_may_have(psdk_mnist_dir: Path, tmp_path: Path) -> None:
     labels = (60000).to_bytes(4, "big")
-    files = copy_of(mnist_dir, tmp_path / "files")
+    files = copy_of(psdk_mnist_dir, tmp_path / "files")
     bomb(files / "train-labels-idx1-ubyte.gz", b"\x00\x00\x08\x01" + labels, 64)
     with pytest.raises(DataError, match=r"holds more than the 60008 bytes of the standard file"):
         mnist.load(files)

@@ -30,13 +30,15 @@ def psdk_data(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_folder_with_the_four_files_is_verified(mnist_dir: Path) -> None:
-    result = psdk_data(f"data.dir={mnist_dir}")
+def test_a_folder_with_the_four_files_is_verified(psdk_mnist_dir: Path) -> None:
+    result = psdk_data(f"data.dir={psdk_mnist_dir}")
     assert result.returncode == 0, result.stderr
-    assert f"MNIST is in {mnist_dir}" in result.stdout and "checksums of all four files are verified" in result.stdout
+    assert (
+        f"MNIST is in {psdk_mnist_dir}" in result.stdout and "checksums of all four files are verified" in result.stdout
+    )
     for stem, md5 in mnist.FILES.values():
         assert f"{stem}.gz" in result.stdout and md5 in result.stdout
-    assert f"data.dir={mnist_dir}" in result.stdout
+    assert f"data.dir={psdk_mnist_dir}" in result.stdout
 
 
 def test_missing_files_are_downloaded_into_the_cache(local_mirror: str, tmp_path: Path) -> None:

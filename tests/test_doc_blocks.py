@@ -336,13 +336,13 @@ def runner(verdict: str) -> Callable[[str, Folder], None]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
-def test_the_block_runs(block: Block, tmp_path: Path, mnist_dir: Path) -> None:
+def test_the_block_runs(block: Block, tmp_path: Path, psdk_mnist_dir: Path) -> None:
     verdict, detail = action(block)
     if verdict == "skip":
         pytest.skip(f"{block.id}: {detail}")
     if verdict == "fail":
         pytest.fail(f"{block.id}: {detail}")
-    folder = Folder(tmp_path, dict(os.environ, PSDK_DATA_DIR=str(mnist_dir), PYTHONUNBUFFERED="1"))
+    folder = Folder(tmp_path, dict(os.environ, PSDK_DATA_DIR=str(psdk_mnist_dir), PYTHONUNBUFFERED="1"))
     for part in (block, *block.followers):
         runner(detail)(part.code, folder)
 

@@ -29,9 +29,9 @@ pytestmark = [
 ]
 
 
-def test_the_readme_example_script_trains(tmp_path: Path, mnist_dir: Path) -> None:
+def test_the_readme_example_script_trains(tmp_path: Path, psdk_mnist_dir: Path) -> None:
     """The example's docstring, command by command (a free port instead of 2222)."""
-    env = dict(os.environ, PSDK_DATA_DIR=str(mnist_dir), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PSDK_DATA_DIR=str(psdk_mnist_dir), PYTHONUNBUFFERED="1")
     announced = announce.file_for(tmp_path, 0)
     made = subprocess.run(
         [sys.executable, "-m", "psdk", "keys", "keys_dir=keys", "workers=2"],
@@ -89,9 +89,9 @@ def test_the_readme_example_script_trains(tmp_path: Path, mnist_dir: Path) -> No
 
 
 @pytest.mark.timeout(120)
-def test_the_tf1_softmax_script_runs_as_ps_and_workers_with_keys(tmp_path: Path, mnist_dir: Path) -> None:
+def test_the_tf1_softmax_script_runs_as_ps_and_workers_with_keys(tmp_path: Path, psdk_mnist_dir: Path) -> None:
     """examples/tf1_mnist_softmax.py as its docstring runs it: one script, ps + 2 workers, keys; short steps."""
-    env = dict(os.environ, PSDK_DATA_DIR=str(mnist_dir), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PSDK_DATA_DIR=str(psdk_mnist_dir), PYTHONUNBUFFERED="1")
     made = subprocess.run(
         [sys.executable, "-m", "psdk", "keys", "keys_dir=keys", "workers=2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psdk.testing.fuzz.single import FuzzSession
+from psdk import protocol
+from psdk.fuzz import single
+from psdk.fuzz.single import FuzzSession
+
+from .conftest import REPO
 
 BATCHES, PER_BATCH = 200, 100
 
@@ -49,3 +56,27 @@ def test_the_fuzz_command_runs_every_stage_and_reports_a_pass(capsys: object) ->
         assert f"{stage}: 5 sequences" in out
     assert "alongside a real job" in out and "store hash unchanged: True" in out
     assert out.count("PASS") == 5
+
+
+def test_single_messages_mutate_every_op_the_protocol_declares() -> None:
+    assert set(single.OPS) == set(protocol.OPS) and {"stop_at", "restore"} <= set(single.OPS)
+
+
+WITHOUT_HYPOTHESIS = """
+import sys
+sys.modules["hypothesis"] = None  # what an install without the fuzz extra sees: import hypothesis fails
+from psdk.cli import main
+sys.exit(main(["fuzz", "sequences=1", "steps=1", "count=10"]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_without_hypothesis_the_fuzz_command_says_how_to_install_it() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_HYPOTHESIS], capture_output=True, text=True, timeout=50, cwd=REPO, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        "psdk: error: fuzz: needs hypothesis, which psdk does not install by default: pip install 'psdk[fuzz]'"
+    )
+    assert "Traceback" not in done.stderr

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from psdk.consistency import SyncSpec
+from psdk.fuzz.model import Model, Pushed, RuleModel
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD, Adagrad, Adam, NoOp, RMSProp, UpdateRule
-from psdk.testing.fuzz.model import Model, Pushed, RuleModel
 
 pytestmark = pytest.mark.timeout(60)
 

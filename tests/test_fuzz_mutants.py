@@ -20,10 +20,10 @@ import pytest
 
 from psdk import store as store_module
 from psdk.consistency import SSPPolicy, SyncPolicy
+from psdk.fuzz import runner
+from psdk.fuzz.harness import Mode
 from psdk.optim import UpdateRule
 from psdk.store import FlatStore
-from psdk.testing.fuzz import runner
-from psdk.testing.fuzz.harness import Mode
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,10 +9,10 @@ import pytest
 
 from psdk import protocol
 from psdk.consistency import POLICIES
+from psdk.fuzz import harness, runner, stateful
+from psdk.fuzz.alongside import run_alongside
+from psdk.fuzz.harness import Mode
 from psdk.ps.server import ParameterServer
-from psdk.testing.fuzz import harness, runner, stateful
-from psdk.testing.fuzz.alongside import run_alongside
-from psdk.testing.fuzz.harness import Mode
 from psdk.transport import shm
 
 pytestmark = pytest.mark.timeout(300)

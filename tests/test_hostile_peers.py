@@ -387,7 +387,7 @@ def test_full_queues_from_peers_that_reset_never_abort_the_ps_process(tmp_path: 
     import struct
     import threading
 
-    from psdk.testing.zmtp import RawZmtpPeer
+    from psdk.bench.zmtp import RawZmtpPeer
     from tests.conftest import REPO, free_port
     from tests.jobs import env
 

@@ -40,19 +40,19 @@ def copied_out(tmp_path: Path) -> Path:
     return copy
 
 
-def environment(copy: Path, mnist_dir: Path) -> dict[str, str]:
+def environment(copy: Path, psdk_mnist_dir: Path) -> dict[str, str]:
     """This environment, less any path into the repository's plugin folder, with the copy first and MNIST set."""
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     kept = [p for p in inherited if not Path(p).resolve().is_relative_to(PLUGIN)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *kept]), PSDK_DATA_DIR=str(mnist_dir))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *kept]), PSDK_DATA_DIR=str(psdk_mnist_dir))
     env.pop("PSDK_TEST_DATA_DIR", None)  # this repository's own variable must not help the copy
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
-def test_the_torch_plugin_folder_passes_its_tests_when_copied_out(tmp_path: Path, mnist_dir: Path) -> None:
+def test_the_torch_plugin_folder_passes_its_tests_when_copied_out(tmp_path: Path, psdk_mnist_dir: Path) -> None:
     copy = copied_out(tmp_path)
-    env = environment(copy, mnist_dir)
+    env = environment(copy, psdk_mnist_dir)
     where = subprocess.run(
         [sys.executable, "-c", "import psdk_torch; print(psdk_torch.__file__)"],
         cwd=copy, env=env, capture_output=True, text=True, timeout=60, check=True,

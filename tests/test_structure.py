@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "psdk"
 MAX_LINES = 500
-SIZE_CHECKED = ("ps", "client", "protocol.py", "transport", "recovery.py", "testing/fuzz")
+SIZE_CHECKED = ("ps", "client", "protocol.py", "transport", "recovery.py", "fuzz")
 BEHIND_THE_TRANSPORT = ("psdk.ps", "psdk.client")
 THE_INTERFACE = {"psdk.transport", "psdk.transport.contract", "psdk.transport.wire"}
 """All of psdk.transport the ps and the client may import: the contract and its messages."""
@@ -118,3 +118,70 @@ def test_the_ps_the_client_the_transport_and_the_fuzzers_are_made_of_modules_of_
     assert len(checked) > 10
     large = {str(p.relative_to(PACKAGE)): n for p in checked if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not large, f"modules over {MAX_LINES} lines: {large}"
+
+
+TOOLING = ("psdk.testing", "psdk.fuzz")
+"""What ships for tests, not for jobs: the plugin-author kit and psdk's own fuzzers."""
+TOOLING_ENTRY_POINTS = {"psdk.commands": ("psdk.fuzz",)}
+"""Product modules that may reach tooling, and which: the ``psdk fuzz`` command, inside its function only."""
+
+
+def _is_under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def tooling_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each product module's imports of tooling its entry-point allowance does not cover; the kit's of the fuzzers."""
+    found: dict[str, list[str]] = {}
+    for module, imported in graph.items():
+        if _is_under(module, ("psdk.fuzz",)):
+            continue  # psdk's own tooling may use the kit and anything else
+        barred = ("psdk.fuzz",) if _is_under(module, ("psdk.testing",)) else TOOLING
+        allowed = TOOLING_ENTRY_POINTS.get(module, ())
+        bad = sorted(d for d in imported if _is_under(d, barred) and not _is_under(d, allowed))
+        if bad:
+            found[module] = bad
+    return found
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it is imported: outside any function body."""
+    tree = ast.parse(path.read_text())
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            inside.update(id(child) for child in ast.walk(node))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in inside:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_no_product_module_imports_the_test_kit_or_the_fuzzers() -> None:
+    """A job, the bench and the CLI load no test tooling; ``psdk fuzz`` alone reaches the fuzzers, when it runs."""
+    graph = import_graph()
+    assert "psdk.fuzz.runner" in graph and "psdk.testing.conformance" in graph and "psdk.bench.zmtp" in graph
+    assert not tooling_imports(graph), tooling_imports(graph)
+    for module, allowed in TOOLING_ENTRY_POINTS.items():
+        path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+        eager = {m for m in _module_level_imports(path) if _is_under(m, allowed)}
+        assert not eager, f"{module} imports {sorted(eager)} when it is imported, not when its command runs"
+
+
+def test_the_tooling_check_finds_a_product_module_that_imports_tooling() -> None:
+    graph = {
+        "psdk.bench.flood": {"psdk.testing.zmtp"},
+        "psdk.commands": {"psdk.fuzz.runner", "psdk.testing"},
+        "psdk.testing.jobs": {"psdk.fuzz.harness", "psdk.metrics"},
+        "psdk.fuzz.harness": {"psdk.testing.ps"},
+    }
+    assert tooling_imports(graph) == {
+        "psdk.bench.flood": ["psdk.testing.zmtp"],
+        "psdk.commands": ["psdk.testing"],
+        "psdk.testing.jobs": ["psdk.fuzz.harness"],
+    }

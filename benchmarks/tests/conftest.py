@@ -24,7 +24,8 @@ if str(PEERS) not in sys.path:  # _common is framework-free: unit-testable here
 
 
 @pytest.fixture(scope="session")
-def mnist_dir() -> Path:
+def psdk_mnist_dir() -> Path:
+    """psdk's pytest plugin's fixture, overridden with this suite's fallbacks, as tests/conftest.py does."""
     if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
         pytest.fail(f"MNIST is expected in {MNIST_DIR} (set PSDK_DATA_DIR; default: ../shared/data/mnist)")
     return MNIST_DIR

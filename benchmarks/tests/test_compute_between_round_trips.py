@@ -14,8 +14,8 @@ SCRIPT = REPO / "benchmarks" / "compute_between_round_trips.py"
 
 
 @pytest.mark.timeout(120)
-def test_prints_cpu_per_pass_for_each_situation_against_back_to_back(mnist_dir: Path) -> None:
-    env = dict(os.environ, PSDK_DATA_DIR=str(mnist_dir), OMP_NUM_THREADS="1")
+def test_prints_cpu_per_pass_for_each_situation_against_back_to_back(psdk_mnist_dir: Path) -> None:
+    env = dict(os.environ, PSDK_DATA_DIR=str(psdk_mnist_dir), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--steps", "30", "--reps", "1"],
         capture_output=True, text=True, timeout=110, env=env, check=False,

@@ -123,20 +123,20 @@ def test_smoke(
     framework: str,
     mode: str,
     has_ps: bool,
-    mnist_dir: Path,
+    psdk_mnist_dir: Path,
     token: str,
 ) -> None:
     """A short run of every peer; in a loopback-only network namespace where one can be made (as the harness runs)."""
-    args = [*extra, "--steps", str(STEPS), "--workers", "2", "--data", str(mnist_dir), "--timeout", "120"]
+    args = [*extra, "--steps", str(STEPS), "--workers", "2", "--data", str(psdk_mnist_dir), "--timeout", "120"]
     code, out, err = finish(start(script, args, token, netns=can_unshare_net()), token, timeout=140)
     assert code == 0, err[-3000:]
     check_contract(out, err, system, framework, mode, has_ps)
 
 
 @pytest.mark.timeout(60)
-def test_timeout_kills_every_task_and_names_the_one_waited_for(mnist_dir: Path, token: str) -> None:
+def test_timeout_kills_every_task_and_names_the_one_waited_for(psdk_mnist_dir: Path, token: str) -> None:
     # 1 s is not enough for the ranks to even import torch.
-    proc = start("torch_ddp.py", ["--mode", "sync", "--data", str(mnist_dir), "--timeout", "1"], token)
+    proc = start("torch_ddp.py", ["--mode", "sync", "--data", str(psdk_mnist_dir), "--timeout", "1"], token)
     code, out, err = finish(proc, token, timeout=30)
     assert code == 124
     assert out == ""
@@ -154,9 +154,9 @@ def test_missing_data_fails_fast_in_the_launcher(tmp_path: Path, token: str) -> 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_signal_kills_every_task(mnist_dir: Path, token: str, sig: signal.Signals, tmp_path: Path) -> None:
+def test_signal_kills_every_task(psdk_mnist_dir: Path, token: str, sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C and SIGTERM: the launcher kills its tasks and cleans up; SIGKILL: the kernel kills them."""
-    args = ["--mode", "sync", "--data", str(mnist_dir), "--timeout", "60"]
+    args = ["--mode", "sync", "--data", str(psdk_mnist_dir), "--timeout", "60"]
     proc = start("torch_rpc_ps.py", args, token, env={"TMPDIR": str(tmp_path)})
     deadline = time.time() + 20
     while len(leftovers(token)) < 4 and time.time() < deadline:  # launcher + ps + 2 workers

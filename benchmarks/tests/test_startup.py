@@ -12,12 +12,12 @@ from conftest import REPO
 
 
 @pytest.mark.timeout(300)
-def test_prints_each_phase_and_the_overhead_against_training(mnist_dir: Path) -> None:
+def test_prints_each_phase_and_the_overhead_against_training(psdk_mnist_dir: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "startup.py"), "--reps", "2", "backend=numpy", "train.steps=300",
          "report.plot=false"],
         capture_output=True, text=True, timeout=280, check=False, cwd=REPO,
-        env=dict(os.environ, PSDK_DATA_DIR=str(mnist_dir)),
+        env=dict(os.environ, PSDK_DATA_DIR=str(psdk_mnist_dir)),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")][1:]

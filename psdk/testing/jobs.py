@@ -2,6 +2,8 @@
 
 Backend plugins test the end-to-end MNIST job with it; a subprocess keeps the
 framework (and torch or TensorFlow never both) out of the pytest process.
+psdk's own suite starts its jobs from the same command line and heartbeats
+(``tests/jobs.py``), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -15,8 +17,26 @@ from typing import Any
 
 from psdk.metrics import read_jsonl
 
-FAST_HEARTBEATS = ("transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5")
+HEARTBEAT_TIMEOUT_S = 5.0
+"""How long a test job's task may be silent before its peers call it lost: seconds, not the default 10, so a
+test that loses a task ends soon. 5 for jobs whose workers run a framework, the margin plugin jobs have always
+had: a worker's heartbeat is a Python thread, sharing its interpreter with the framework's Python-side work
+(imports, graph tracing) and a CI host's few cores with the other tasks. psdk's own suite, whose jobs train
+numpy workers and whose loss and hang tests wait out a lost task, asks for 2 (:func:`fast_heartbeats`)."""
+
+
+def fast_heartbeats(timeout_s: float = HEARTBEAT_TIMEOUT_S) -> tuple[str, ...]:
+    """The overrides for heartbeats every 0.2 s, a task lost after ``timeout_s`` of silence."""
+    return ("transport.heartbeat_interval_s=0.2", f"transport.heartbeat_timeout_s={timeout_s:g}")
+
+
+FAST_HEARTBEATS = fast_heartbeats()
 """Heartbeats that notice a lost task in seconds, not the default tens of seconds."""
+
+
+def psdk_command(*args: str, out: Path | None = None) -> list[str]:
+    """``python -m psdk ARGS`` with this interpreter, writing into ``out`` (``hydra.run.dir``) when given."""
+    return [sys.executable, "-m", "psdk", *args, *([f"hydra.run.dir={out}"] if out is not None else [])]
 
 
 def run_job(
@@ -31,7 +51,7 @@ def run_job(
     if data_dir is not None:
         env["PSDK_DATA_DIR"] = str(data_dir)
     done = subprocess.run(
-        [sys.executable, "-m", "psdk", "run", *overrides, *FAST_HEARTBEATS, f"hydra.run.dir={out}"],
+        psdk_command("run", *overrides, *FAST_HEARTBEATS, out=out),
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -6,6 +6,11 @@ class to subclass (:class:`psdk.testing.BackendConformance`); it does not depend
 on these fixtures. Nothing here knows where a plugin's folder is: a plugin's
 tests pass wherever the folder is copied, once psdk is installed and MNIST is
 given by ``PSDK_DATA_DIR``.
+
+Every session of anyone who installs psdk loads this module, so it adds
+fixtures only, each named ``psdk_...`` so none shadows or is shadowed by a
+project's own, and no hook: :class:`psdk.testing.RuleAgreement` parametrizes
+its own test from its class.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ def psdk_ps() -> Iterator[RunningPs]:
 
 
 @pytest.fixture(scope="session")
-def mnist_dir() -> Path:
+def psdk_mnist_dir() -> Path:
     """The MNIST folder ``$PSDK_DATA_DIR`` names; the test fails, saying how to fix it, when it is not there."""
     value = os.environ.get("PSDK_DATA_DIR")
     if not value:
@@ -43,13 +48,3 @@ def mnist_dir() -> Path:
     if missing:
         pytest.fail(f"PSDK_DATA_DIR={value} lacks {', '.join(missing)} (gzipped or not)")
     return folder
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One test per rule case for subclasses of :class:`psdk.testing.RuleAgreement`."""
-    if "rule_case" not in metafunc.fixturenames or metafunc.cls is None:
-        return
-    from psdk.testing.rule_agreement import RuleAgreement
-
-    if issubclass(metafunc.cls, RuleAgreement):
-        metafunc.parametrize("rule_case", list(metafunc.cls.cases))

@@ -11,7 +11,7 @@ same parameters. A plugin subclasses :class:`RuleAgreement`::
             ...  # the framework's optimizer for ``rule``, stepped once per gradient
             return final_params
 
-(psdk's pytest plugin gives each case its own test id) and lists in
+(each case gets its own test id, from the class's own ``pytest_generate_tests``) and lists in
 ``skipped`` (case id -> reason) the cases its framework computes differently
 on purpose, so the difference is written down.
 """
@@ -46,6 +46,12 @@ class RuleAgreement:
     atol: ClassVar[float] = 1e-6
     skipped: ClassVar[dict[str, str]] = {}
     """Case ids the framework computes differently, with the reason (shown as the skip reason)."""
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """One test per case of :attr:`cases`: pytest calls a test class's own hook for that class's tests
+        only, so installing psdk adds no hook to anyone else's session."""
+        if "rule_case" in metafunc.fixturenames:
+            metafunc.parametrize("rule_case", list(self.cases))
 
     def framework_steps(self, rule: UpdateRule, start: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
         """The framework's own optimizer for ``rule``, from ``start``, stepped once per gradient: the result."""

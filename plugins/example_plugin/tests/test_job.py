@@ -62,18 +62,18 @@ print(json.dumps({{"loss": loss, "expected": expected, "same": same}}))
 
 
 @pytest.mark.parametrize("backend", sorted(FRAMEWORKS))
-def test_it_trains_mnist_on_each_backend(backend: str, tmp_path: Path, mnist_dir: Path) -> None:
+def test_it_trains_mnist_on_each_backend(backend: str, tmp_path: Path, psdk_mnist_dir: Path) -> None:
     needs(backend)
-    summary, stdout = run_job(tmp_path, f"backend={backend}", *RECIPE, "train.steps=1500", data_dir=mnist_dir)
+    summary, stdout = run_job(tmp_path, f"backend={backend}", *RECIPE, "train.steps=1500", data_dir=psdk_mnist_dir)
     assert summary["test_accuracy"] >= 0.95, summary["test_accuracy"]
     assert f"backend={backend} model=resmlp" in stdout.strip().splitlines()[-1]
 
 
-def test_a_mixed_job_resumes_with_the_rules_slot_on_other_backends(tmp_path: Path, mnist_dir: Path) -> None:
+def test_a_mixed_job_resumes_with_the_rules_slot_on_other_backends(tmp_path: Path, psdk_mnist_dir: Path) -> None:
     """torch+tf write a checkpoint holding Lion's slot; jax+torch resume from it (or torch alone, without jax)."""
     needs("torch", "tf")
     first = tmp_path / "first"
-    run_job(first, *RECIPE, "topology.worker_backends=[torch,tf]", "train.steps=600", data_dir=mnist_dir)
+    run_job(first, *RECIPE, "topology.worker_backends=[torch,tf]", "train.steps=600", data_dir=psdk_mnist_dir)
     checkpoint = next((first / "checkpoints").glob("ckpt-*-600.npz"))
     with np.load(checkpoint) as saved:
         slots = sorted(k for k in saved.files if k.startswith("slots/m/"))
@@ -84,7 +84,7 @@ def test_a_mixed_job_resumes_with_the_rules_slot_on_other_backends(tmp_path: Pat
     backends = "[jax,torch]" if importlib.util.find_spec("jax") is not None else "[torch]"
     summary, _ = run_job(
         second, *RECIPE, f"topology.worker_backends={backends}", "train.steps=900", f"resume={checkpoint}",
-        data_dir=mnist_dir,
+        data_dir=psdk_mnist_dir,
     )  # fmt: skip
     assert summary["global_step"] == 900 and summary["test_accuracy"] >= 0.93
     assert "resumed from" in (second / "tasks" / "worker0" / "worker0.log").read_text()

@@ -1,6 +1,6 @@
 """The JAX plugin's tests run in a pytest process of their own: no torch or TensorFlow here.
 
-Their fixtures (``mnist_dir`` from ``$PSDK_DATA_DIR``, ``psdk_ps``) come from
+Their fixtures (``psdk_mnist_dir`` from ``$PSDK_DATA_DIR``, ``psdk_ps``) come from
 psdk's pytest plugin, so this folder passes wherever it is copied once psdk
 and this plugin are installed.
 """

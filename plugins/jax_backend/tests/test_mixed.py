@@ -33,14 +33,14 @@ def needs(backend: str) -> None:
     pytest.skip(reason)
 
 
-def run(out: Path, mnist_dir: Path, *args: str) -> tuple[dict, str]:
-    return run_job(out, *args, "train.validate_every=500", data_dir=mnist_dir, timeout_s=300)
+def run(out: Path, psdk_mnist_dir: Path, *args: str) -> tuple[dict, str]:
+    return run_job(out, *args, "train.validate_every=500", data_dir=psdk_mnist_dir, timeout_s=300)
 
 
 @pytest.mark.parametrize("other", ["torch", "tf"])
-def test_a_jax_worker_and_another_frameworks_train_one_model(tmp_path: Path, mnist_dir: Path, other: str) -> None:
+def test_a_jax_worker_and_another_frameworks_train_one_model(tmp_path: Path, psdk_mnist_dir: Path, other: str) -> None:
     needs(other)
-    summary, stdout = run(tmp_path, mnist_dir, f"topology.worker_backends=[jax,{other}]", "train.steps=1500")
+    summary, stdout = run(tmp_path, psdk_mnist_dir, f"topology.worker_backends=[jax,{other}]", "train.steps=1500")
     assert {w["backend"] for w in summary["workers"].values()} == {"jax", other}
     assert_every_worker_contributed(summary, tmp_path / "metrics.jsonl")
     by_backend = summary["test_accuracy_by_backend"]
@@ -50,26 +50,26 @@ def test_a_jax_worker_and_another_frameworks_train_one_model(tmp_path: Path, mni
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, mnist_dir: Path) -> dict[str, tuple[Path, dict]]:
+def trained(tmp_path_factory: pytest.TempPathFactory, psdk_mnist_dir: Path) -> dict[str, tuple[Path, dict]]:
     """Checkpoints of 1,000 Adam steps written by a JAX job and, where torch is installed, by a torch job."""
     jobs: dict[str, tuple[Path, dict]] = {}
     for backend in ("jax", "torch"):
         if backend == "torch" and plugins.installed_backends().get("torch") is None:
             continue
         out = tmp_path_factory.mktemp(f"{backend}-first")
-        summary, _ = run(out, mnist_dir, f"backend={backend}", *ADAM, "train.steps=1000")
+        summary, _ = run(out, psdk_mnist_dir, f"backend={backend}", *ADAM, "train.steps=1000")
         jobs[backend] = (out / "checkpoints", summary)
     return jobs
 
 
 @pytest.mark.parametrize("first, second", [("torch", "jax"), ("jax", "torch"), ("jax", "tf")])
 def test_a_checkpoint_of_one_framework_resumes_on_the_other(
-    tmp_path: Path, mnist_dir: Path, trained: dict[str, tuple[Path, dict]], first: str, second: str
+    tmp_path: Path, psdk_mnist_dir: Path, trained: dict[str, tuple[Path, dict]], first: str, second: str
 ) -> None:
     needs(first)
     needs(second)
     folder, before = trained[first]
-    after, stdout = run(tmp_path, mnist_dir, f"backend={second}", *ADAM, "train.steps=2000", f"resume={folder}")
+    after, stdout = run(tmp_path, psdk_mnist_dir, f"backend={second}", *ADAM, "train.steps=2000", f"resume={folder}")
     assert "resumed from" in stdout and after["resumed_from"] == str(folder)
     assert after["backend"] == second and after["global_step"] == 2000 and after["gradients_applied"] == 1000
     # The accuracy carries over (Adam's moments and step came along with the weights).

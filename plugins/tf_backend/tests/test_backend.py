@@ -191,9 +191,9 @@ def test_binding_a_keras_model_does_not_keep_it_alive(backend: TfBackend) -> Non
     assert model_ref() is None
 
 
-def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TfBackend, mnist_dir: Path) -> None:
+def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TfBackend, psdk_mnist_dir: Path) -> None:
     """Real data, in this process: the backend's network with its own Keras optimizer, 300 steps of 100."""
-    data = mnist.split(mnist.load(mnist_dir), 0, 1)
+    data = mnist.split(mnist.load(psdk_mnist_dir), 0, 1)
     spec = ModelSpec(hidden=(100,))
     model = backend.build_model(spec, init_weights(spec, 0))
     optimizer = backend.make_optimizer(model, SGD(lr=0.1, momentum=0.9))

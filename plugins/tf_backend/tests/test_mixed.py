@@ -21,12 +21,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def run(tmp_path: Path, mnist_dir: Path) -> Callable[..., tuple[dict, str]]:
+def run(tmp_path: Path, psdk_mnist_dir: Path) -> Callable[..., tuple[dict, str]]:
     """A job into ``tmp_path / out``, run from ``tmp_path`` with MNIST from psdk's fixture."""
 
     def job(out: str, *args: str) -> tuple[dict, str]:
         overrides = (*args, "train.validate_every=500")
-        return run_job(tmp_path / out, *overrides, data_dir=mnist_dir, timeout_s=300, cwd=tmp_path)
+        return run_job(tmp_path / out, *overrides, data_dir=psdk_mnist_dir, timeout_s=300, cwd=tmp_path)
 
     return job
 

@@ -1,7 +1,7 @@
 """Fixtures of the torch plugin's tests, which run in a pytest process of their own (never with TensorFlow).
 
 Nothing here knows where this folder is: MNIST comes from psdk's pytest
-plugin (``mnist_dir``, from ``$PSDK_DATA_DIR``) and a ps to train against
+plugin (``psdk_mnist_dir``, from ``$PSDK_DATA_DIR``) and a ps to train against
 from ``psdk_ps``, so the folder's tests pass wherever it is copied once psdk
 is installed (psdk's ``tests/test_plugin_folder.py`` copies it out to check).
 """

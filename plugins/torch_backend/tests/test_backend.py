@@ -72,9 +72,9 @@ def test_shared_buffers_survive_a_zero_grad_that_drops_the_gradients(backend: To
     assert kernel.grad is not None and kernel.grad.data_ptr() == grads["hidden1/kernel"].ctypes.data
 
 
-def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TorchBackend, mnist_dir: Path) -> None:
+def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TorchBackend, psdk_mnist_dir: Path) -> None:
     """Real data, in this process: the backend's network with its own torch optimizer, 300 steps of 100."""
-    data = mnist.split(mnist.load(mnist_dir), 0, 1)
+    data = mnist.split(mnist.load(psdk_mnist_dir), 0, 1)
     spec = ModelSpec(hidden=(100,))
     model = backend.build_model(spec, init_weights(spec, 0))
     optimizer = backend.make_optimizer(model, SGD(lr=0.1, momentum=0.9))

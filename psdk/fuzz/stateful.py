@@ -21,7 +21,7 @@ sent:
 * a request the protocol must refuse was refused (an error reply);
 * the store is finite, parameters and slots;
 * the store's version, parameters, slots and rule step are those of the
-  reference model (:mod:`psdk.testing.fuzz.model`), which applies every
+  reference model (:mod:`psdk.fuzz.model`), which applies every
   gradient the ps took with the rule's formulas restated, after every step
   and in every checkpoint's state; each push's outcome (applied, dropped,
   held, done, refused for overflow) is the one the model gives it;
@@ -31,10 +31,10 @@ sent:
 
 
 The live ps, the connections and the books are the harness's
-(:mod:`psdk.testing.fuzz.harness`); this module holds the rules that draw
-the sequences (what they draw from: :mod:`psdk.testing.fuzz.draws`; the
-model's bookkeeping: :mod:`psdk.testing.fuzz.following`). Run it through
-:func:`psdk.testing.fuzz.runner.run` (``python -m psdk fuzz``, long budgets)
+(:mod:`psdk.fuzz.harness`); this module holds the rules that draw
+the sequences (what they draw from: :mod:`psdk.fuzz.draws`; the
+model's bookkeeping: :mod:`psdk.fuzz.following`). Run it through
+:func:`psdk.fuzz.runner.run` (``python -m psdk fuzz``, long budgets)
 or the test suite (``tests/test_fuzz_stateful.py``, short ones).
 """
 
@@ -48,10 +48,10 @@ import numpy as np
 
 from psdk import protocol
 from psdk.consistency import POLICIES, SyncSpec
+from psdk.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
+from psdk.fuzz.model import Model
 from psdk.jobspec import JobSpec
 from psdk.optim import SGD
-from psdk.testing.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
-from psdk.testing.fuzz.model import Model
 from psdk.transport import shm
 from psdk.transport.wire import Message
 
@@ -59,9 +59,9 @@ try:
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 except ImportError:  # pragma: no cover - the CLI says how to install it
-    raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[test]'") from None
+    raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[fuzz]'") from None
 
-from psdk.testing.fuzz.draws import (
+from psdk.fuzz.draws import (
     ASKED,
     CHIEF_STEPS,
     COVERAGE,
@@ -76,7 +76,7 @@ from psdk.testing.fuzz.draws import (
     SYNC_MODES,
     TARGETS,
 )
-from psdk.testing.fuzz.following import ModelFollowing
+from psdk.fuzz.following import ModelFollowing
 
 
 class PsMachine(ModelFollowing, RuleBasedStateMachine):
@@ -99,7 +99,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         """Applied pushes whose answer the staleness bound may hold: (connection's worker, rid) -> (worker,
         its iterations once applied); each answer is checked against the bound when it comes."""
         """The last checkpoint the chief read (a ``state`` reply): what a restore or a restarted ps starts from."""
-        """What the shard should hold (:mod:`psdk.testing.fuzz.model`), checked after every step."""
+        """What the shard should hold (:mod:`psdk.fuzz.model`), checked after every step."""
 
     @initialize(
         start=st.sampled_from(["nothing", "init", "init+attach"]),

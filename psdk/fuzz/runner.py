@@ -1,6 +1,6 @@
 """Running the stateful fuzzer: one state machine per transport mode, a budget, a seed, and its report.
 
-:func:`run` drives :class:`psdk.testing.fuzz.stateful.PsMachine` through
+:func:`run` drives :class:`psdk.fuzz.stateful.PsMachine` through
 hypothesis with a budget of sequences and steps (``python -m psdk fuzz`` and
 the test suite); its report says where the first violation was caught.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from psdk.testing.fuzz.draws import FIRST_FAILURES, STEPS
-from psdk.testing.fuzz.harness import Mode
-from psdk.testing.fuzz.stateful import PsMachine
+from psdk.fuzz.draws import FIRST_FAILURES, STEPS
+from psdk.fuzz.harness import Mode
+from psdk.fuzz.stateful import PsMachine
 
 
 def machine(mode: Mode) -> type[PsMachine]:

@@ -13,13 +13,13 @@ from typing import Any
 
 from psdk import protocol
 from psdk.consistency import MODES
+from psdk.fuzz.harness import ENDINGS
 from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
-from psdk.testing.fuzz.harness import ENDINGS
 
 try:
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover - the CLI says how to install it
-    raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[test]'") from None
+    raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[fuzz]'") from None
 
 # Every list of ops and modes below comes from the protocol's declaration and the sync policies, so a new op or
 # mode is fuzzed without editing this module (the reference model then says whether it knows what it does).

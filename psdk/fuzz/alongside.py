@@ -1,7 +1,7 @@
 """Alongside a real job: worker 2's key in a fuzzer's hands while the chief and worker 1 train to the end.
 
 A stranger's requests stop at the session check, and the state machine
-(:mod:`psdk.testing.fuzz.stateful`) checks the ps on its own; a holder of
+(:mod:`psdk.fuzz.stateful`) checks the ps on its own; a holder of
 one of the job's worker keys gets past the session check, so what matters
 here is whether the others' job survives it. The chief and worker 1 train
 a real async job (the numpy backend, over CURVE); worker 2's key, an
@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from psdk import protocol
+from psdk.fuzz.harness import REPLY_OPS, WORKERS, Actor, LivePs, Mode, Sent
 from psdk.numerics import all_finite
 from psdk.optim import SGD
 from psdk.ps.server import ParameterServer
-from psdk.testing.fuzz.harness import REPLY_OPS, WORKERS, Actor, LivePs, Mode, Sent
 from psdk.transport import security, shm
 from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
 from psdk.transport.wire import Message, encode

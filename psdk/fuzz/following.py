@@ -1,8 +1,8 @@
 """How the stateful fuzzer follows the ps with its reference model: each reply moves the model, or disagrees.
 
-A mixin of :class:`psdk.testing.fuzz.stateful.PsMachine`: the rules send
+A mixin of :class:`psdk.fuzz.stateful.PsMachine`: the rules send
 through :meth:`ModelFollowing.send`, which lets the harness deliver the
-request and then feeds the model (:mod:`psdk.testing.fuzz.model`) what the ps
+request and then feeds the model (:mod:`psdk.fuzz.model`) what the ps
 did with it, in the order its replies show; any difference is a violation.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from psdk import protocol
-from psdk.testing.fuzz.harness import Actor, Harness, LivePs
-from psdk.testing.fuzz.model import Model, Pushed
+from psdk.fuzz.harness import Actor, Harness, LivePs
+from psdk.fuzz.model import Model, Pushed
 from psdk.transport.wire import Message
 
 

@@ -3,9 +3,11 @@
 libzmq never lets a sender stream a message without end (it sends a
 multipart message only once its last frame is queued), so the attacks on a
 ps's memory are made here with plain TCP: the NULL-mechanism greeting and
-handshake, then frames whose "more" flag is never cleared. Tests and the
-memory benchmark (``python -m psdk bench memory=true``) use it; it speaks to
-a ps without CURVE only, as an unauthenticated stranger would.
+handshake, then frames whose "more" flag is never cleared. The memory
+benchmark (``python -m psdk bench memory=true``) floods a ps with it, so it
+lives with the bench, not with the test kit (product code imports no test
+tooling); psdk's tests use it too. It speaks to a ps without CURVE only, as
+an unauthenticated stranger would.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The fuzzers' harness: a live ps on a thread, connections to it, and the books of what was sent and answered.
 
 Both fuzzers that hold sessions use it: the state machine
-(:mod:`psdk.testing.fuzz.stateful`) and the intruder beside a real job
-(:mod:`psdk.testing.fuzz.alongside`). The ps is a thread of this process
+(:mod:`psdk.fuzz.stateful`) and the intruder beside a real job
+(:mod:`psdk.fuzz.alongside`). The ps is a thread of this process
 rather than a subprocess so that the fuzzer can read its counters, its
 store and its log after every step and compare them with its own record;
 it still serves TCP on 127.0.0.1 (with CURVE and shared memory when

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from psdk import protocol
 from psdk.client import ClientOptions, ParameterClient
 from psdk.cluster import ClusterSpec
 from psdk.consistency import SyncSpec
@@ -36,21 +37,8 @@ from psdk.transport import ClientEndpoint, Pending
 from psdk.transport.wire import ALLOWED_DTYPES, Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
-OPS = (
-    "init",
-    "wait_init",
-    "pull",
-    "push_pull",
-    "ping",
-    "finish",
-    "status",
-    "stats",
-    "shutdown",
-    "abort",
-    "pause_at",
-    "state",
-    "resume",
-)
+OPS = tuple(protocol.OPS)
+"""Every op the protocol declares, so a new op is mutated here without editing this module."""
 ODD_VALUES: list[Any] = [
     -1,
     0,
