@@ -11,15 +11,15 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from psdk.cluster import Topology
 from psdk.config import config_dir, prepare_hydra
 from psdk.config.build import cluster_from, instantiate_node, model_spec, sync_spec, update_rule
 from psdk.config.options import options_from
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
 from psdk.launch.local import LocalLauncher
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
+from psdk.plugins.models import ModelSpec
+from psdk.protocol.cluster import Topology
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import UpdateRule
 from psdk.ps.server import ServerOptions
 
 CONF = config_dir()
@@ -79,9 +79,15 @@ def test_a_required_value_left_unset_is_a_config_error() -> None:
 @pytest.mark.parametrize(
     "override, fragment",
     [
-        ("model._target_=psdk.models.NoSuchSpec", "model._target_: psdk.models.NoSuchSpec cannot be imported"),
+        (
+            "model._target_=psdk.plugins.models.NoSuchSpec",
+            "model._target_: psdk.plugins.models.NoSuchSpec cannot be imported",
+        ),
         ("model._target_=no_such_package.Spec", "model._target_: no_such_package.Spec cannot be imported"),
-        ("model._target_=psdk.cluster.Topology", "model: psdk.cluster.Topology refused the values given"),
+        (
+            "model._target_=psdk.protocol.cluster.Topology",
+            "model: psdk.protocol.cluster.Topology refused the values given",
+        ),
     ],
 )
 def test_a_group_that_names_no_buildable_class_is_a_config_error(override: str, fragment: str) -> None:

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from psdk.client import ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.testing.zmtp import RawZmtpPeer
 from psdk.transport import zmq_guard

@@ -41,7 +41,7 @@ def test_the_ps_survives_20000_mutated_messages_and_applies_none_of_them() -> No
 
 
 def test_the_fuzz_command_runs_every_stage_and_reports_a_pass(capsys: object) -> None:
-    from psdk.cli import main
+    from psdk.launch.cli import main
 
     assert main(["fuzz", "sequences=5", "steps=10", "count=2000", "seed=3"]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from psdk import protocol
-from psdk.consistency import POLICIES
+from psdk.ps.consistency import POLICIES
 from psdk.ps.server import ParameterServer
 from psdk.testing.fuzz import harness, runner, stateful
 from psdk.testing.fuzz.alongside import run_alongside

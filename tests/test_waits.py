@@ -21,16 +21,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import announce, waits
 from psdk.client import ClientOptions, ParameterClient
 from psdk.client import waiting as client_waiting
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError, TransportError
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.launch import announce
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
 from psdk.ps import sessions
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.runtime import waits
 from psdk.transport import security
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

@@ -9,7 +9,7 @@ one of them.
 
 Where the code already has a dataclass for a group, the schema is derived
 from it (:func:`schema_of`) rather than copied: the update rules (one schema
-per rule), :class:`~psdk.consistency.SyncSpec`, and the typed options of
+per rule), :class:`~psdk.ps.consistency.SyncSpec`, and the typed options of
 :mod:`psdk.config.options`. A field added there is a key here, with its type
 and default, and no key here lacks a field there.
 
@@ -40,9 +40,9 @@ from psdk.config.options import (
     TrainOptions,
     TransportOptions,
 )
-from psdk.consistency import SyncSpec
-from psdk.optim import NoOp
-from psdk.registry import installed_backends, installed_models, installed_rules, load_target
+from psdk.plugins.registry import installed_backends, installed_models, installed_rules, load_target
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import NoOp
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _ident(name: str) -> str:
 OPTIMIZER_SCHEMAS = {
     f"base_{rule.name}": schema_of(
         rule,
-        f"{rule.__name__}Config" if rule.__module__ == "psdk.optim" else f"PluginRuleConfig_{_ident(rule.name)}",
+        f"{rule.__name__}Config" if rule.__module__ == "psdk.ps.rules" else f"PluginRuleConfig_{_ident(rule.name)}",
         target=True,
     )
     for rule in RULES.values()
@@ -104,18 +104,18 @@ LivenessConfig = schema_of(LivenessOptions, "LivenessConfig")
 
 @dataclass
 class ModelConfig:
-    _target_: str = "psdk.models.ModelSpec"
+    _target_: str = "psdk.plugins.models.ModelSpec"
     name: str = MISSING
     hidden: list[int] = field(default_factory=list)
     input_dim: int = 784
     num_classes: int = 10
-    init: str = "glorot_uniform"  # how the kernels are drawn (psdk.models.INITIALIZERS)
+    init: str = "glorot_uniform"  # how the kernels are drawn (psdk.plugins.models.INITIALIZERS)
     init_stddev: float | None = None  # normal, truncated_normal: their stddev (null: 1.0)
 
 
 @dataclass
 class TopologyConfig:
-    _target_: str = "psdk.cluster.Topology"
+    _target_: str = "psdk.protocol.cluster.Topology"
     num_ps: int = 1
     num_workers: int = 2
     host: str = "127.0.0.1"

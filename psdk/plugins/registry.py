@@ -1,13 +1,13 @@
 """The plugin registry: what installed plugins provide, as records, without importing any framework.
 
-Four kinds of things plug in, each through its own hook (:mod:`psdk.hookspecs`):
+Four kinds of things plug in, each through its own hook (:mod:`psdk.plugins.hookspecs`):
 backends, update rules, models and datasets. psdk's own (the numpy backend,
 the four rules, the dense models, MNIST and IDX folders) register through the
 same hooks from :data:`DEFAULT_PLUGINS`, as pytest registers its own plugins.
 Nothing happens at import time: the manager is built by
 :func:`get_plugin_manager` on first use. This module knows records and rule
 classes only; making a backend from its record is :mod:`psdk.plugins`'s job,
-so the contract (:mod:`psdk.backend`) and the rules can look records up here.
+so the contract (:mod:`psdk.plugins.backend`) and the rules can look records up here.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 
 import pluggy
 
-from psdk import hookspecs
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
-from psdk.hookspecs import BackendRecord, DatasetRecord, ModelRecord
-from psdk.optim import UpdateRule
+from psdk.plugins import hookspecs
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord
+from psdk.ps.rules import UpdateRule
 
 ENTRY_POINT_GROUP = "psdk"
-DEFAULT_PLUGINS = ("psdk.builtins", "psdk.backends.numpy_plugin")
+DEFAULT_PLUGINS = ("psdk.plugins.builtins", "psdk.plugins.backends.numpy_plugin")
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def record_of(cls: type) -> BackendRecord:
 # ------------------------------------------------------------- other kinds
 def installed_rules() -> dict[str, type[UpdateRule]]:
     """Every registered ps update rule by name (``optimizer=<name>``)."""
-    rules = _collected("psdk_register_rules", _is_rule, "psdk.optim.UpdateRule subclass with a name")
+    rules = _collected("psdk_register_rules", _is_rule, "psdk.ps.rules.UpdateRule subclass with a name")
     return _unique(rules, lambda r: r.name, _rule_origin, "update rule")
 
 

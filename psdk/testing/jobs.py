@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from psdk.metrics import read_jsonl
+from psdk.report.metrics import read_jsonl
 
 FAST_HEARTBEATS = ("transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=5")
 """Heartbeats that notice a lost task in seconds, not the default tens of seconds."""
