@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from psdk.plugins.hookspecs import ModelRecord, hookimpl
-from psdk.ps.rules import UpdateRule
+from psdk.rules import UpdateRule
 from psdk_example.lion import Lion
 
 

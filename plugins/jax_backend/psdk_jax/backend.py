@@ -27,7 +27,7 @@ from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
 from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
-from psdk.ps.rules import UpdateRule
+from psdk.rules import UpdateRule
 from psdk_jax import optimizers, placement
 from psdk_jax.models import DenseStack
 

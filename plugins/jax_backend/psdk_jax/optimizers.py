@@ -53,7 +53,7 @@ import optax
 
 from psdk.errors import ConfigError
 from psdk.plugins.backends import kit
-from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 SUPPORTED = ("psdk.rules.SGD", "psdk.rules.Adam", "psdk.rules.Adagrad", "psdk.rules.RMSProp")
 

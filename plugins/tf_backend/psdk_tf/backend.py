@@ -21,7 +21,7 @@ import numpy as np
 from psdk.plugins.backend import Backend
 from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
-from psdk.ps.rules import UpdateRule
+from psdk.rules import UpdateRule
 from psdk_tf import optimizers, placement
 from psdk_tf._tf import tf
 from psdk_tf.models import DenseStack, binding

@@ -38,7 +38,7 @@ import numpy as np
 
 from psdk.errors import ConfigError
 from psdk.plugins.backends import kit
-from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk_tf._tf import keras
 
 # Keras's defaults for options the ps cannot run; anything else is refused by name.

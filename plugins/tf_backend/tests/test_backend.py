@@ -27,7 +27,7 @@ from psdk.data import mnist
 from psdk.errors import PsdkError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
-from psdk.ps.rules import SGD
+from psdk.rules import SGD
 from psdk.testing.ps import RunningPs
 
 from .conftest import SPEC, batch

@@ -21,7 +21,7 @@ from torch import nn
 from psdk.plugins.backend import Backend
 from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
-from psdk.ps.rules import UpdateRule
+from psdk.rules import UpdateRule
 from psdk_torch import models, optimizers, placement
 
 

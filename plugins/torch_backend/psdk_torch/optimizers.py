@@ -23,7 +23,7 @@ import torch
 
 from psdk.errors import ConfigError
 from psdk.plugins.backends import kit
-from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 PSDK_ONLY = frozenset({"decay", "decay_rate", "decay_steps", "warmup_steps", "epsilon_mode"})
 """Rule fields torch.optim cannot express; the remembered rule supplies them."""

@@ -16,7 +16,7 @@ import psdk
 from psdk import plugins
 from psdk.data import mnist
 from psdk.plugins.models import ModelSpec, init_weights
-from psdk.ps.rules import SGD
+from psdk.rules import SGD
 from psdk.testing.ps import RunningPs
 
 from .conftest import SPEC, batch
