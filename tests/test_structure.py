@@ -32,6 +32,8 @@ WORKER_SIDE = "psdk.client"
 """The two sides of a job (``docs/architecture.md``): each may import the shared contracts
 (``psdk.protocol``, ``psdk.config``, ``psdk.transport``, ``psdk.runtime``, the plugin system), never the other side."""
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+TOP_LEVEL = {"__init__.py", "__main__.py", "_moved.py", "api.py", "errors.py", "rules.py"}
+"""The only modules in psdk/ itself: the public names. Everything else lives in the package of its concept."""
 
 
 def _module_name(path: Path) -> str:
@@ -133,6 +135,10 @@ def unnamed_and_missing(text: str, package: Path) -> tuple[list[str], list[str]]
     )
     missing = sorted(n for n in named if not (package.parent / n).exists())
     return unnamed, missing
+
+
+def test_psdk_itself_holds_only_the_public_names() -> None:
+    assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
 
 
 def test_architecture_md_names_every_package_of_the_tree_and_nothing_else() -> None:
