@@ -1,7 +1,7 @@
 """What keeping the store finite costs an update, both ways, against the rule's bare apply.
 
 The store proves an update finite from bounds (scalars) when it can, and
-otherwise backs its state up, applies and checks (``psdk.store``). This
+otherwise backs its state up, applies and checks (``psdk.ps.store``). This
 times, for each update rule on the MLP's 79,510 floats (or ``--size``),
 interleaved: the rule's own in-place apply alone (the baseline, what the ps
 did before), the store's apply with the gradient's bound the ps measures
@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from psdk.numerics import magnitude
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
-from psdk.store import FlatStore
+from psdk.protocol.numerics import magnitude
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.ps.store import FlatStore
 
 RULES: list[tuple[str, UpdateRule]] = [
     ("sgd", SGD(lr=0.01)),

@@ -39,8 +39,8 @@ def main() -> None:
 
     from psdk.data import mnist
     from psdk.jobs.mnist import Batches
-    from psdk.models import ModelSpec, init_weights
-    from psdk.sharding import flat_size, layout, views
+    from psdk.plugins.models import ModelSpec, init_weights
+    from psdk.protocol.sharding import flat_size, layout, views
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)

@@ -9,25 +9,28 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from psdk.hookspecs import BackendRecord, DatasetRecord, ModelRecord, hookimpl
+from psdk import _moved
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, hookimpl
+
+_moved.install()
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ClusterSpec": "psdk.cluster",
-    "Topology": "psdk.cluster",
+    "ClusterSpec": "psdk.protocol.cluster",
+    "Topology": "psdk.protocol.cluster",
     "connect": "psdk.api",
-    "serve": "psdk.serving",
-    "PsServer": "psdk.serving",
+    "serve": "psdk.ps.serving",
+    "PsServer": "psdk.ps.serving",
     "SummaryWriter": "psdk.report.writer",
     "WorkerSession": "psdk.api",
     "DistributedOptimizer": "psdk.api",
     "ClientOptions": "psdk.client",
     "StepResult": "psdk.client",
-    "SyncSpec": "psdk.consistency",
-    "Backend": "psdk.backend",
-    "ModelSpec": "psdk.models",
-    "init_weights": "psdk.models",
+    "SyncSpec": "psdk.ps.consistency",
+    "Backend": "psdk.plugins.backend",
+    "ModelSpec": "psdk.plugins.models",
+    "init_weights": "psdk.plugins.models",
     "PsdkError": "psdk.errors",
 }
 
@@ -60,14 +63,14 @@ _SUBMODULES = ("rules", "plugins", "testing")
 if TYPE_CHECKING:
     from psdk import rules
     from psdk.api import DistributedOptimizer, WorkerSession, connect
-    from psdk.backend import Backend
     from psdk.client import ClientOptions, StepResult
-    from psdk.cluster import ClusterSpec, Topology
-    from psdk.consistency import SyncSpec
     from psdk.errors import PsdkError
-    from psdk.models import ModelSpec, init_weights
+    from psdk.plugins.backend import Backend
+    from psdk.plugins.models import ModelSpec, init_weights
+    from psdk.protocol.cluster import ClusterSpec, Topology
+    from psdk.ps.consistency import SyncSpec
+    from psdk.ps.serving import PsServer, serve
     from psdk.report.writer import SummaryWriter
-    from psdk.serving import PsServer, serve
 
 
 def __getattr__(name: str) -> Any:

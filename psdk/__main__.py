@@ -2,7 +2,7 @@
 
 import sys
 
-from psdk.cli import main, task_exit
+from psdk.launch.cli import main, task_exit
 
 command = sys.argv[1] if len(sys.argv) > 1 else ""  # read first: running Hydra rewrites sys.argv
 code = main()

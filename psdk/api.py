@@ -27,12 +27,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from psdk import checkpoint
-from psdk.backend import Backend
-from psdk.checkpoint import Checkpoint, new_run_id
-from psdk.client import Basis, ClientOptions, ParameterClient, StepResult
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
+from psdk.client import Basis, ClientOptions, ParameterClient, StepResult, checkpoint
+from psdk.client.checkpoint import Checkpoint, new_run_id
+from psdk.client.recovery import latest_or_none
 from psdk.errors import (
     CheckpointAbandoned,
     ConfigError,
@@ -41,10 +38,12 @@ from psdk.errors import (
     PsdkError,
     TrainingResumed,
 )
-from psdk.jobspec import JobSpec
-from psdk.optim import UpdateRule
-from psdk.plugins import backend_for
-from psdk.recovery import latest_or_none
+from psdk.plugins.backend import Backend
+from psdk.plugins.loading import backend_for
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec, check_run_id
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import UpdateRule
 from psdk.transport import Pending, Transport, security
 from psdk.transport.security import CurveKeys
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -140,7 +139,7 @@ class WorkerSession:
         If the shards ended the pause first (this session was silent for
         ``ps.pause_lease_s``), this checkpoint is skipped with a warning and
         ``None`` is returned: the next one is written when it is due. A file
-        the disk refuses (full, read-only) raises :class:`~psdk.disks.WriteError`
+        the disk refuses (full, read-only) raises :class:`~psdk.runtime.disks.WriteError`
         naming it and the fix, and leaves no partial file and every older one.
         """
         if not self.is_chief:
@@ -234,7 +233,7 @@ def connect(
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
     given = run_id is not None
     if run_id is not None:
-        checkpoint.check_run_id(run_id)
+        check_run_id(run_id)
     elif task_index == 0:
         run_id = new_run_id()
     job = JobSpec(spec.resolved(cluster.num_workers), int(steps), cluster.num_workers, run_id)

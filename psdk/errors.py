@@ -178,7 +178,7 @@ class PeerTimeoutError(TransportError):
         self.what = what
         self.waited_s = waited_s
         self.cause = cause
-        """The likely reason, when the wait could tell one (see :mod:`psdk.waits`)."""
+        """The likely reason, when the wait could tell one (see :mod:`psdk.runtime.waits`)."""
         super().__init__(f"timed out after {waited_s:.1f} s waiting for {peer} ({what}){f'; {cause}' if cause else ''}")
 
 

@@ -3,9 +3,9 @@
 Pass one to :class:`psdk.DistributedOptimizer` as ``rule=`` when your
 framework's optimizer cannot be inspected (optax's are closures) or when you
 want the ps's rule stated outright. Rules that plugins add are found with
-:func:`psdk.plugins.installed_rules`; see :mod:`psdk.optim` for the semantics.
+:func:`psdk.plugins.installed_rules`; see :mod:`psdk.ps.rules` for the semantics.
 """
 
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, RuleState, UpdateRule
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, RuleState, UpdateRule
 
 __all__ = ["SGD", "Adagrad", "Adam", "RMSProp", "RuleState", "UpdateRule"]

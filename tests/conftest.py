@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from psdk.cluster import ClusterSpec
+from psdk.protocol.cluster import ClusterSpec
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 
 import psdk
-from psdk.backends.numpy_backend import NumpyBackend
-from psdk.checkpoint import Checkpoint
 from psdk.client import ClientOptions
-from psdk.cluster import ClusterSpec
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import UpdateRule
+from psdk.client.checkpoint import Checkpoint
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.protocol.cluster import ClusterSpec
+from psdk.ps.rules import UpdateRule
 from psdk.transport import Transport
 
 Batch = tuple[np.ndarray, np.ndarray]

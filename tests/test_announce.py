@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import psdk
-from psdk import announce
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.errors import PsdkError
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.launch import announce
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.ps.rules import SGD
 
 from .conftest import running_ps
 from .helpers import FAST

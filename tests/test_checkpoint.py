@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import checkpoint
+from psdk.client import checkpoint
 from psdk.errors import DataError, PsdkError
-from psdk.models import ModelSpec
-from psdk.optim import SGD, Adam
+from psdk.plugins.models import ModelSpec
+from psdk.ps.rules import SGD, Adam
 
 from .conftest import running_ps
 from .helpers import train_threads

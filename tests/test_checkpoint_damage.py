@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import checkpoint
+from psdk.client import checkpoint
+from psdk.client.recovery import latest_or_none
 from psdk.errors import DataError
-from psdk.recovery import latest_or_none
 
 from .jobs import FAST_FLAGS, psdk
 

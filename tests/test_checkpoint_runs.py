@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import checkpoint
+from psdk.client import checkpoint
 from psdk.errors import ConfigError, DataError
-from psdk.failpoints import FAILPOINT_ENV
+from psdk.protocol.jobspec import check_run_id
+from psdk.runtime.failpoints import FAILPOINT_ENV
 
 from .jobs import FAST_FLAGS, psdk, start
 
@@ -31,7 +32,7 @@ def test_a_checkpoint_carries_its_run_in_its_name_and_its_record(tmp_path: Path)
     loaded = checkpoint.load(path)
     assert (loaded.run_id, loaded.global_step) == ("20261127-101010-abc123", 40)
     with pytest.raises(ConfigError, match="run_id"):
-        checkpoint.check_run_id("../../etc")
+        check_run_id("../../etc")
 
 
 def test_recovery_and_pruning_take_only_their_own_runs_files(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from psdk.failpoints import CHECKPOINT_PAUSED, FAILPOINT_ENV, TRAINED
+from psdk.runtime.failpoints import CHECKPOINT_PAUSED, FAILPOINT_ENV, TRAINED
 
 from .jobs import FAST_FLAGS, all_tasks_gone, start
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from psdk.cli import main, normalize_args
 from psdk.errors import USAGE_EXIT, ConfigError
+from psdk.launch.cli import main, normalize_args
 
 from .jobs import psdk
 
@@ -63,7 +63,7 @@ def test_the_ps_and_launcher_import_no_ml_framework() -> None:
     import sys
 
     code = (
-        "import sys, psdk.cli, psdk.ps.main, psdk.launch.local, psdk.jobs.mnist; "
+        "import sys, psdk.launch.cli, psdk.ps.main, psdk.launch.local, psdk.jobs.mnist; "
         "print(sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -73,15 +73,15 @@ def test_the_ps_and_launcher_import_no_ml_framework() -> None:
 COMPOSE_COUNTER = """
 import os, sys
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
-import psdk.cli
+import psdk.launch.cli
 
 calls = []
 load = ConfigLoaderImpl.load_configuration
 ConfigLoaderImpl.load_configuration = lambda self, *a, **k: calls.append(1) or load(self, *a, **k)
 seen = []
-psdk.cli._run_task = lambda cfg, out: seen.append((cfg.train.steps, os.environ.get("HYDRA_FULL_ERROR")))
+psdk.launch.cli._run_task = lambda cfg, out: seen.append((cfg.train.steps, os.environ.get("HYDRA_FULL_ERROR")))
 os.chdir(sys.argv[1])
-assert psdk.cli.main(["run", "train.steps=7", "model=softmax"]) == 0
+assert psdk.launch.cli.main(["run", "train.steps=7", "model=softmax"]) == 0
 print(len(calls), seen, os.environ.get("HYDRA_FULL_ERROR"))
 """
 

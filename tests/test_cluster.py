@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from psdk.cluster import ClusterSpec, parse_hosts
 from psdk.errors import ConfigError
+from psdk.protocol.cluster import ClusterSpec, parse_hosts
 
 
 @pytest.mark.parametrize(

@@ -13,18 +13,18 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from psdk.cluster import Topology
 from psdk.config import config_dir, prepare_hydra
 from psdk.config.build import cluster_from, instantiate_node, model_spec, sync_spec, update_rule
 from psdk.config.options import options_from
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
 from psdk.launch.local import LocalLauncher
-from psdk.models import ModelSpec
-from psdk.optim import SGD, UpdateRule
+from psdk.plugins.models import ModelSpec
+from psdk.plugins.registry import locate, target_of
 from psdk.protocol import Sender
+from psdk.protocol.cluster import Topology
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD, UpdateRule
 from psdk.ps.server import ServerOptions
-from psdk.registry import locate, target_of
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
@@ -90,11 +90,13 @@ def test_a_target_in_either_form_whose_module_lacks_a_dependency_names_it(
 
 def test_a_target_is_package_module_colon_name_and_the_dotted_form_is_read_too() -> None:
     """One function reads every target: plugin records', and configs' _target_, saved ones included."""
-    assert locate("psdk.optim:SGD") is SGD and locate("psdk.optim.SGD") is SGD
+    assert locate("psdk.ps.rules:SGD") is SGD and locate("psdk.ps.rules.SGD") is SGD
     assert locate("psdk.protocol:Sender.CHIEF") is Sender.CHIEF  # a dotted name after the colon: nested
-    assert target_of(SGD) == "psdk.optim:SGD" and locate(target_of(Sender)) is Sender
+    assert target_of(SGD) == "psdk.ps.rules:SGD" and locate(target_of(Sender)) is Sender
+    # a module psdk moved is read at its new place, in either form (old run folders name them)
+    assert locate("psdk.consistency:SyncSpec") is SyncSpec and locate("psdk.cluster.Topology") is Topology
     for bad, says in [
-        ("psdk.optim:NoSuchRule", "psdk.optim has no NoSuchRule"),
+        ("psdk.ps.rules:NoSuchRule", "psdk.ps.rules has no NoSuchRule"),
         ("psdk:optim:SGD", "write package.module:Name"),
         ("", "write package.module:Name"),
         ("psdk.optim.NoSuchRule", "as package.module:Name"),
@@ -106,7 +108,7 @@ def test_a_target_is_package_module_colon_name_and_the_dotted_form_is_read_too()
 def test_a_saved_run_config_with_dotted_targets_still_builds() -> None:
     """Run folders written before the colon form hold ``_target_: psdk.optim.SGD`` and the like."""
     fresh = compose("config", overrides=["optimizer=sgd"])
-    assert fresh.optimizer._target_ == "psdk.optim:SGD" and fresh.model._target_ == "psdk.models:ModelSpec"
+    assert fresh.optimizer._target_ == "psdk.ps.rules:SGD" and fresh.model._target_ == "psdk.plugins.models:ModelSpec"
     saved = compose(
         "config",
         overrides=[
@@ -126,7 +128,7 @@ def test_a_saved_run_config_with_dotted_targets_still_builds() -> None:
 def test_importing_the_schemas_loads_no_plugin_and_writes_no_globals() -> None:
     """The derived schemas are made when the ConfigStore is filled, and pickle still finds them, in a fresh process."""
     code = (
-        "import pickle, psdk.config.schema as schema, psdk.registry as registry\n"
+        "import pickle, psdk.config.schema as schema, psdk.plugins.registry as registry\n"
         "assert registry.get_plugin_manager.cache_info().currsize == 0, 'plugins loaded at import'\n"
         "assert 'SGDConfig' not in vars(schema) and 'SyncConfig' not in vars(schema)\n"
         "node = schema.SGDConfig(lr=0.5)\n"
@@ -136,7 +138,7 @@ def test_importing_the_schemas_loads_no_plugin_and_writes_no_globals() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "psdk.optim:SGD"
+    assert done.stdout.strip() == "psdk.ps.rules:SGD"
 
 
 def test_a_required_value_left_unset_is_a_config_error() -> None:
@@ -147,9 +149,15 @@ def test_a_required_value_left_unset_is_a_config_error() -> None:
 @pytest.mark.parametrize(
     "override, fragment",
     [
-        ("model._target_=psdk.models.NoSuchSpec", "model._target_: psdk.models.NoSuchSpec cannot be imported"),
+        (
+            "model._target_=psdk.plugins.models.NoSuchSpec",
+            "model._target_: psdk.plugins.models.NoSuchSpec cannot be imported",
+        ),
         ("model._target_=no_such_package.Spec", "model._target_: no_such_package.Spec cannot be imported"),
-        ("model._target_=psdk.cluster.Topology", "model: psdk.cluster.Topology refused the values given"),
+        (
+            "model._target_=psdk.protocol.cluster.Topology",
+            "model: psdk.protocol.cluster.Topology refused the values given",
+        ),
     ],
 )
 def test_a_group_that_names_no_buildable_class_is_a_config_error(override: str, fragment: str) -> None:

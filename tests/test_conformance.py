@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from psdk.backends.numpy_backend import NumpyBackend, NumpyModel
-from psdk.models import ModelSpec
+from psdk.plugins.backends.numpy_backend import NumpyBackend, NumpyModel
+from psdk.plugins.models import ModelSpec
 from psdk.testing import BackendConformance
 
 

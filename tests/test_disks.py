@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import checkpoint
-from psdk.disks import WriteError
-from psdk.metrics import MetricsLog
+from psdk.client import checkpoint
+from psdk.report.metrics import MetricsLog
+from psdk.runtime.disks import WriteError
 
 from .jobs import FAST_FLAGS, env, psdk
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from psdk.consistency import SyncSpec
 from psdk.jobs.divergence import DivergenceWatch
-from psdk.optim import SGD, Adam
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD, Adam
 
 from .jobs import FAST_FLAGS, psdk
 

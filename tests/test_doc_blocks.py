@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk import announce
+from psdk.launch import announce
 
 from .conftest import MNIST_DIR, REPO
 from .test_docs import INLINE_CODE, doc_files, prose_lines
@@ -368,8 +368,8 @@ def names_scripts_use() -> dict[str, str]:
 
 
 def test_every_psdk_name_a_script_would_use_is_there_after_a_bare_import_psdk() -> None:
-    """``psdk.rules.SGD`` works in a script that did only ``import psdk``; ``psdk.optim.SGD`` worked only
-    where something had imported psdk.optim before, so a name counts only as ``import psdk`` alone gives it:
+    """``psdk.rules.SGD`` works in a script that did only ``import psdk``; ``psdk.ps.rules.SGD`` worked only
+    where something had imported psdk.ps.rules before, so a name counts only as ``import psdk`` alone gives it:
     what the fresh module holds, or what its lazy ``__getattr__`` provides."""
     found = names_scripts_use()
     check = (

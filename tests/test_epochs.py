@@ -12,9 +12,9 @@ import pytest
 from psdk.config import config_dir, prepare_hydra
 from psdk.config.check import OverrideChecker
 from psdk.config.options import TrainOptions
-from psdk.consistency import SyncSpec
-from psdk.epochs import EpochCount, batches_per_step, resolve_steps, shard_sizes
 from psdk.errors import ConfigError
+from psdk.jobs.epochs import EpochCount, batches_per_step, resolve_steps, shard_sizes
+from psdk.ps.consistency import SyncSpec
 
 from .jobs import FAST_FLAGS, psdk
 

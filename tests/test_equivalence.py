@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psdk.backends.numpy_backend import NumpyBackend
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD, Adam, UpdateRule
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.ps.rules import SGD, Adam, UpdateRule
 
 from .conftest import running_ps
 from .helpers import train_threads

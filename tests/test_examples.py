@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk import announce
+from psdk.launch import announce
 
 from .conftest import REPO, free_port
 

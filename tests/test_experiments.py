@@ -22,7 +22,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "softmax_sgd": {
         "model.name": "softmax",
         "model.hidden": [],
-        "optimizer._target_": "psdk.optim:SGD",
+        "optimizer._target_": "psdk.ps.rules:SGD",
         "optimizer.lr": 0.01,
         "optimizer.momentum": 0.0,
         "optimizer.decay_rate": 1.0,  # not softmax.yaml's momentum_decay
@@ -34,7 +34,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "mlp_adam_sync": {
         "model.name": "mlp",
         "model.hidden": [100],
-        "optimizer._target_": "psdk.optim:Adam",
+        "optimizer._target_": "psdk.ps.rules:Adam",
         "optimizer.lr": 0.001,
         "sync.mode": "sync",
         "sync.replicas_to_aggregate": 2,
@@ -63,7 +63,7 @@ def test_a_preset_composes_to_its_example(name: str) -> None:
 
 def test_the_command_line_wins_over_a_preset() -> None:
     cfg = composed("experiment=mlp_adam_sync", "train.steps=7", "sync.replicas_to_aggregate=3", "optimizer=sgd")
-    assert (cfg.train.steps, cfg.sync.replicas_to_aggregate, cfg.optimizer._target_) == (7, 3, "psdk.optim:SGD")
+    assert (cfg.train.steps, cfg.sync.replicas_to_aggregate, cfg.optimizer._target_) == (7, 3, "psdk.ps.rules:SGD")
 
 
 @pytest.mark.slow

@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import registry
 from psdk.data import datasets
 from psdk.data.mnist import Mnist
 from psdk.errors import ConfigError, DataError
-from psdk.hookspecs import DatasetRecord
-from psdk.models import ModelSpec
+from psdk.plugins import registry
+from psdk.plugins.hookspecs import DatasetRecord
+from psdk.plugins.models import ModelSpec
 
 from .jobs import FAST_FLAGS
 
@@ -35,8 +35,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from psdk.hookspecs import DatasetRecord, hookimpl
-from psdk.optim import UpdateRule
+from psdk.plugins.hookspecs import DatasetRecord, hookimpl
+from psdk.ps.rules import UpdateRule
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def test_an_unknown_dataset_lists_the_installed_ones() -> None:
 
 
 MISBEHAVING = """
-from psdk.hookspecs import hookimpl
+from psdk.plugins.hookspecs import hookimpl
 
 
 class Nameless:  # no UpdateRule, no name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk.failpoints import FAILPOINT_ENV, Spec, parse
+from psdk.runtime.failpoints import FAILPOINT_ENV, Spec, parse
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,9 @@ def run(spec: str, code: str, timeout: float = 20) -> subprocess.CompletedProces
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-COUNT = "from psdk.failpoints import failpoint\nfor i in range(5):\n    failpoint('p')\n    print(i, flush=True)\n"
+COUNT = (
+    "from psdk.runtime.failpoints import failpoint\nfor i in range(5):\n    failpoint('p')\n    print(i, flush=True)\n"
+)
 
 
 def test_kill_acts_the_nth_time_and_once_only(tmp_path: Path) -> None:
@@ -39,7 +41,7 @@ def test_kill_acts_the_nth_time_and_once_only(tmp_path: Path) -> None:
 
 def test_stall_blocks_only_the_thread_that_reached_it(tmp_path: Path) -> None:
     code = (
-        "import threading, time\nfrom psdk.failpoints import failpoint\n"
+        "import threading, time\nfrom psdk.runtime.failpoints import failpoint\n"
         "t = threading.Thread(target=lambda: failpoint('p'), daemon=True)\nt.start()\nt.join(1.0)\n"
         "print('stalled' if t.is_alive() else 'returned', flush=True)\n"
     )
@@ -48,7 +50,7 @@ def test_stall_blocks_only_the_thread_that_reached_it(tmp_path: Path) -> None:
 
 def test_sleep_slows_every_time_from_the_nth_on() -> None:
     code = (
-        "import time\nfrom psdk.failpoints import failpoint\nt = time.monotonic()\n"
+        "import time\nfrom psdk.runtime.failpoints import failpoint\nt = time.monotonic()\n"
         "for _ in range(4):\n    failpoint('p')\nprint(round(time.monotonic() - t, 1))\n"
     )
     assert 0.55 <= float(run("p@2=sleep0.2", code).stdout) < 3  # three sleeps of 0.2 s
@@ -60,7 +62,9 @@ def test_a_task_prefix_acts_in_that_task_only(tmp_path: Path) -> None:
     marker = tmp_path / "fired"
 
     def in_task(label: str) -> subprocess.CompletedProcess[str]:
-        return run(f"worker1/p@2:{marker}", f"from psdk.logs import set_task_label\nset_task_label({label!r})\n{COUNT}")
+        return run(
+            f"worker1/p@2:{marker}", f"from psdk.runtime.logs import set_task_label\nset_task_label({label!r})\n{COUNT}"
+        )
 
     other = in_task("worker 0")
     assert other.returncode == 0 and other.stdout.split() == ["0", "1", "2", "3", "4"] and not marker.exists()

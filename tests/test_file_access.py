@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk import access
+from psdk.runtime import access
 
 from .jobs import FAST_FLAGS, psdk
 

@@ -48,7 +48,7 @@ def test_the_ps_survives_20000_mutated_messages_and_applies_none_of_them() -> No
 
 
 def test_the_fuzz_command_runs_every_stage_and_reports_a_pass(capsys: object) -> None:
-    from psdk.cli import main
+    from psdk.launch.cli import main
 
     assert main(["fuzz", "sequences=5", "steps=10", "count=2000", "seed=3"]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
@@ -65,7 +65,7 @@ def test_single_messages_mutate_every_op_the_protocol_declares() -> None:
 WITHOUT_HYPOTHESIS = """
 import sys
 sys.modules["hypothesis"] = None  # what an install without the fuzz extra sees: import hypothesis fails
-from psdk.cli import main
+from psdk.launch.cli import main
 sys.exit(main(["fuzz", "sequences=1", "steps=1", "count=10"]))
 """
 

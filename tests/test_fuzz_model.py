@@ -1,4 +1,4 @@
-"""The stateful fuzzer's reference model: its arithmetic by hand, against psdk.optim, and its sync rounds and pauses."""
+"""The stateful fuzzer's reference model: its arithmetic by hand against psdk.ps.rules, its sync rounds, its pauses."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psdk.consistency import SyncSpec
 from psdk.fuzz.model import Model, Pushed, RuleModel
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD, Adagrad, Adam, NoOp, RMSProp, UpdateRule
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD, Adagrad, Adam, NoOp, RMSProp, UpdateRule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +51,7 @@ RULES: list[UpdateRule] = [
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.name}-{abs(hash(r.to_json().__repr__())) % 1000}")
 def test_the_models_formulas_agree_with_psdk_optim(rule: UpdateRule) -> None:
-    """Two independent statements of each rule (psdk.optim in place in float32, the model's in float64) agree."""
+    """Two independent statements of each rule (psdk.ps.rules in place in float32, the model's in float64) agree."""
     rng = np.random.default_rng(0)
     model = RuleModel(rule.to_json())
     params = rng.normal(size=50).astype(np.float32)

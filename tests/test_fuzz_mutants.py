@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psdk import store as store_module
-from psdk.consistency import SSPPolicy, SyncPolicy
 from psdk.fuzz import runner
 from psdk.fuzz.harness import Mode
-from psdk.optim import UpdateRule
-from psdk.store import FlatStore
+from psdk.ps import store as store_module
+from psdk.ps.consistency import SSPPolicy, SyncPolicy
+from psdk.ps.rules import UpdateRule
+from psdk.ps.store import FlatStore
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from psdk import protocol
-from psdk.consistency import POLICIES
 from psdk.fuzz import harness, runner, stateful
 from psdk.fuzz.alongside import run_alongside
 from psdk.fuzz.harness import Mode
+from psdk.ps.consistency import POLICIES
 from psdk.ps.server import ParameterServer
 from psdk.transport import shm
 

@@ -18,7 +18,7 @@ import pytest
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-import psdk.cli as cli
+import psdk.launch.cli as cli
 from psdk.config import config_dir
 from psdk.launch import handoff
 from psdk.launch.local import OWN_KEYS, passed_on, task_args
@@ -141,7 +141,7 @@ def test_a_launched_task_imports_no_hydra_composition(tmp_path: Path) -> None:
     """In a fresh process: the handed task reaches its job without Hydra's config loader."""
     value, argv, _ = handed(tmp_path)
     code = (
-        "import sys, psdk.cli as c\n"
+        "import sys, psdk.launch.cli as c\n"
         "c._run_task = lambda cfg, out: print('ran', cfg.job_name, cfg.task_index, out)\n"
         f"assert c.main({argv!r}) == 0\n"
         "print(sorted(m for m in ('hydra._internal.config_loader_impl', 'hydra.main') if m in sys.modules))\n"
@@ -209,6 +209,6 @@ def test_a_run_is_one_run_unless_the_command_line_says_otherwise() -> None:
 
 @pytest.mark.parametrize("experiment", [None, *(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))])
 def test_the_shipped_config_leaves_the_mode_to_the_command_line(experiment: str | None) -> None:
-    """What lets ``run`` skip Hydra's composition that only reads hydra.mode (:func:`psdk.cli._one_run_only`)."""
+    """What lets ``run`` skip Hydra's composition that only reads hydra.mode (:func:`psdk.launch.cli._one_run_only`)."""
     overrides = [] if experiment is None else [f"experiment={experiment}"]
     assert compose("config", overrides=overrides, return_hydra_config=True).hydra.mode is None

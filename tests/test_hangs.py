@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from psdk.failpoints import FAILPOINT_ENV
+from psdk.runtime.failpoints import FAILPOINT_ENV
 
 from .jobs import FAST_FLAGS, all_tasks_gone, pid_of, psdk, start, wait_for
 from .test_ray_launcher import LOCAL_RAY, needs_ray

@@ -24,15 +24,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from psdk.client import ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
 from psdk.errors import NonFiniteError, RemoteError
-from psdk.jobspec import JobSpec
-from psdk.numerics import all_finite, magnitude
-from psdk.optim import SGD, Adagrad, Adam, RMSProp
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.numerics import all_finite, magnitude
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.ps.stats import STALENESS_CAP
-from psdk.store import FlatStore, RestoreState
+from psdk.ps.store import FlatStore, RestoreState
 from psdk.transport import Incoming, shm
 from psdk.transport.wire import Message, decode, encode
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport

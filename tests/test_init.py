@@ -10,7 +10,7 @@ import pytest
 from psdk.config import build, config_dir, prepare_hydra
 from psdk.config.check import OverrideChecker
 from psdk.errors import ConfigError
-from psdk.models import INITIALIZERS, ModelSpec, init_weights
+from psdk.plugins.models import INITIALIZERS, ModelSpec, init_weights
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +53,7 @@ def test_truncated_normal_drops_draws_beyond_two_stddevs() -> None:
 def test_zeros_are_zeros_and_warn_with_hidden_layers(caplog: pytest.LogCaptureFixture) -> None:
     weights = init_weights(ModelSpec(name="softmax", hidden=(), init="zeros"), 0)
     assert all(not value.any() for value in weights.values())
-    with caplog.at_level(logging.WARNING, logger="psdk.models"):
+    with caplog.at_level(logging.WARNING, logger="psdk.plugins.models"):
         init_weights(ModelSpec(hidden=(8,), init="zeros"), 0)
     assert "hidden layers do not learn" in caplog.text
 

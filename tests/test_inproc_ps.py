@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient, StepResult
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.inproc import InprocHub, InprocServer, InprocTransport
 

@@ -1,4 +1,4 @@
-"""psdk.backends.kit: what every backend shares, tested once here rather than in each plugin."""
+"""psdk.plugins.backends.kit: what every backend shares, tested once here rather than in each plugin."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from psdk.backends import kit
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adam
+from psdk.plugins.backends import kit
+from psdk.ps.rules import SGD, Adam
 
 
 def test_device_strings_parse_and_a_missing_gpu_falls_back_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:

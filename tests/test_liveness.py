@@ -1,8 +1,8 @@
 """A task's liveness beat: the verdict on its file, the file a real process writes, and the launcher's loop on it.
 
 The jobs in ``tests/test_hangs.py`` show whole runs; here each part is held
-to its contract alone: :func:`~psdk.liveness.judge` on made-up readings,
-:func:`~psdk.liveness.observe` on files, the writer in a child process that
+to its contract alone: :func:`~psdk.runtime.liveness.judge` on made-up readings,
+:func:`~psdk.runtime.liveness.observe` on files, the writer in a child process that
 beats, stalls or is stopped, and the launcher's supervision loop over small
 child processes standing in for a ps and a chief.
 """
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from psdk import liveness
 from psdk.config.build import check_liveness
 from psdk.config.options import (
     LivenessOptions,
@@ -34,7 +33,8 @@ from psdk.config.options import (
 from psdk.errors import ConfigError, JobFailedError
 from psdk.launch.local import LocalLauncher, Task
 from psdk.launch.ray_actors import RemoteProcess, TaskRunner
-from psdk.liveness import Hang, Seen, cpu_seconds, judge, observe
+from psdk.runtime import liveness
+from psdk.runtime.liveness import Hang, Seen, cpu_seconds, judge, observe
 
 from .conftest import REPO
 
@@ -124,7 +124,7 @@ def test_observe_reads_the_count_and_the_times_of_the_process_it_watches(tmp_pat
 CHILD = """
 import sys, threading, time
 from pathlib import Path
-from psdk import liveness
+from psdk.runtime import liveness
 gap_s, turns = float(sys.argv[2]), int(sys.argv[3])
 with liveness.beating(Path(sys.argv[1]), 0.1):
     for _ in range(turns):
@@ -223,7 +223,7 @@ def test_the_ray_actor_reads_its_tasks_file_on_its_node(child: Callable[..., tup
 FAKE_PS = """
 import sys, threading, time
 from pathlib import Path
-from psdk import liveness
+from psdk.runtime import liveness
 first, second, alive = (Path(a) for a in sys.argv[1:4])
 with liveness.beating(alive, 0.1):
     if not first.exists():  # its first life: one beat, then stuck for ever
@@ -238,7 +238,7 @@ with liveness.beating(alive, 0.1):
 FAKE_CHIEF = """
 import sys, time
 from pathlib import Path
-from psdk import liveness
+from psdk.runtime import liveness
 with liveness.beating(Path(sys.argv[2]), 0.1):
     deadline = time.monotonic() + 30
     while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:  # until the ps's second life

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from psdk.consistency import MODES, POLICIES, SyncPolicy, SyncSpec
-from psdk.metrics import summary_line
+from psdk.ps.consistency import MODES, POLICIES, SyncPolicy, SyncSpec
+from psdk.report.metrics import summary_line
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.plugins import installed_rules
-from psdk.registry import rule_from_json
+from psdk.plugins.registry import rule_from_json
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 RULES = installed_rules()
 

@@ -21,18 +21,17 @@ from omegaconf import DictConfig
 
 import psdk.jobs.mnist as mnist_job
 import psdk.ps.main as ps_main
-from psdk import checkpoint
 from psdk.api import WorkerSession
-from psdk.client import ClientOptions, ParameterClient
+from psdk.client import ClientOptions, ParameterClient, checkpoint
 from psdk.config import build, schema
 from psdk.config.options import GROUPS, TaskOptions, options_from
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError
 from psdk.jobs.mnist import run_worker
-from psdk.jobspec import JobSpec
-from psdk.models import init_weights
-from psdk.optim import SGD, NoOp
+from psdk.plugins.models import init_weights
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
 from psdk.ps.main import run_ps
+from psdk.ps.rules import SGD, NoOp
 from psdk.transport.lending import ATTACHED, REFUSED
 from psdk.transport.zeromq import ZmqServer, ZmqTransport
 
@@ -127,7 +126,7 @@ def test_the_optimizer_and_sync_schemas_are_the_fields_of_their_dataclasses() ->
         assert fields.pop("_target_") == f"{rule.__module__}:{rule.__qualname__}"
         assert fields == {f.name: f.default for f in dataclasses.fields(rule)}
     sync = {f.name: f.default for f in dataclasses.fields(schema.SyncConfig)}
-    assert sync.pop("_target_") == "psdk.consistency:SyncSpec"
+    assert sync.pop("_target_") == "psdk.ps.consistency:SyncSpec"
     assert sync == {f.name: f.default for f in dataclasses.fields(SyncSpec)}
 
 

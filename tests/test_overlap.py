@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import psdk
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.errors import PsdkError
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.ps.rules import SGD
 
 from .conftest import running_ps
 from .helpers import FAST

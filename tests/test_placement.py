@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from psdk.cluster import ClusterSpec
 from psdk.errors import ConfigError
-from psdk.placement import RankPlacement, check_memory_fraction, visible_gpus
+from psdk.launch.placement import RankPlacement, check_memory_fraction, visible_gpus
+from psdk.protocol.cluster import ClusterSpec
 
 CLUSTER = ClusterSpec({"ps": ["p:1"], "worker": ["a", "a", "b", "a", "b"]})
 

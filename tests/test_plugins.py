@@ -9,12 +9,13 @@ import types
 import pluggy
 import pytest
 
-from psdk import hookspecs, plugins, registry
-from psdk.backends.numpy_backend import NumpyBackend, NumpyModel
+from psdk import plugins
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
-from psdk.hookspecs import BackendRecord, hookimpl
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.plugins import hookspecs, registry
+from psdk.plugins.backends.numpy_backend import NumpyBackend, NumpyModel
+from psdk.plugins.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.ps.rules import SGD
 
 
 def test_the_numpy_backend_is_built_in() -> None:
@@ -72,7 +73,7 @@ def test_listing_backends_imports_no_framework() -> None:
 
 def test_objects_of_a_frameworks_sibling_package_find_its_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """TensorFlow's optimizers live in ``keras``: a record's ``modules`` claims them."""
-    target = "psdk.backends.numpy_backend:NumpyBackend"
+    target = "psdk.plugins.backends.numpy_backend:NumpyBackend"
     pm = fake_manager([BackendRecord("fake", target, "fakeflow", modules=("fakeras",))])
     monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     monkeypatch.setitem(sys.modules, "fakeras", types.ModuleType("fakeras"))  # its objects exist: it is loaded
@@ -93,7 +94,7 @@ def test_a_backend_made_directly_finds_its_record() -> None:
 
 
 def test_a_backend_gets_its_options_from_the_record_and_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    target = "psdk.backends.numpy_backend:NumpyBackend"
+    target = "psdk.plugins.backends.numpy_backend:NumpyBackend"
     pm = fake_manager([BackendRecord("opts", target, "psdk", options={"jit": True, "cache_dir": None})])
     monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     assert plugins.load_backend("opts").options == {"jit": True, "cache_dir": None}
@@ -105,7 +106,7 @@ def test_a_backend_gets_its_options_from_the_record_and_the_job(monkeypatch: pyt
 def test_finding_a_backend_asks_its_owns_and_imports_no_other_framework() -> None:
     code = (
         "import sys, psdk.plugins as p\n"
-        "from psdk.optim import SGD\n"
+        "from psdk.ps.rules import SGD\n"
         "backend = p.backend_for(SGD(lr=0.1))\n"
         "print(backend.name, sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))"
     )

@@ -16,10 +16,10 @@ import pytest
 import zmq
 
 from psdk.client import ClientOptions, ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

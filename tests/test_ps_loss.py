@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from psdk.failpoints import FAILPOINT_ENV, PS_STATE, PS_UPDATE, PS_WRAP_UP
+from psdk.runtime.failpoints import FAILPOINT_ENV, PS_STATE, PS_UPDATE, PS_WRAP_UP
 
 from .jobs import FAST_FLAGS, all_tasks_gone, start
 

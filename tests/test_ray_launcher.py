@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from psdk.cluster import Topology
 from psdk.errors import ConfigError
 from psdk.launch.ray import RayLauncher, import_ray
 from psdk.launch.ray_actors import TaskRunner
+from psdk.protocol.cluster import Topology
 from psdk.transport import security
 
 from .conftest import REPO
@@ -30,7 +30,7 @@ def test_without_ray_the_launcher_says_how_to_install_it(monkeypatch: pytest.Mon
 
 def test_the_core_and_the_launchers_never_import_ray() -> None:
     code = (
-        "import sys, psdk, psdk.cli, psdk.launch.local, psdk.launch.ray, psdk.ps.main, psdk.jobs.mnist; "
+        "import sys, psdk, psdk.launch.cli, psdk.launch.local, psdk.launch.ray, psdk.ps.main, psdk.jobs.mnist; "
         "psdk.launch.ray.RayLauncher(); print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -40,7 +40,7 @@ def test_the_core_and_the_launchers_never_import_ray() -> None:
 @pytest.mark.slow
 def test_run_launcher_ray_without_ray_is_a_clear_error(tmp_path: Path) -> None:
     code = (
-        "import sys; sys.modules['ray'] = None; from psdk.cli import main; "
+        "import sys; sys.modules['ray'] = None; from psdk.launch.cli import main; "
         f"sys.exit(main(['run', 'launcher=ray', 'backend=numpy', 'hydra.run.dir={tmp_path}']))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -10,12 +10,11 @@ import numpy as np
 import zmq
 
 import psdk
-from psdk import checkpoint
-from psdk.backends.numpy_backend import NumpyBackend
-from psdk.client import ClientOptions
+from psdk.client import ClientOptions, checkpoint
 from psdk.errors import PortInUseError
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security
 from psdk.transport.wire import Message
@@ -192,7 +192,7 @@ def test_a_secure_ps_names_a_missing_key_folder(tmp_path: Path) -> None:
 
 
 def test_the_keys_command_makes_a_usable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from psdk.cli import main
+    from psdk.launch.cli import main
 
     assert main(["keys", f"keys_dir={tmp_path / 'k'}", "workers=3", "ps=2"]) == 0
     assert "transport.keys_dir=" in capsys.readouterr().out
@@ -251,7 +251,7 @@ def test_the_public_api_takes_the_keys_as_the_tasks_do(keys: Path) -> None:
 
 
 def test_the_keys_command_never_changes_the_mode_of_a_folder_it_did_not_make(tmp_path: Path) -> None:
-    from psdk.cli import main
+    from psdk.launch.cli import main
 
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import psdk
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.client import ClientOptions
 from psdk.errors import ConfigError, PortInUseError
-from psdk.models import ModelSpec, init_weights
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
 from psdk.report.runs import load_run
 from psdk.report.tensorboard import EventWriter
 from psdk.transport import security

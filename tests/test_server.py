@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient, StepResult
-from psdk.consistency import SyncSpec
 from psdk.errors import PeerTimeoutError, RemoteError
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
 from psdk.protocol import ID_HELD, ID_IN_USE
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import process_usage
 from psdk.transport.wire import Message
 

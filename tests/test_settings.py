@@ -27,8 +27,8 @@ from psdk.config.ranges import RANGES, SEED_MAX, THREADS_MAX, check_ranges, chec
 from psdk.config.readers import refuse_ignored
 from psdk.data.datasets import check_shape, known_shape
 from psdk.errors import USAGE_EXIT, ConfigError
-from psdk.models import ModelSpec
-from psdk.sharding import largest_message_bytes, shard_sizes
+from psdk.plugins.models import ModelSpec
+from psdk.protocol.sharding import largest_message_bytes, shard_sizes
 
 from .conftest import free_port
 from .jobs import psdk

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from psdk.errors import ConfigError
-from psdk.sharding import assign_shards, flat_size, layout, views
+from psdk.protocol.sharding import assign_shards, flat_size, layout, views
 
 VARS = [("a", (10, 10)), ("b", (10,)), ("c", (100, 10)), ("d", (5,)), ("e", (3, 3))]
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from psdk.client import ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
 from psdk.errors import RemoteError
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer
 from psdk.transport import Incoming, ServerEndpoint, shm
 from psdk.transport.wire import Message

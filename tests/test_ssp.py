@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient
-from psdk.consistency import SyncSpec
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 
 from .conftest import running_ps
 

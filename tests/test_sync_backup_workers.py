@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 import psdk
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.client import ClientOptions, ParameterClient
-from psdk.consistency import SyncSpec
 from psdk.errors import PsdkError, RemoteError
-from psdk.jobspec import JobSpec
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 
 from .conftest import PsCluster, running_ps
 from .jobs import FAST_FLAGS

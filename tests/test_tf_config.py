@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from psdk.cli import apply_tf_config, main
 from psdk.errors import ConfigError
-from psdk.tf_config import from_environ, parse_tf_config
+from psdk.launch.cli import apply_tf_config, main
+from psdk.launch.tf_config import from_environ, parse_tf_config
 from psdk.transport import security
 
 from .conftest import REPO, free_port

@@ -21,16 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psdk import announce, protocol, waits
+from psdk import protocol
 from psdk.client import ClientOptions, ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, ProtocolError, PsdkError, RefusedError, TransportError
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.launch import announce
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
 from psdk.ps import sessions
+from psdk.ps.consistency import SyncSpec
 from psdk.ps.membership import Membership
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
+from psdk.runtime import waits
 from psdk.transport import security
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

@@ -158,7 +158,7 @@ def initial_weights(seed: int) -> dict[str, np.ndarray]:
     Names: ``hidden1/kernel`` (784, 100), ``hidden1/bias``, ``logits/kernel``
     (100, 10), ``logits/bias``; kernels are (in, out) as in TF.
     """
-    from psdk.models import ModelSpec, init_weights
+    from psdk.plugins.models import ModelSpec, init_weights
 
     return init_weights(ModelSpec(), seed)
 

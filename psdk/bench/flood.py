@@ -31,10 +31,10 @@ import numpy as np
 
 from psdk.bench.zmtp import RawZmtpPeer
 from psdk.client import ClientOptions, ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD
 from psdk.transport.wire import MAX_HEADER_BYTES
 from psdk.transport.zeromq import FRAMING_SLACK_BYTES, REPLY_QUEUE_MESSAGES, ZmqOptions, ZmqTransport
 from psdk.transport.zmq_guard import CHECK_EVERY_S

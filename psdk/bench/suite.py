@@ -31,9 +31,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from psdk.bench import flood, load, transport
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError
-from psdk.metrics import write_json_atomic
+from psdk.ps.consistency import SyncSpec
+from psdk.report.metrics import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -125,10 +125,10 @@ def _psdk_client(
     address: str, size: int, count: int, warmup: int, keys: str | None = None, shared_memory: bool = True
 ) -> tuple[float, float, float, float]:
     from psdk.client import ParameterClient
-    from psdk.cluster import ClusterSpec
-    from psdk.consistency import SyncSpec
-    from psdk.jobspec import JobSpec
-    from psdk.optim import NoOp
+    from psdk.protocol.cluster import ClusterSpec
+    from psdk.protocol.jobspec import JobSpec
+    from psdk.ps.consistency import SyncSpec
+    from psdk.ps.rules import NoOp
     from psdk.transport import security
     from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

@@ -1,6 +1,6 @@
 """The worker's side of the ps (see :mod:`psdk.client.client`).
 
-Names load lazily: :mod:`psdk.recovery` and the client's parts import
+Names load lazily: :mod:`psdk.client.recovery` and the client's parts import
 :mod:`psdk.client.shards` without loading the client itself.
 """
 

@@ -19,15 +19,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from psdk import protocol, recovery
-from psdk.checkpoint import Checkpoint
-from psdk.client import wrapup
+from psdk.client import recovery, wrapup
+from psdk.client.checkpoint import Checkpoint
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
-from psdk.cluster import ClusterSpec
 from psdk.errors import (
     PeerDeadError,
     PeerRestartedError,
@@ -36,8 +34,10 @@ from psdk.errors import (
     RemoteError,
     TrainingResumed,
 )
-from psdk.jobspec import JobSpec
-from psdk.optim import UpdateRule
+from psdk.protocol import ops as protocol
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.rules import UpdateRule
 from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.transport.wire import HEARTBEAT_SUFFIX, Message
 

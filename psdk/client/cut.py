@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from psdk.checkpoint import Checkpoint
+from psdk.client.checkpoint import Checkpoint
 from psdk.client.shards import Requests, Shard
 from psdk.errors import CheckpointAbandoned, PsdkError, RemoteError, TransportError
-from psdk.failpoints import CHECKPOINT_PAUSED, failpoint
-from psdk.sharding import views
+from psdk.protocol.sharding import views
+from psdk.runtime.failpoints import CHECKPOINT_PAUSED, failpoint
 from psdk.transport.wire import Message
 
 

@@ -11,8 +11,8 @@ import contextlib
 import threading
 import time
 
-from psdk import protocol
 from psdk.errors import TransportError
+from psdk.protocol import ops as protocol
 from psdk.transport import Transport
 
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from psdk.checkpoint import Checkpoint
+from psdk.client.checkpoint import Checkpoint
 from psdk.client.shards import Shard
 from psdk.errors import PsdkError
-from psdk.jobspec import JobSpec
-from psdk.optim import UpdateRule
-from psdk.sharding import assign_shards, flat_size, layout, views
+from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.sharding import assign_shards, flat_size, layout, views
+from psdk.rules import UpdateRule
 from psdk.transport import ClientEndpoint
 from psdk.transport.wire import Message
 

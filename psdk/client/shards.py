@@ -1,7 +1,7 @@
 """What a worker knows of each ps shard, and what a step or a recovery tells it.
 
 Kept apart from :mod:`psdk.client.client` so the parts of the client (its
-checkpoint cut, :mod:`psdk.recovery`) share these types
+checkpoint cut, :mod:`psdk.client.recovery`) share these types
 without importing the client itself.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from psdk.sharding import VarSpec
+from psdk.protocol.sharding import VarSpec
 from psdk.transport.wire import Message
 
 

@@ -1,6 +1,6 @@
 """What a worker's waits on its ps say while they last, and how it gets its worker id back after a restart.
 
-A wait for replies logs, at most every :func:`psdk.waits.log_every_s`
+A wait for replies logs, at most every :func:`psdk.runtime.waits.log_every_s`
 seconds, which ps it waits for, at which address, for what, how long of how
 long, and the likely cause: the transport's diagnosis (nothing listening, a
 key mismatch) or, if it has none, what the heartbeats say. Kept apart from
@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+from psdk.client.view import ClientView
 from psdk.errors import ConfigError, PeerTimeoutError, RemoteError
 from psdk.protocol import ID_HELD, ID_IN_USE
-from psdk.waits import WaitLog, seconds
-
-if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
-    from psdk.client.client import ParameterClient
+from psdk.runtime.waits import WaitLog, seconds
 
 log = logging.getLogger("psdk.client.client")
 T = TypeVar("T")
@@ -31,7 +29,7 @@ QUIET_S = 0.2
 class ReplyWait:
     """Called on every turn of a wait for replies (``Pending.wait``'s ``report``); logs a line when one is due."""
 
-    def __init__(self, client: ParameterClient, what: str, timeout_s: float):
+    def __init__(self, client: ClientView, what: str, timeout_s: float):
         self.client, self.what, self.timeout_s = client, what, timeout_s
         self.clock: WaitLog | None = None  # made at the first turn that matters: most waits end within one
         self.causes: dict[int, str] = {}
@@ -81,7 +79,7 @@ class ReplyWait:
         return f"it answers heartbeats (the last {silence:.1f} s ago)"
 
 
-def rejoining(client: ParameterClient, request: Callable[[], T]) -> T:
+def rejoining(client: ClientView, request: Callable[[], T]) -> T:
     """``request``, retried while a ps still holds this worker's previous (dead) connection.
 
     A restarted worker gets in once the ps has declared its old process

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
+from psdk.client.view import ClientView
 from psdk.errors import PsdkError, TransportError
-from psdk.waits import WaitLog, seconds
-
-if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
-    from psdk.client.client import ParameterClient
+from psdk.runtime.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 
 
-def wait_for_workers(client: ParameterClient, timeout_s: float) -> dict[str, dict[str, str]]:
+def wait_for_workers(client: ClientView, timeout_s: float) -> dict[str, dict[str, str]]:
     """Chief: wait until every other worker finished (and, if it stays, saw its report collected) or is dead."""
     deadline = time.monotonic() + timeout_s
     clock = WaitLog()
@@ -68,7 +65,7 @@ def _why_waiting(worker: str, status: dict[str, str], ps_address: str) -> str:
     return f"worker {worker} finished and waits for this worker to collect its report"
 
 
-def wait_collected(client: ParameterClient, timeout_s: float) -> bool:
+def wait_collected(client: ClientView, timeout_s: float) -> bool:
     """Not the chief: wait (at most ``timeout_s``) until the chief has this worker's report; False if it did not.
 
     A restored shard that never heard this worker finish is told again.

@@ -15,15 +15,15 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from psdk import announce
-from psdk.checkpoint import check_run_id
-from psdk.cluster import ClusterSpec, Topology
 from psdk.config.options import TaskOptions, TransportOptions
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PsdkError
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
-from psdk.registry import locate, resolve_backend_name
+from psdk.launch import announce
+from psdk.plugins.models import ModelSpec
+from psdk.plugins.registry import locate, resolve_backend_name
+from psdk.protocol.cluster import ClusterSpec, Topology
+from psdk.protocol.jobspec import check_run_id
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import UpdateRule
 from psdk.transport import security
 from psdk.transport.security import CurveKeys
 

@@ -20,14 +20,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from psdk.cluster import parse_hosts
 from psdk.config import build
 from psdk.config.options import TaskOptions, options_from
 from psdk.config.ranges import MESSAGE_MAX, check_ranges
 from psdk.data.datasets import check_shape, known_shape
 from psdk.errors import ConfigError
 from psdk.launch import LAUNCHED_ENV
-from psdk.sharding import largest_message_bytes, shard_sizes
+from psdk.protocol.cluster import parse_hosts
+from psdk.protocol.sharding import largest_message_bytes, shard_sizes
 
 FLOAT_BYTES = 4
 WORKER_COPIES = 2

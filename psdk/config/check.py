@@ -66,7 +66,7 @@ KEY_ALIASES = {
 
 def group_options(conf: Path) -> dict[str, list[str]]:
     """Each config group of the tree and its options (schemas, ``base_*``, left out), plugins' rules and models too."""
-    from psdk.registry import installed_models, installed_rules
+    from psdk.plugins.registry import installed_models, installed_rules
 
     groups = {
         d.name: {p.stem for p in d.glob("*.yaml") if not p.stem.startswith("base_")}

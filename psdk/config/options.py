@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from psdk.config.ranges import CONNECTIONS_MAX
 from psdk.errors import ConfigError
-from psdk.placement import DEVICE_CHOICES, check_memory_fraction
+from psdk.launch.placement import DEVICE_CHOICES, check_memory_fraction
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from psdk.client import ClientOptions
-    from psdk.cluster import ClusterSpec
+    from psdk.protocol.cluster import ClusterSpec
     from psdk.ps.server import ServerOptions
     from psdk.transport.security import CurveKeys
     from psdk.transport.zeromq import ZmqOptions
@@ -176,7 +176,7 @@ class RecoveryOptions(_Group):
 
 @dataclass(frozen=True)
 class LivenessOptions(_Group):
-    """``liveness.*``: each task's beat file, and when the launcher takes a task for hung (:mod:`psdk.liveness`)."""
+    """``liveness.*``: each task's beat file, and when the launcher calls a task hung (psdk.runtime.liveness)."""
 
     GROUP: ClassVar[str] = "liveness"
     stall_timeout_s: float | None = 30.0

@@ -11,7 +11,7 @@ them.
 
 Where the code already has a dataclass for a group, the schema is derived
 from it (:func:`schema_of`) rather than copied: the update rules (one schema
-per rule), :class:`~psdk.consistency.SyncSpec`, and the typed options of
+per rule), :class:`~psdk.ps.consistency.SyncSpec`, and the typed options of
 :mod:`psdk.config.options`. A field added there is a key here, with its type
 and default, and no key here lacks a field there.
 
@@ -49,9 +49,9 @@ from psdk.config.options import (
     TrainOptions,
     TransportOptions,
 )
-from psdk.consistency import SyncSpec
-from psdk.optim import NoOp, UpdateRule
-from psdk.registry import installed_backends, installed_models, installed_rules, load_target, target_of
+from psdk.plugins.registry import installed_backends, installed_models, installed_rules, load_target, target_of
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import NoOp, UpdateRule
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _ident(name: str) -> str:
 
 def rule_schema_name(rule: type[UpdateRule]) -> str:
     """Psdk's own rules keep their familiar names (SGDConfig); a plugin's gets its rule name too, so no two collide."""
-    return f"{rule.__name__}Config" if rule.__module__ == "psdk.optim" else f"PluginRuleConfig_{_ident(rule.name)}"
+    return f"{rule.__name__}Config" if rule.__module__ == "psdk.ps.rules" else f"PluginRuleConfig_{_ident(rule.name)}"
 
 
 OPTIONS_SCHEMAS: dict[str, tuple[type, bool]] = {
@@ -158,18 +158,18 @@ def _options(name: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    _target_: str = "psdk.models:ModelSpec"
+    _target_: str = "psdk.plugins.models:ModelSpec"
     name: str = MISSING
     hidden: list[int] = field(default_factory=list)
     input_dim: int = 784
     num_classes: int = 10
-    init: str = "glorot_uniform"  # how the kernels are drawn (psdk.models.INITIALIZERS)
+    init: str = "glorot_uniform"  # how the kernels are drawn (psdk.plugins.models.INITIALIZERS)
     init_stddev: float | None = None  # normal, truncated_normal: their stddev (null: 1.0)
 
 
 @dataclass
 class TopologyConfig:
-    _target_: str = "psdk.cluster:Topology"
+    _target_: str = "psdk.protocol.cluster:Topology"
     num_ps: int = 1
     num_workers: int = 2
     host: str = "127.0.0.1"

@@ -1,6 +1,6 @@
 """The datasets psdk registers itself, and finding any registered dataset by name.
 
-A dataset is what a :class:`~psdk.hookspecs.DatasetRecord` points at: a
+A dataset is what a :class:`~psdk.plugins.hookspecs.DatasetRecord` points at: a
 function of the job's ``data`` config node returning a
 :class:`~psdk.data.mnist.Mnist`-shaped set of arrays (flat uint8 images,
 int64 labels; the job scales and splits them). Two are built in:
@@ -79,7 +79,7 @@ def idx_folder(data: Any) -> mnist.Mnist:
 
 def check_dataset_name(data: Any) -> str:
     """``data.name``, refused before a job starts when no plugin provides it (or ``idx`` lacks its folder)."""
-    from psdk.registry import installed_datasets
+    from psdk.plugins.registry import installed_datasets
 
     name = str(_get(data, "name") or "mnist")
     datasets = installed_datasets()
@@ -92,7 +92,7 @@ def check_dataset_name(data: Any) -> str:
 
 def load_dataset(data: Any) -> mnist.Mnist:
     """The dataset ``data.name`` names (default ``mnist``), through the plugins that register datasets."""
-    from psdk.registry import installed_datasets, load_target
+    from psdk.plugins.registry import installed_datasets, load_target
 
     name = check_dataset_name(data)
     datasets = installed_datasets()

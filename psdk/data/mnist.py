@@ -90,7 +90,7 @@ class Split:
     test_images: np.ndarray
     test_y: np.ndarray
     train_size: int = 0
-    """Training images of every worker's shard together (what an epoch passes over: :mod:`psdk.epochs`)."""
+    """Training images of every worker's shard together (what an epoch passes over: :mod:`psdk.jobs.epochs`)."""
 
     def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Training images ``rows`` scaled to [0, 1], and their labels."""

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from psdk import protocol
 from psdk.fuzz.harness import REPLY_OPS, WORKERS, Actor, LivePs, Mode, Sent
-from psdk.numerics import all_finite
-from psdk.optim import SGD
+from psdk.protocol import ops as protocol
+from psdk.protocol.numerics import all_finite
+from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer
 from psdk.transport import security, shm
 from psdk.transport.lending import ATTACH, ATTACHED, REFUSED, UNLENT
@@ -160,10 +160,10 @@ class Intruder:
 def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s: float = 120.0) -> AlongsideReport:
     """A real async job (chief and worker 1 training) while worker 2's key is fuzzed, until the job ends."""
     import psdk
-    from psdk.backends.numpy_backend import NumpyBackend
     from psdk.client import ClientOptions
-    from psdk.cluster import ClusterSpec
-    from psdk.models import ModelSpec, init_weights
+    from psdk.plugins.backends.numpy_backend import NumpyBackend
+    from psdk.plugins.models import ModelSpec, init_weights
+    from psdk.protocol.cluster import ClusterSpec
 
     tmp = tempfile.TemporaryDirectory(prefix="psdk-alongside-")
     keys_dir = security.generate(Path(tmp.name), WORKERS) if curve else None

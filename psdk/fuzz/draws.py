@@ -1,7 +1,7 @@
 """What the stateful fuzzer draws from: the ops, the chief's steps, the sync modes, the rules, odd values.
 
 Every list comes from the protocol's declaration (:mod:`psdk.protocol`) and
-the sync policies (:mod:`psdk.consistency`), so a new op or mode is fuzzed
+the sync policies (:mod:`psdk.ps.consistency`), so a new op or mode is fuzzed
 without editing the fuzzer; the run's books (steps, first failures,
 coverage) live here too, shared by the machine and its runner.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from psdk import protocol
-from psdk.consistency import MODES
 from psdk.fuzz.harness import ENDINGS
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.protocol import ops as protocol
+from psdk.ps.consistency import MODES
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 try:
     from hypothesis import strategies as st

@@ -23,8 +23,8 @@ from typing import Any
 
 import zmq
 
-from psdk import protocol
-from psdk.numerics import all_finite
+from psdk.protocol import ops as protocol
+from psdk.protocol.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security, shm
 from psdk.transport.compact import Packer, Unpacker

@@ -5,7 +5,7 @@ doubled one, a wrong sign or a wrong learning rate: a ps that replaced every
 second gradient with zeros passed. So the fuzzer keeps its own copy of the
 shard (parameters, slots, rule step, version) and applies to it what the ps
 should have applied, with each update rule's formulas written out again
-here in float64 (:class:`RuleModel`), not by calling :mod:`psdk.optim`; the
+here in float64 (:class:`RuleModel`), not by calling :mod:`psdk.ps.rules`; the
 sync round (the mean of ``replicas_to_aggregate`` gradients, stale and
 second gradients dropped), the checkpoint pause (pushes held, then applied
 in order), the target step, restores and refusals of updates that would
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from psdk.consistency import POLICIES
+from psdk.ps.consistency import POLICIES
 
 F32_MAX = float(np.finfo(np.float32).max)
 RTOL, ATOL = 1e-4, 1e-6

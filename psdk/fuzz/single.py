@@ -27,11 +27,11 @@ import zmq
 
 from psdk import protocol
 from psdk.client import ClientOptions, ParameterClient
-from psdk.cluster import ClusterSpec
-from psdk.consistency import SyncSpec
 from psdk.errors import ProtocolError
-from psdk.jobspec import JobSpec
-from psdk.optim import Adam
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import Adam
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import ClientEndpoint, Pending
 from psdk.transport.wire import ALLOWED_DTYPES, Message, decode, encode

@@ -46,12 +46,12 @@ from typing import Any
 
 import numpy as np
 
-from psdk import protocol
-from psdk.consistency import POLICIES, SyncSpec
 from psdk.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
 from psdk.fuzz.model import Model
-from psdk.jobspec import JobSpec
-from psdk.optim import SGD
+from psdk.protocol import ops as protocol
+from psdk.protocol.jobspec import JobSpec
+from psdk.ps.consistency import POLICIES, SyncSpec
+from psdk.ps.rules import SGD
 from psdk.transport import shm
 from psdk.transport.wire import Message
 

@@ -13,15 +13,15 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from psdk import checkpoint
+from psdk.client import checkpoint
 from psdk.config import build
 from psdk.config.options import options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
 from psdk.errors import ConfigError
-from psdk.metrics import write_json_atomic
-from psdk.models import build_model
-from psdk.plugins import load_backend
+from psdk.plugins.loading import load_backend
+from psdk.plugins.models import build_model
+from psdk.report.metrics import write_json_atomic
 
 log = logging.getLogger(__name__)
 

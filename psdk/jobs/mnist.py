@@ -4,7 +4,7 @@ Each worker reads its own shard of the training set, trains with
 :class:`~psdk.api.DistributedOptimizer` until the ps says the target global
 step is reached, and logs lines a TensorFlow user knows (worker, epoch,
 global step, local step, loss, validation accuracy); an epoch is the job's
-pass over the training set, counted from the global step (:mod:`psdk.epochs`).
+pass over the training set, counted from the global step (:mod:`psdk.jobs.epochs`).
 The chief also resumes from a checkpoint when asked, writes checkpoints, and
 at the end waits for the others, evaluates the final parameters of the ps on the test set and writes
 ``summary.json``, ``params.npz`` and a final checkpoint.
@@ -24,31 +24,30 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from psdk import checkpoint
 from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
-from psdk.client import StepResult
+from psdk.client import StepResult, checkpoint
 from psdk.config import build
 from psdk.config.options import PlacementOptions, TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
-from psdk.disks import WriteError, is_write_failure
-from psdk.epochs import count_of
 from psdk.errors import TrainingResumed
-from psdk.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.jobs.divergence import DivergenceWatch
+from psdk.jobs.epochs import count_of
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
-from psdk.liveness import beat
-from psdk.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
-from psdk.models import build_model
-from psdk.placement import (
+from psdk.launch.placement import (
     RankPlacement,
     lower_thread_priority,
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins import check_framework, load_backend
+from psdk.plugins.loading import check_framework, load_backend
+from psdk.plugins.models import build_model
+from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
+from psdk.runtime.disks import WriteError, is_write_failure
+from psdk.runtime.failpoints import TRAINED, WORKER_STEP, failpoint
+from psdk.runtime.liveness import beat
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class Batches:
             raise ValueError(f"a shard of {len(data.train_images)} images cannot fill a batch of {batch_size}")
         self.data, self.batch_size = data, batch_size
         self.rng = np.random.default_rng(seed)
-        self.passes = 0  # over this shard: not the job's epochs (psdk.epochs), which count passes by all workers
+        self.passes = 0  # over this shard: not the job's epochs (psdk.jobs.epochs), which count passes by all workers
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         size = len(self.data.train_images)
@@ -307,7 +306,7 @@ class WorkerJob:
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
         while True:
-            beat()  # a step: the launcher takes a worker whose steps and waits stop for hung (psdk.liveness)
+            beat()  # a step: the launcher takes a worker whose steps and waits stop for hung (psdk.runtime.liveness)
             failpoint(WORKER_STEP)
             started, cpu_started = clock(), cpu_clock()
             loss = self.backend.forward_backward(self.model, x, y)
@@ -378,7 +377,7 @@ class WorkerJob:
             self.session.record(StepResult(step, True, "stopped"))
 
     def _log_point(self, result: StepResult, loss: float, validate: bool, rate: float, elapsed: float) -> None:
-        epoch = self.epochs.at_step(result.global_step)  # the job's epochs, from the global step (psdk.epochs)
+        epoch = self.epochs.at_step(result.global_step)  # the job's epochs, from the global step (psdk.jobs.epochs)
         target = self.cfg.train.get("epochs")
         accuracy = self.backend.accuracy(self.model, self.data.val_x, self.data.val_y) if validate else None
         if accuracy is not None:
@@ -466,7 +465,7 @@ class WorkerJob:
         summary = build_summary(cfg, stats, workers, test_accuracy, time.time() - start, self.backend.name)
         summary["workers"].get("0", {})["test_accuracy"] = test_accuracy  # its own figure: the final parameters'
         summary["run_id"] = self.session.run_id
-        summary["epochs"] = round(self.epochs.at_step(summary["global_step"]), 4)  # the job's (psdk.epochs)
+        summary["epochs"] = round(self.epochs.at_step(summary["global_step"]), 4)  # the job's (psdk.jobs.epochs)
         summary["batches_per_epoch"] = self.epochs.batches_per_epoch
         summary["rule_applied"] = dict(client.rule_json)  # e.g. the momentum scaled for async workers
         diverged = [w["divergence"] for _, w in sorted(summary["workers"].items()) if w.get("divergence")]

@@ -12,8 +12,8 @@ import numpy as np
 from omegaconf import DictConfig
 
 from psdk.config import build
-from psdk.disks import naming
-from psdk.metrics import percentile
+from psdk.report.metrics import percentile
+from psdk.runtime.disks import naming
 
 
 def save_params(path: Path, params: Mapping[str, np.ndarray]) -> None:
@@ -72,7 +72,7 @@ def build_summary(
             "model": str(cfg.model.name),
             "optimizer": build.plain(cfg.optimizer),
             "steps": int(cfg.train.steps),
-            "train_epochs": cfg.train.get("epochs"),  # the epochs asked for (null: train.steps was), psdk.epochs
+            "train_epochs": cfg.train.get("epochs"),  # the epochs asked for (null: train.steps was), psdk.jobs.epochs
             "batch_size": int(cfg.train.batch_size),
             "resumed_from": str(cfg.resume) if cfg.resume else None,
         }

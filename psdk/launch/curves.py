@@ -14,8 +14,8 @@ import logging
 import threading
 from pathlib import Path
 
-from psdk.disks import WriteError, is_write_failure
-from psdk.placement import lower_thread_priority
+from psdk.launch.placement import lower_thread_priority
+from psdk.runtime.disks import WriteError, is_write_failure
 
 log = logging.getLogger(__name__)
 

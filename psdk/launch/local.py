@@ -6,7 +6,7 @@ overrides. Each ps binds a free port and announces it in a file; the workers
 start once every ps is listening. Children die with the launcher
 (``PR_SET_PDEATHSIG``) and on Ctrl-C; a dead chief or ps stops the job with
 an error naming it; a dead non-chief worker is reported and the job goes on.
-A task whose loop stopped turning (:mod:`psdk.liveness`) is killed, and then
+A task whose loop stopped turning (:mod:`psdk.runtime.liveness`) is killed, and then
 is a dead task like any other: restarted with recovery on.
 """
 
@@ -30,23 +30,24 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from psdk import announce, checkpoint, liveness
-from psdk.cluster import ClusterSpec
+from psdk.client import checkpoint
 from psdk.config import build, capacity
 from psdk.config.options import TaskOptions, options_from
 from psdk.data import mnist
 from psdk.data.datasets import check_dataset_name
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
-from psdk.launch import LAUNCHED_ENV, handoff
+from psdk.launch import LAUNCHED_ENV, announce, handoff
 from psdk.launch.curves import CurvesInBackground
+from psdk.launch.placement import RankPlacement, visible_gpus
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
-from psdk.metrics import summary_line, write_json_atomic
-from psdk.models import check_supported
-from psdk.placement import RankPlacement, visible_gpus
-from psdk.plugins import check_framework, installed_backends, merged_options, resolve_backend_name
+from psdk.plugins.loading import check_framework, installed_backends, merged_options, resolve_backend_name
+from psdk.plugins.models import check_supported
+from psdk.protocol.cluster import ClusterSpec
+from psdk.report.metrics import summary_line, write_json_atomic
 from psdk.report.runs import forget_failure, recorded_failure
+from psdk.runtime import liveness
+from psdk.runtime.waits import WaitLog, seconds
 from psdk.transport import security
-from psdk.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def task_args(job: str, index: int, out: Path, args: Sequence[str]) -> list[str]
 
 
 def alive_file(out: Path, name: str) -> Path:
-    """Where task ``name`` (``ps0``) writes its beats (:mod:`psdk.liveness`) in run folder ``out``."""
+    """Where task ``name`` (``ps0``) writes its beats (:mod:`psdk.runtime.liveness`) in run folder ``out``."""
     return out / "tasks" / f"{name}.alive.json"
 
 
@@ -160,7 +161,7 @@ class Task:
     host: str | None = None  # where it runs, when that is not this machine
     env: dict[str, str] | None = None  # what it was started with, to start it again
     folder: Path | None = None  # its own folder (out/tasks/<job><index>), when the launcher can read it
-    alive: Path | None = None  # its liveness file (psdk.liveness), on the host it runs on
+    alive: Path | None = None  # its liveness file (psdk.runtime.liveness), on the host it runs on
     started: float = field(default_factory=time.monotonic)  # when it was last started, for its liveness
     hung: str | None = None  # why the launcher killed it as hung, until it is started again
 
@@ -321,7 +322,7 @@ class LocalLauncher:
     def _start_tasks(self, cfg: DictConfig, out: Path, common: list[str]) -> None:
         """Start every ps and every worker at once; the workers learn the ps addresses from files.
 
-        Each ps binds a free port and announces it (:mod:`psdk.announce`);
+        Each ps binds a free port and announces it (:mod:`psdk.launch.announce`);
         meanwhile the workers import their framework and read their data,
         then wait for the announcements.
         """

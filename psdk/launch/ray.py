@@ -29,14 +29,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from psdk import liveness
-from psdk.cluster import Topology
 from psdk.config import build
 from psdk.errors import ConfigError, JobFailedError, PsdkError
 from psdk.launch.local import LocalLauncher, Task, alive_file, task_args
 from psdk.launch.ray_actors import POLL_S, RPC_TIMEOUT_S, RemoteProcess, TaskRunner
+from psdk.protocol.cluster import Topology
+from psdk.runtime import liveness
+from psdk.runtime.waits import WaitLog, seconds
 from psdk.transport import security
-from psdk.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 

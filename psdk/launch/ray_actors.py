@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from psdk import liveness
 from psdk.launch.local import TASK_ENV
+from psdk.runtime import liveness
 
 POLL_S = 0.2  # how often the launcher asks an actor whether its task ended
 RPC_TIMEOUT_S = 30.0  # every call to an actor is bounded

@@ -13,10 +13,10 @@ import logging
 import time
 
 from psdk.errors import RefusedError
-from psdk.failpoints import PS_STATE, failpoint
 from psdk.protocol import BUSY
 from psdk.ps.sessions import session_of
 from psdk.ps.shard import MAX_WAITS_PER_WORKER, ServedShard
+from psdk.runtime.failpoints import PS_STATE, failpoint
 from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.ps.server")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from psdk import announce
-from psdk.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.config import build
 from psdk.config.options import options_from
 from psdk.errors import BindError, ConfigError, TransportError
+from psdk.launch import announce
+from psdk.protocol.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.ps.progress import progress_file
 from psdk.ps.server import ParameterServer
 from psdk.transport import security

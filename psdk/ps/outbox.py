@@ -11,8 +11,8 @@ import logging
 from typing import Any
 
 from psdk.errors import ProtocolError
-from psdk.logs import RateLimitedLog
 from psdk.ps.stats import ShardStats
+from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import ServerEndpoint
 from psdk.transport.wire import Message
 

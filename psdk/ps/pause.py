@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from psdk.consistency import Push
+from psdk.ps.consistency import Push
 
 
 @dataclass

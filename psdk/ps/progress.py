@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from psdk.metrics import write_json_atomic
 from psdk.ps.server import ParameterServer
+from psdk.report.metrics import write_json_atomic
 
 INTERVAL_S = 0.5
 MIN_INTERVAL_S = 0.05

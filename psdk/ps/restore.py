@@ -2,7 +2,7 @@
 
 When a ps is lost, the chief restores every shard from its latest
 checkpoint so the job goes on from one consistent cut (see
-:mod:`psdk.recovery`). A restore starts a new epoch: a push computed in an
+:mod:`psdk.client.recovery`). A restore starts a new epoch: a push computed in an
 older one belongs to the abandoned timeline and is answered "resync".
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from psdk.consistency import make_policy
 from psdk.errors import RefusedError
+from psdk.ps.consistency import make_policy
 from psdk.ps.shard import ServedShard, restore_state, take_finished
 from psdk.transport.wire import Message
 

@@ -25,24 +25,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from psdk import protocol
-from psdk.consistency import ConsistencyPolicy
 from psdk.errors import ProtocolError, RefusedError
-from psdk.failpoints import PS_SERVE, PS_WRAP_UP, failpoint
-from psdk.jobspec import JobSpec
-from psdk.liveness import beat
+from psdk.protocol import ops as protocol
+from psdk.protocol.jobspec import JobSpec
 from psdk.ps import restore
 from psdk.ps.checkpoints import Checkpoints
+from psdk.ps.consistency import ConsistencyPolicy
 from psdk.ps.membership import FINISHED, Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions, session_of
 from psdk.ps.shard import ServedShard
 from psdk.ps.stats import ShardStats
-from psdk.store import FlatStore, ParameterStore
+from psdk.ps.store import FlatStore, ParameterStore
+from psdk.runtime.failpoints import PS_SERVE, PS_WRAP_UP, failpoint
+from psdk.runtime.liveness import beat
+from psdk.runtime.waits import WaitLog, seconds
 from psdk.transport import Incoming, ServerEndpoint, worker_name
 from psdk.transport.wire import Message
-from psdk.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class ParameterServer:
                     self.fail(f"{self.name}'s transport failed: {exc!r}")
                     self.exit_code = 1
                     break
-                beat()  # the launcher takes a ps whose loop stops turning for hung (psdk.liveness)
+                beat()  # the launcher takes a ps whose loop stops turning for hung (psdk.runtime.liveness)
                 failpoint(PS_SERVE)
                 if incoming is not None:
                     self.handle(incoming)

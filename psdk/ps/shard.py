@@ -3,7 +3,7 @@
 The chief configures the job (sync mode, target step, workers, update rule)
 when it initialises the store, as TensorFlow's workers built the graph the
 ps only served. Pushes go through the consistency policy of the job's mode
-(:mod:`psdk.consistency`), which decides when they are applied and
+(:mod:`psdk.ps.consistency`), which decides when they are applied and
 answered; while the chief holds a checkpoint pause they wait in
 :class:`~psdk.ps.pause.PauseLease`. When the global step reaches the target,
 every waiting and later push is answered "done"; plain pulls still work, so
@@ -21,20 +21,20 @@ from typing import Any
 
 import numpy as np
 
-from psdk.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.errors import ConfigError, NonFiniteError, ProtocolError, RefusedError
-from psdk.failpoints import PS_UPDATE, failpoint
-from psdk.jobspec import JobSpec
-from psdk.numerics import magnitude
+from psdk.plugins.registry import rule_from_json
 from psdk.protocol import BUSY
+from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.numerics import magnitude
+from psdk.protocol.sharding import largest_message_bytes
+from psdk.ps.consistency import ConsistencyPolicy, Push, make_policy
 from psdk.ps.membership import FINISHED, Membership
 from psdk.ps.outbox import Outbox
 from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
-from psdk.registry import rule_from_json
-from psdk.sharding import largest_message_bytes
-from psdk.store import ParameterStore, RestoreState
+from psdk.ps.store import ParameterStore, RestoreState
+from psdk.runtime.failpoints import PS_UPDATE, failpoint
 from psdk.transport import ServerEndpoint
 from psdk.transport.wire import MAX_HEADER_BYTES, Message
 

@@ -56,7 +56,7 @@ def report(args: Sequence[str]) -> int:
             print(f"training curves: {plot_curves(run, folder / 'curves.png')}")
         print(markdown([row(run, folder, target)], target, run.title()), end="")
         if run.summary is not None:
-            from psdk.metrics import summary_line
+            from psdk.report.metrics import summary_line
 
             print(summary_line(run.summary))
         return 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from psdk.consistency import SyncSpec
+from psdk.ps.consistency import SyncSpec
 from psdk.report.runs import Run, find_runs, load_run
 
 log = logging.getLogger(__name__)

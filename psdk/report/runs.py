@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psdk.metrics import write_json_atomic
+from psdk.report.metrics import write_json_atomic
 
 # Folders inside a run that hold no run of their own.
 INNER = {"tasks", "checkpoints", "tensorboard", ".hydra", "keys"}

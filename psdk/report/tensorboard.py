@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from psdk.disks import naming
+from psdk.runtime.disks import naming
 
 
 def _crc32c_table() -> list[int]:

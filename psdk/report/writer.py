@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from psdk.errors import PsdkError
-from psdk.metrics import MetricsLog, write_json_atomic
+from psdk.report.metrics import MetricsLog, write_json_atomic
 from psdk.report.tensorboard import EventWriter
 
 if TYPE_CHECKING:

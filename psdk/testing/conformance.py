@@ -10,8 +10,8 @@ A plugin's tests subclass :class:`BackendConformance` and name their backend::
 
 pytest then runs every check below against the installed backend of that
 name (found through the ``psdk`` entry points, as a job finds it). The
-reference is :class:`psdk.backends.numpy_backend.NumpyBackend`, the contract
-at its plainest: same :func:`~psdk.models.init_weights`, same batch, so any
+reference is :class:`psdk.plugins.backends.numpy_backend.NumpyBackend`, the contract
+at its plainest: same :func:`~psdk.plugins.models.init_weights`, same batch, so any
 difference is the backend's. Tolerances are class attributes a subclass may
 loosen, with a comment saying why.
 
@@ -26,7 +26,7 @@ The one line is enough; a subclass may also say more:
   that shows ``rule=``, the way to state the ps rule instead.
 
 The suite builds models on a backend fresh from :func:`psdk.plugins.load_backend`,
-without :meth:`~psdk.backend.Backend.setup` (only the placement checks call it):
+without :meth:`~psdk.plugins.backend.Backend.setup` (only the placement checks call it):
 a backend must build, train and evaluate on its default device as it is made.
 """
 
@@ -45,14 +45,14 @@ import pytest
 
 import psdk
 from psdk import plugins
-from psdk.backend import Backend
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.errors import ConfigError
-from psdk.hookspecs import ModelRecord
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
-from psdk.placement import visible_gpus
-from psdk.sharding import flat_size, layout, views
+from psdk.launch.placement import visible_gpus
+from psdk.plugins.backend import Backend
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.hookspecs import ModelRecord
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.protocol.sharding import flat_size, layout, views
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.testing.ps import RunningPs, running_ps
 
 # Frameworks that listing backends must never import, whichever plugin is tested.
@@ -114,10 +114,10 @@ class BackendConformance:
     softmax_spec: ClassVar[ModelSpec] = ModelSpec(name="softmax", hidden=(), input_dim=50, num_classes=10)
     """Softmax regression (``model=softmax``): one layer, no ReLU."""
     inspectable_optimizers: ClassVar[bool] = True
-    """Whether :meth:`~psdk.backend.Backend.optimizer_rule` can read a framework optimizer's kind and settings.
+    """Whether :meth:`~psdk.plugins.backend.Backend.optimizer_rule` can read a framework optimizer's kind and settings.
 
     ``False`` for closures (optax): only optimizers ``make_optimizer`` made map
-    back (it remembers their rule, :func:`psdk.backends.kit.remember_rule`), and
+    back (it remembers their rule, :func:`psdk.plugins.backends.kit.remember_rule`), and
     any other must be refused with a message showing ``rule=``.
     """
     loss_rtol: ClassVar[float] = 1e-5

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from psdk.metrics import read_jsonl
+from psdk.report.metrics import read_jsonl
 
 HEARTBEAT_TIMEOUT_S = 5.0
 """How long a test job's task may be silent before its peers call it lost: seconds, not the default 10, so a

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from psdk.cluster import ClusterSpec
+from psdk.protocol.cluster import ClusterSpec
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 

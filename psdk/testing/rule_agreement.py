@@ -1,6 +1,6 @@
 """Each ps update rule against the framework's own optimizer, 20 steps on random tensors.
 
-A backend's :meth:`~psdk.backend.Backend.make_optimizer` claims that the
+A backend's :meth:`~psdk.plugins.backend.Backend.make_optimizer` claims that the
 framework optimizer it returns updates as the ps's rule does. This harness
 checks the claim the same way for every backend: the rule, in numpy, and the
 framework, from the same start over the same 20 gradients, must end at the
@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 CASES: dict[str, UpdateRule] = {
     "sgd": SGD(lr=0.1),

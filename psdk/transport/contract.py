@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, ProtocolError
-from psdk.liveness import beat
+from psdk.runtime.liveness import beat
 from psdk.transport.wire import Message
 
 # How often a waiting client wakes to check deadlines and peer liveness.
@@ -142,7 +142,7 @@ class ClientEndpoint(ABC):
 
     def diagnose(self, index: int) -> str | None:
         """Why server ``index`` may not answer, in words (nothing listening, a key mismatch); ``None``: no known
-        reason. Asked when a wait has lasted a while (see :mod:`psdk.waits`), never on a hot path."""
+        reason. Asked when a wait has lasted a while (see :mod:`psdk.runtime.waits`), never on a hot path."""
         return None
 
     def new_rid(self) -> int:
@@ -222,13 +222,13 @@ class Pending:
         ``restarted(index)`` tells when a server came back as a new process:
         a request to its old self will never be answered. ``report(pending,
         waited_s)`` is called on every turn of the wait, to say what it waits
-        for once that lasts (see :mod:`psdk.waits`).
+        for once that lasts (see :mod:`psdk.runtime.waits`).
         """
         endpoint, expected, replies = self.endpoint, self.expected, self.replies
         start = time.monotonic()
         deadline = start + timeout_s
         while len(replies) < len(expected):
-            beat()  # waiting on the network is not being hung (psdk.liveness)
+            beat()  # waiting on the network is not being hung (psdk.runtime.liveness)
             now = time.monotonic()
             pending = [i for i in expected if i not in replies]
             if now >= deadline:

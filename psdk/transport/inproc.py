@@ -42,7 +42,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from psdk.errors import PeerTimeoutError, PortInUseError, TransportError
-from psdk.logs import RateLimitedLog
+from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, Transport
 from psdk.transport.wire import (
     MAX_HEADER_BYTES,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from psdk.errors import ProtocolError, PsdkError
-from psdk.logs import RateLimitedLog
+from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import Incoming, ShardBuffers
 from psdk.transport.compact import Packer, Unpacker
 from psdk.transport.shm import REPLY_SLOT, AttachedBuffers, WorkerBuffers

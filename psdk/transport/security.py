@@ -36,7 +36,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from psdk.errors import ConfigError
-from psdk.logs import RateLimitedLog
+from psdk.runtime.logs import RateLimitedLog
 from psdk.transport.contract import worker_name
 
 log = logging.getLogger(__name__)

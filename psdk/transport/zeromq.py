@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from psdk.errors import PeerTimeoutError, PortInUseError, TransportError
-from psdk.logs import RateLimitedLog
+from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, ShardBuffers, Transport, shm, zmq_guard
 from psdk.transport.frames import FrameReuse, TimedReceiver, send_parts
 from psdk.transport.handshakes import HandshakeWatch, listening

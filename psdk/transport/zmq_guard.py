@@ -56,7 +56,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from psdk.logs import RateLimitedLog
+from psdk.runtime.logs import RateLimitedLog
 from psdk.transport.handshakes import failed_at_server
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 
 from psdk.errors import ConfigError
-from psdk.optim import Bounds, RuleState, UpdateRule
+from psdk.ps.rules import Bounds, RuleState, UpdateRule
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from psdk.hookspecs import ModelRecord, hookimpl
-from psdk.optim import UpdateRule
+from psdk.plugins.hookspecs import ModelRecord, hookimpl
+from psdk.rules import UpdateRule
 from psdk_example.lion import Lion
 
 

@@ -37,7 +37,7 @@ def test_the_builder_computes_the_specs_network(backend: str, tmp_path: Path) ->
     needs(backend)
     code = f"""
 import json, numpy as np
-from psdk.models import build_model
+from psdk.plugins.models import build_model
 from psdk.plugins import load_backend
 from psdk_example.resmlp import ResMlpSpec
 spec = ResMlpSpec(width=24, blocks=2, input_dim=20)

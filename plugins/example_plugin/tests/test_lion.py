@@ -9,7 +9,7 @@ import pytest
 from psdk_example.lion import Lion
 
 from psdk.errors import ConfigError
-from psdk.registry import rule_from_json
+from psdk.plugins.registry import rule_from_json
 
 
 def reference(rule: Lion, start: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:

@@ -24,7 +24,7 @@ def test_its_rule_and_model_are_registered() -> None:
 def test_listing_plugins_shows_both_and_imports_no_framework() -> None:
     code = (
         "import sys\n"
-        "from psdk.cli import main\n"
+        "from psdk.launch.cli import main\n"
         "code = main(['plugins'])\n"
         "print('loaded', sorted(m for m in ('torch', 'tensorflow', 'jax', 'keras') if m in sys.modules))\n"
     )

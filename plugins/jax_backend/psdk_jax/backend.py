@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from psdk.backend import Backend
-from psdk.backends import kit
 from psdk.errors import ConfigError
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
+from psdk.plugins.backend import Backend
+from psdk.plugins.backends import kit
+from psdk.plugins.models import ModelSpec
+from psdk.rules import UpdateRule
 from psdk_jax import optimizers, placement
 from psdk_jax.models import DenseStack
 

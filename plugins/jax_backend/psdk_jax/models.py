@@ -3,7 +3,7 @@
 A :class:`DenseStack` is what a JAX user would hold: ``params``, a dict of
 jax arrays on the backend's device named canonically (``hidden1/kernel`` of
 shape (in, out), ``hidden1/bias``, ..., ``logits/bias``, in
-:meth:`~psdk.models.ModelSpec.variables` order), and pure functions of it
+:meth:`~psdk.plugins.models.ModelSpec.variables` order), and pure functions of it
 (:meth:`DenseStack.apply` for the logits, :meth:`DenseStack.loss` for the
 mean softmax cross-entropy). Kernels are (in, out) because ``x @ kernel +
 bias`` is the forward pass, so nothing is transposed on the way to or from
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from psdk.errors import PsdkError
-from psdk.models import ModelSpec
-from psdk.sharding import flat_size, layout, views
+from psdk.plugins.models import ModelSpec
+from psdk.protocol.sharding import flat_size, layout, views
 
 Params = dict[str, jax.Array]
 
@@ -66,7 +66,7 @@ def cross_entropy(params: Mapping[str, Any], x: Any, y: Any, layers: tuple[str, 
 
 
 class DenseStack:
-    """The :class:`~psdk.models.ModelSpec` network as params and compiled functions; see the module docstring."""
+    """The :class:`psdk.ModelSpec` network as params and compiled functions; see the module docstring."""
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ An optax optimizer is a NamedTuple of two closures (``init``, ``update``): its
 learning rate, its schedule and its kind cannot be read back, and it takes
 no attributes. So the way from an optax optimizer to the ps's rule exists
 only for transformations :func:`make_optimizer` made (it remembers the rule
-it was given, :func:`psdk.backends.kit.remember_rule`); any other is refused
+it was given, :func:`psdk.plugins.backends.kit.remember_rule`); any other is refused
 with what to write instead: the rule itself,
 ``psdk.DistributedOptimizer(None, model, session, rule=psdk.rules.Adam(lr=1e-3))``.
 
@@ -51,9 +51,9 @@ from typing import Any
 
 import optax
 
-from psdk.backends import kit
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.plugins.backends import kit
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 SUPPORTED = ("psdk.rules.SGD", "psdk.rules.Adam", "psdk.rules.Adagrad", "psdk.rules.RMSProp")
 

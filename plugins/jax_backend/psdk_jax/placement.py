@@ -5,9 +5,9 @@ JAX reads most of its setup once, when its first client starts (the first
 the size of XLA's CPU thread pool. So :func:`start` runs before anything
 else touches JAX in a worker, and says when it came too late.
 
-* **Device.** ``cpu`` or ``cuda:N`` (:func:`psdk.backends.kit.gpu_index`);
+* **Device.** ``cpu`` or ``cuda:N`` (:func:`psdk.plugins.backends.kit.gpu_index`);
   ``cuda:N`` is the N-th of ``jax.devices("gpu")`` when JAX sees that many,
-  otherwise the CPU with a warning (:func:`psdk.backends.kit.fall_back_to_cpu`).
+  otherwise the CPU with a warning (:func:`psdk.plugins.backends.kit.fall_back_to_cpu`).
   The chosen device becomes ``jax_default_device`` and holds the model's
   params. psdk's launcher shows each worker only its own GPU
   (``placement.isolate_gpus``), so JAX never starts a context on the others.
@@ -44,8 +44,8 @@ import os
 from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
-from psdk.backends import kit
 from psdk.errors import ConfigError
+from psdk.plugins.backends import kit
 
 log = logging.getLogger(__name__)
 

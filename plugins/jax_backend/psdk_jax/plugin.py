@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from psdk.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, hookimpl
 
 OPTIONS: dict[str, Any] = {
     "jit": True,

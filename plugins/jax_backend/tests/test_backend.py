@@ -15,7 +15,7 @@ from psdk_jax.models import DenseStack
 import psdk
 from psdk import plugins
 from psdk.errors import ConfigError, PsdkError
-from psdk.models import ModelSpec, init_weights
+from psdk.plugins.models import ModelSpec, init_weights
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ from psdk_jax.optimizers import learning_rate, make_optimizer, optimizer_rule
 import psdk
 from psdk import plugins
 from psdk.errors import ConfigError
-from psdk.optim import NoOp
+from psdk.ps.rules import NoOp
 from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.testing import RuleAgreement
 from psdk.testing.rule_agreement import CASES

@@ -12,7 +12,7 @@ from psdk_jax.placement import MEM_FRACTION, PREALLOCATE, choose, memory_env, th
 
 from psdk import plugins
 from psdk.errors import ConfigError
-from psdk.placement import visible_gpus
+from psdk.launch.placement import visible_gpus
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,7 +107,7 @@ def test_the_compilation_cache_option_fills_the_folder(tmp_path: pytest.TempPath
     code = (
         "import json, os, numpy as np\n"
         "from psdk import plugins\n"
-        "from psdk.models import ModelSpec, init_weights\n"
+        "from psdk.plugins.models import ModelSpec, init_weights\n"
         f"backend = plugins.load_backend('jax', options={{'compilation_cache_dir': {str(tmp_path)!r}}})\n"
         "backend.setup('cpu', threads=1)\n"
         "spec = ModelSpec(hidden=(8,), input_dim=5, num_classes=3)\n"

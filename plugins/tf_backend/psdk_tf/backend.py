@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from psdk.backend import Backend
-from psdk.backends import kit
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
+from psdk.plugins.backend import Backend
+from psdk.plugins.backends import kit
+from psdk.plugins.models import ModelSpec
+from psdk.rules import UpdateRule
 from psdk_tf import optimizers, placement
 from psdk_tf._tf import tf
 from psdk_tf.models import DenseStack, binding

@@ -3,7 +3,7 @@
 Two kinds of model, behind one small interface (:class:`DenseStack` and
 :class:`ForeignModel`; :func:`binding` picks):
 
-* :class:`DenseStack`, psdk's :class:`~psdk.models.ModelSpec` network, built by
+* :class:`DenseStack`, psdk's :class:`~psdk.plugins.models.ModelSpec` network, built by
   the backend. Its variables are in the canonical layout by construction:
   ``hidden1/kernel`` of shape (in, out), ``hidden1/bias``, ..., ``logits/bias``,
   in :meth:`ModelSpec.variables` order, so nothing is transposed on the way to
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import PsdkError
-from psdk.models import ModelSpec
-from psdk.sharding import flat_size, layout, views
+from psdk.plugins.models import ModelSpec
+from psdk.protocol.sharding import flat_size, layout, views
 from psdk_tf._tf import keras, tf
 
 _OUTPUT_INDEX = re.compile(r":\d+$")
@@ -158,7 +158,7 @@ class DenseStack(tf.Module):
             np.copyto(view, self._grad_views[name])
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """The class each image is given (for :func:`psdk.backends.kit.batched_accuracy`)."""
+        """The class each image is given (for :func:`psdk.plugins.backends.kit.batched_accuracy`)."""
         self.flush()
         return self._predict(tf.convert_to_tensor(np.asarray(x, np.float32))).numpy()
 

@@ -24,7 +24,7 @@ differences, each handled here:
   rate makes the two the same.
 
 An optimizer made by :func:`make_optimizer` carries its exact psdk rule
-(:func:`psdk.backends.kit.remember_rule`), so options Keras cannot express
+(:func:`psdk.plugins.backends.kit.remember_rule`), so options Keras cannot express
 (L2 ``weight_decay``, ``epsilon_mode="torch"``, ``warmup_steps``) survive the round trip,
 unless the optimizer has been changed since.
 """
@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from psdk.backends import kit
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.plugins.backends import kit
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk_tf._tf import keras
 
 # Keras's defaults for options the ps cannot run; anything else is refused by name.

@@ -11,7 +11,7 @@ devices (at the first op).
   others; inside TensorFlow that GPU is then ``/GPU:0``. ``cpu`` hides every
   GPU. No GPU, or fewer than N + 1, means the CPU and a log line, like soft
   placement: the device string is read, and the fallback decided and logged,
-  by :mod:`psdk.backends.kit`, as for every backend.
+  by :mod:`psdk.plugins.backends.kit`, as for every backend.
 * Memory: ``placement.gpu_memory_fraction`` becomes a hard limit of that share
   of the GPU's memory (TensorFlow 2 takes megabytes, so the size is asked of
   ``nvidia-smi``); without it memory grows on demand (TF 1's
@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from psdk.backends import kit
-from psdk.placement import check_memory_fraction, visible_gpus
+from psdk.launch.placement import check_memory_fraction, visible_gpus
+from psdk.plugins.backends import kit
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import pytest
 from psdk_tf.backend import TfBackend
 
 from psdk import plugins
-from psdk.models import ModelSpec
+from psdk.plugins.models import ModelSpec
 from psdk.testing.conformance import random_batch
 
 SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)

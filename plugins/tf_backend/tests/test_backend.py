@@ -23,11 +23,11 @@ from psdk_tf.models import DenseStack, binding, canonical_names, record_gradient
 
 import psdk
 from psdk import plugins
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.data import mnist
 from psdk.errors import PsdkError
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.rules import SGD
 from psdk.testing.ps import RunningPs
 
 from .conftest import SPEC, batch

@@ -15,7 +15,7 @@ import tensorflow as tf
 from psdk_tf.optimizers import make_optimizer, optimizer_rule
 
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.testing import RuleAgreement
 from psdk.testing.rule_agreement import CASES
 

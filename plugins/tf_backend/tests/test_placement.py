@@ -11,7 +11,7 @@ from psdk_tf.backend import TfBackend
 from psdk_tf.placement import CPU, Plan, physical_id, plan
 
 from psdk.errors import ConfigError
-from psdk.placement import visible_gpus
+from psdk.launch.placement import visible_gpus
 
 
 def test_the_cpu_hides_every_gpu() -> None:
@@ -27,7 +27,7 @@ def test_cuda_n_keeps_only_gpu_n_visible_which_tensorflow_then_calls_gpu_0() -> 
 def test_a_missing_gpu_falls_back_to_the_cpu_and_says_why(
     device: str, seen: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="psdk.backends.kit"):
+    with caplog.at_level(logging.WARNING, logger="psdk.plugins.backends.kit"):
         chosen = plan(device, gpus_seen=seen)
     assert chosen == CPU
     assert device in caplog.text and "TensorFlow" in caplog.text and "CPU" in caplog.text
@@ -65,7 +65,7 @@ def test_setup_with_a_gpu_tensorflow_does_not_see_logs_the_fallback(
     backend: TfBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     missing = f"cuda:{len(visible_gpus())}"  # one past the last GPU: there is none on a CPU machine
-    with caplog.at_level(logging.WARNING, logger="psdk.backends.kit"):
+    with caplog.at_level(logging.WARNING, logger="psdk.plugins.backends.kit"):
         backend.setup(missing, threads=1)
     assert backend.device == "cpu" and backend.plan.tf_device == "/CPU:0"
     assert missing in caplog.text and "CPU" in caplog.text

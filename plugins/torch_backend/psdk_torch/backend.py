@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psdk.backend import Backend
-from psdk.backends import kit
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
+from psdk.plugins.backend import Backend
+from psdk.plugins.backends import kit
+from psdk.plugins.models import ModelSpec
+from psdk.rules import UpdateRule
 from psdk_torch import models, optimizers, placement
 
 

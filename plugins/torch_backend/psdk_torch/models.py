@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psdk.models import ModelSpec
+from psdk.plugins.models import ModelSpec
 
 
 class Dense(nn.Module):
@@ -38,7 +38,7 @@ class Dense(nn.Module):
 
 
 class DenseStack(nn.Module):
-    """The :class:`~psdk.models.ModelSpec` network: dense layers with ReLU between them, logits last."""
+    """The :class:`~psdk.plugins.models.ModelSpec` network: dense layers with ReLU between them, logits last."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

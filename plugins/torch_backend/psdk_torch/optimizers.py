@@ -10,7 +10,7 @@ so are parameter groups with different settings, since the ps runs one rule.
 What ``torch.optim`` has no place for, learning-rate decay and warmup (torch's
 LR schedulers are not mapped) and TensorFlow's Adam epsilon, is kept by the
 rule :func:`make_optimizer` remembers beside the optimizer
-(:func:`psdk.backends.kit.remember_rule`); it answers for the optimizer as
+(:func:`psdk.plugins.backends.kit.remember_rule`); it answers for the optimizer as
 long as torch's own settings still agree with it.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from psdk.backends import kit
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.plugins.backends import kit
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 PSDK_ONLY = frozenset({"decay", "decay_rate", "decay_steps", "warmup_steps", "epsilon_mode"})
 """Rule fields torch.optim cannot express; the remembered rule supplies them."""

@@ -1,7 +1,7 @@
 """Where a torch worker runs: psdk's device string, its threads and its share of a GPU's memory.
 
 ``cuda:N`` is used when torch sees that GPU; otherwise the worker trains on
-the CPU and says so (:func:`psdk.backends.kit.fall_back_to_cpu`, the soft
+the CPU and says so (:func:`psdk.plugins.backends.kit.fall_back_to_cpu`, the soft
 placement every backend shares), so a job written for GPUs still runs on a
 laptop. A device string psdk does not know is refused by name.
 """
@@ -12,8 +12,8 @@ import contextlib
 
 import torch
 
-from psdk.backends import kit
-from psdk.placement import check_memory_fraction
+from psdk.launch.placement import check_memory_fraction
+from psdk.plugins.backends import kit
 
 
 def visible_gpus() -> int:

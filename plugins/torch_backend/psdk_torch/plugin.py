@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from psdk.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, hookimpl
 
 
 @hookimpl

@@ -15,8 +15,8 @@ from psdk_torch.backend import TorchBackend
 import psdk
 from psdk import plugins
 from psdk.data import mnist
-from psdk.models import ModelSpec, init_weights
-from psdk.optim import SGD
+from psdk.plugins.models import ModelSpec, init_weights
+from psdk.rules import SGD
 from psdk.testing.ps import RunningPs
 
 from .conftest import SPEC, batch

@@ -12,7 +12,7 @@ import torch
 from psdk_torch.backend import TorchBackend
 
 from psdk.errors import ConfigError
-from psdk.optim import SGD, Adagrad, Adam, RMSProp, UpdateRule
+from psdk.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 from psdk.testing import RuleAgreement
 
 

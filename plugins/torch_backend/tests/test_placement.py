@@ -10,9 +10,9 @@ import pytest
 import torch
 from psdk_torch.backend import TorchBackend
 
-from psdk.backends.numpy_backend import NumpyBackend
 from psdk.errors import ConfigError
-from psdk.models import init_weights
+from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.models import init_weights
 
 from .conftest import SPEC, batch
 
@@ -30,7 +30,7 @@ def test_a_gpu_torch_does_not_see_means_the_cpu_and_a_warning(
     backend: TorchBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: there is none on a CPU machine
-    with caplog.at_level(logging.WARNING, logger="psdk.backends.kit"):
+    with caplog.at_level(logging.WARNING, logger="psdk.plugins.backends.kit"):
         backend.setup(missing)
     assert backend.device == "cpu" and backend.torch_device == torch.device("cpu")
     assert missing in caplog.text and "CPU" in caplog.text

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from psdk.errors import ConfigError
-from psdk.numerics import SAFE_MAGNITUDE, all_finite
+from psdk.protocol.numerics import SAFE_MAGNITUDE, all_finite
 
 Bounds = tuple[float, dict[str, float]]
 """Upper bounds on ``|x|`` for a shard's parameters and for each of its slots, by name."""
@@ -152,7 +152,7 @@ class UpdateRule(ABC):
 
         ``None`` when the rule cannot tell, or when a value on the way could
         come near float32's limit: the store then backs its state up, applies
-        and checks the result instead (see :mod:`psdk.store`). A rule that
+        and checks the result instead (see :mod:`psdk.ps.store`). A rule that
         answers lets the store skip that copy and that check: the interval
         arithmetic of a few scalars proves the result finite.
         """

@@ -2,7 +2,7 @@
 
 It serves the core's tests (no framework needed) and shows the backend
 contract at its plainest. Its "framework optimizer" is a psdk update rule
-(:mod:`psdk.optim`), which is also what the ps runs.
+(:mod:`psdk.ps.rules`), which is also what the ps runs.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from psdk.backend import Backend
-from psdk.backends import kit
 from psdk.errors import ConfigError
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
-from psdk.sharding import flat_size, layout, views
+from psdk.plugins.backend import Backend
+from psdk.plugins.backends import kit
+from psdk.plugins.models import ModelSpec
+from psdk.protocol.sharding import flat_size, layout, views
+from psdk.ps.rules import UpdateRule
 
 
 class NumpyModel:
@@ -78,7 +78,7 @@ class NumpyBackend(Backend):
 
     def optimizer_rule(self, optimizer: Any) -> UpdateRule:
         if not isinstance(optimizer, UpdateRule):
-            raise ConfigError("optimizer", f"the numpy backend takes a psdk.optim rule, not {optimizer!r}")
+            raise ConfigError("optimizer", f"the numpy backend takes a psdk.ps.rules rule, not {optimizer!r}")
         return optimizer
 
     def variables(self, model: NumpyModel) -> dict[str, tuple[int, ...]]:

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from psdk.errors import PsdkError
-from psdk.liveness import beat
-from psdk.logs import task_label
-from psdk.metrics import write_json_atomic
-from psdk.waits import WaitLog, seconds
+from psdk.report.metrics import write_json_atomic
+from psdk.runtime.liveness import beat
+from psdk.runtime.logs import task_label
+from psdk.runtime.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def wait_for(
     deadline = time.monotonic() + timeout_s
     clock = WaitLog()
     while not all(f.exists() for f in files):
-        beat()  # a worker waiting for its ps tasks is not hung (psdk.liveness)
+        beat()  # a worker waiting for its ps tasks is not hung (psdk.runtime.liveness)
         if still_worth_it is not None:
             still_worth_it()
         waiting = ", ".join(f"ps {i}" for i, f in enumerate(files) if not f.exists())

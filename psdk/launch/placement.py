@@ -19,8 +19,8 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
-from psdk.cluster import ClusterSpec
 from psdk.errors import ConfigError
+from psdk.protocol.cluster import ClusterSpec
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 

@@ -32,10 +32,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from psdk.cluster import ClusterSpec
 from psdk.errors import ConfigError, PsdkError
-from psdk.logs import TaskFilter, set_task_label, task_label
+from psdk.protocol.cluster import ClusterSpec
 from psdk.ps.main import PsTask, start_ps
+from psdk.runtime.logs import TaskFilter, set_task_label, task_label
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psdk import checkpoint
-from psdk.checkpoint import Checkpoint
+from psdk.client import checkpoint
+from psdk.client.checkpoint import Checkpoint
 from psdk.client.shards import StepResult
+from psdk.client.view import ClientView
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
-from psdk.liveness import beat
+from psdk.runtime.liveness import beat
+from psdk.runtime.waits import WaitLog, seconds
 from psdk.transport.wire import Message
-from psdk.waits import WaitLog, seconds
 
-if TYPE_CHECKING:  # annotations only: the client imports this module, never the other way round
-    from psdk.client.client import ParameterClient
+if TYPE_CHECKING:
     from psdk.transport import Pending
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 
 
-def recover(client: ParameterClient, why: str) -> StepResult:
+def recover(client: ClientView, why: str) -> StepResult:
     """Wait out the loss, restore (the chief) or follow (the others), then pull."""
     timeout = client.options.recovery_timeout_s or 0.0
     deadline = time.monotonic() + timeout
@@ -59,9 +59,7 @@ def recover(client: ParameterClient, why: str) -> StepResult:
     return StepResult(step, False, "resync")
 
 
-def after_timeout(
-    client: ParameterClient, pending: Pending, timeout: PeerTimeoutError
-) -> StepResult | dict[int, Message]:
+def after_timeout(client: ClientView, pending: Pending, timeout: PeerTimeoutError) -> StepResult | dict[int, Message]:
     """A push-and-pull no shard answered in time: recover if one lost its state, else wait once more.
 
     Heartbeats catch a ps that died or came back as a new process; a timeout
@@ -102,7 +100,7 @@ def after_timeout(
         ) from again
 
 
-def lost_state(client: ParameterClient, index: int, status: dict[str, Any]) -> bool:
+def lost_state(client: ClientView, index: int, status: dict[str, Any]) -> bool:
     """Shard ``index`` is empty, a new process, or was restored by the chief since this worker's request."""
     known = client.boots[index]
     return (
@@ -112,7 +110,7 @@ def lost_state(client: ParameterClient, index: int, status: dict[str, Any]) -> b
     )
 
 
-def statuses(client: ParameterClient, deadline: float, what: str, reports: bool = False) -> dict[int, dict[str, Any]]:
+def statuses(client: ClientView, deadline: float, what: str, reports: bool = False) -> dict[int, dict[str, Any]]:
     """Every shard's status, waiting for shards that do not answer (yet); ``reports``: the chief collects the
     finished workers' reports on the way (a surviving shard knows them)."""
     found: dict[int, dict[str, Any]] = {}
@@ -122,7 +120,7 @@ def statuses(client: ParameterClient, deadline: float, what: str, reports: bool 
         for index in range(client.cluster.num_ps):
             if index in found:
                 continue
-            beat()  # each try may wait up to a heartbeat timeout for a connection (psdk.liveness)
+            beat()  # each try may wait up to a heartbeat timeout for a connection (psdk.runtime.liveness)
             try:
                 reply = client.request({index: client.message("status", **fields)}, what, timeout_s=1.0, watch=False)
                 found[index] = reply[index].fields
@@ -151,7 +149,7 @@ def statuses(client: ParameterClient, deadline: float, what: str, reports: bool 
         time.sleep(POLL_S)
 
 
-def lead(client: ParameterClient, deadline: float) -> int:
+def lead(client: ClientView, deadline: float) -> int:
     """The chief: restore every shard from the latest checkpoint into a new epoch; returns steps lost."""
     shards = statuses(client, deadline, "a lost ps to come back", reports=True)
     state = client.recovery_source() if client.recovery_source is not None else None
@@ -191,7 +189,7 @@ def lead(client: ParameterClient, deadline: float) -> int:
     return max(0, reached - state.global_step)
 
 
-def follow(client: ParameterClient, deadline: float) -> None:
+def follow(client: ClientView, deadline: float) -> None:
     """Any other worker: wait until the chief has restored every shard into a newer epoch."""
     clock = WaitLog()
     while True:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ConfigError
-from psdk.optim import UpdateRule
+from psdk.ps.rules import UpdateRule
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ it so, the cheap one whenever it can prove its case:
 * **Bounds.** The store keeps an upper bound on ``|x|`` of its parameters
   and of each slot, and the ps knows one for each gradient (from the check
   it makes anyway). The update rule turns them into bounds after the apply
-  (:meth:`~psdk.optim.UpdateRule.bounds_after`, a few scalar operations).
+  (:meth:`~psdk.ps.rules.UpdateRule.bounds_after`, a few scalar operations).
   While everything stays below 1e30, eight orders of magnitude from
   float32's limit, nothing can overflow: the rule applies in place, and
   nothing more is read or written.
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from psdk.errors import NonFiniteError, ProtocolError, RefusedError
-from psdk.numerics import all_finite, as_float32, magnitude
-from psdk.optim import Bounds, RuleState, UpdateRule
-from psdk.sharding import VarSpec, flat_size, layout, views
+from psdk.protocol.numerics import all_finite, as_float32, magnitude
+from psdk.protocol.sharding import VarSpec, flat_size, layout, views
+from psdk.ps.rules import Bounds, RuleState, UpdateRule
 
 
 class ParameterStore(ABC):

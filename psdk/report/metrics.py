@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from psdk.consistency import SyncSpec
-from psdk.disks import WriteError, is_write_failure, naming
+from psdk.ps.consistency import SyncSpec
+from psdk.runtime.disks import WriteError, is_write_failure, naming
 
 log = logging.getLogger(__name__)
 

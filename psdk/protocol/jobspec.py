@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from psdk.checkpoint import check_run_id
-from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, ProtocolError
+from psdk.ps.consistency import SyncSpec
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""What a run id may be: it is part of checkpoint file names."""
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise ConfigError(
+            "run_id",
+            f"{run_id!r} is not a run id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+    return run_id
 
 
 @dataclass(frozen=True)

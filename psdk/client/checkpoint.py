@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psdk.access import file_mode
-from psdk.disks import WriteError, probe_folder
-from psdk.errors import ConfigError, DataError, PsdkError
-from psdk.numerics import all_finite
-from psdk.registry import rule_from_json
+from psdk.errors import DataError, PsdkError
+from psdk.plugins.registry import rule_from_json
+from psdk.protocol.numerics import all_finite
+from psdk.runtime.access import file_mode
+from psdk.runtime.disks import WriteError, probe_folder
 
 if TYPE_CHECKING:
     from psdk.config.options import CheckpointOptions
@@ -61,8 +61,6 @@ FORMAT = "psdk-checkpoint"
 FORMAT_VERSION = 1
 META = "__meta__"
 _NAME = re.compile(r"^ckpt-(?:(?P<run>.+)-)?(?P<step>\d+)\.npz$")
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-"""What a run id may be: it is part of file names."""
 ANY_RUN = "*"
 """Stands for every run, where a function takes a run id."""
 WHAT_TO_RESUME = (
@@ -74,15 +72,6 @@ WHAT_TO_RESUME = (
 def new_run_id() -> str:
     """A run id no other run has: when it started, and some random bits."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-
-
-def check_run_id(run_id: str) -> str:
-    if not RUN_ID.match(run_id):
-        raise ConfigError(
-            "run_id",
-            f"{run_id!r} is not a run id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-        )
-    return run_id
 
 
 @dataclass
@@ -124,7 +113,7 @@ def save(checkpoint: Checkpoint, path: Path) -> Path:
     """Write ``checkpoint`` to ``path`` atomically (temporary file, fsync, rename).
 
     A write the file system refuses (full, read-only, forbidden) raises
-    :class:`~psdk.disks.WriteError` naming the file and the fix, and leaves
+    :class:`~psdk.runtime.disks.WriteError` naming the file and the fix, and leaves
     nothing behind: no partial file, and every older checkpoint as it was.
     """
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from psdk.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, hookimpl
 
 
 @hookimpl
@@ -10,7 +10,7 @@ def psdk_register_backends() -> list[BackendRecord]:
     return [
         BackendRecord(
             name="numpy",
-            target="psdk.backends.numpy_backend:NumpyBackend",
+            target="psdk.plugins.backends.numpy_backend:NumpyBackend",
             framework="psdk",
             description="reference backend in plain numpy (CPU only); documents the contract",
             aliases=("np",),

@@ -1,13 +1,13 @@
 """The plugin registry: what installed plugins provide, as records, without importing any framework.
 
-Four kinds of things plug in, each through its own hook (:mod:`psdk.hookspecs`):
+Four kinds of things plug in, each through its own hook (:mod:`psdk.plugins.hookspecs`):
 backends, update rules, models and datasets. psdk's own (the numpy backend,
 the four rules, the dense models, MNIST and IDX folders) register through the
 same hooks from :data:`DEFAULT_PLUGINS`, as pytest registers its own plugins.
 Nothing happens at import time: the manager is built by
 :func:`get_plugin_manager` on first use. This module knows records and rule
 classes only; making a backend from its record is :mod:`psdk.plugins`'s job,
-so the contract (:mod:`psdk.backend`) and the rules can look records up here.
+so the contract (:mod:`psdk.plugins.backend`) and the rules can look records up here.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from typing import Any, TypeVar
 
 import pluggy
 
-from psdk import hookspecs
+from psdk._moved import MOVED
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
-from psdk.hookspecs import BackendRecord, DatasetRecord, ModelRecord
-from psdk.optim import UpdateRule
+from psdk.plugins import hookspecs
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord
+from psdk.ps.rules import UpdateRule
 
 ENTRY_POINT_GROUP = "psdk"
-DEFAULT_PLUGINS = ("psdk.builtins", "psdk.backends.numpy_plugin")
+DEFAULT_PLUGINS = ("psdk.plugins.builtins", "psdk.plugins.backends.numpy_plugin")
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ def package_of(target: str) -> str:
     return target.partition(":")[0].split(".")[0]
 
 
+def moved_to(module: str) -> str:
+    """Where psdk's module ``module`` lives now (itself, unless :data:`psdk._moved.MOVED` says it moved)."""
+    old = max((o for o in MOVED if module == o or module.startswith(f"{o}.")), key=len, default=None)
+    return module if old is None else MOVED[old] + module[len(old) :]
+
+
 def locate(target: str) -> Any:
     """The object ``target`` names: the one function that reads targets, records' and configs' ``_target_`` alike.
 
@@ -54,14 +61,16 @@ def locate(target: str) -> Any:
     so nothing is guessed. The dotted ``"package.module.Name"`` that Hydra
     writes is read too, as an alias: the run folders of psdk before 0.2
     saved their ``_target_`` so, and they still resume. Its module is the
-    longest prefix that imports. Raises ImportError saying what is missing:
+    longest prefix that imports. A module psdk has since moved
+    (``psdk.consistency``, now ``psdk.ps.consistency``) is read at its new
+    place, so those folders' targets still build. Raises ImportError saying what is missing:
     a module that exists but imports one that does not names that one.
     """
     if not isinstance(target, str) or not target.strip(". :") or target.count(":") > 1:
         raise ImportError(f"{target!r} is no target; write package.module:Name")
     if ":" in target:
         module, _, name = target.partition(":")
-        found: Any = importlib.import_module(module)
+        found: Any = importlib.import_module(moved_to(module))
         for attribute in name.split("."):
             if not hasattr(found, attribute):
                 raise ImportError(f"{module} has no {name} (in {target})")
@@ -71,7 +80,7 @@ def locate(target: str) -> Any:
     for cut in range(len(parts) - 1, 0, -1):
         module = ".".join(parts[:cut])
         try:
-            found = importlib.import_module(module)
+            found = importlib.import_module(moved_to(module))
         except ModuleNotFoundError as exc:
             if exc.name is not None and target != exc.name and not target.startswith(f"{exc.name}."):
                 raise  # the module exists but imports one that does not: that is the error to see
@@ -254,7 +263,7 @@ def record_of(cls: type) -> BackendRecord:
 # ------------------------------------------------------------- other kinds
 def installed_rules() -> dict[str, type[UpdateRule]]:
     """Every registered ps update rule by name (``optimizer=<name>``)."""
-    rules = _collected("psdk_register_rules", _is_rule, "psdk.optim.UpdateRule subclass with a name")
+    rules = _collected("psdk_register_rules", _is_rule, "psdk.ps.rules.UpdateRule subclass with a name")
     return _unique(rules, lambda r: r.name, _rule_origin, "update rule")
 
 

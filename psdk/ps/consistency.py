@@ -37,9 +37,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from psdk.errors import ConfigError, NonFiniteError
-from psdk.numerics import magnitude
-from psdk.optim import UpdateRule
-from psdk.store import ParameterStore
+from psdk.protocol.numerics import magnitude
+from psdk.ps.rules import UpdateRule
+from psdk.ps.store import ParameterStore
 
 MODES = ("async", "sync", "ssp")
 USED = np.zeros(0, np.float32)
@@ -144,7 +144,7 @@ class Push:
     outcome: Outcome = Outcome.PARKED
     staleness: int = 0
     bound: float | None = None
-    """An upper bound on the gradient's ``|g|``, if the ps measured one that holds (see :mod:`psdk.store`)."""
+    """An upper bound on the gradient's ``|g|``, if the ps measured one that holds (see :mod:`psdk.ps.store`)."""
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from psdk.cluster import parse_hosts
 from psdk.errors import ConfigError
+from psdk.protocol.cluster import parse_hosts
 
 ENV = "TF_CONFIG"
 CHIEF_TYPES = ("chief", "master")

@@ -147,8 +147,8 @@ OPS: dict[str, Op] = {
             "Place the job on this shard: its variables, update rule and job spec (or the state to resume from).",
             Sender.CHIEF,
             (
-                Field("job", OBJECT, "the job spec: sync mode, target step, number of workers, run id (psdk.jobspec)"),
-                Field("rule", OBJECT, "the update rule the ps applies (psdk.optim), e.g. {'name': 'sgd', 'lr': 0.1}",
+                Field("job", OBJECT, "the job spec: sync mode, target step, workers, run id (jobspec.py)"),
+                Field("rule", OBJECT, "the update rule the ps applies (psdk.ps.rules), e.g. {'name': 'sgd', 'lr': 0.1}",
                       required=False, nullable=True),
                 Field("names", LIST, "this shard's variable names, unique non-empty strings, in frame order"),
                 Field("epoch", NATURAL, "the job's restore epoch (0 for a new job)", required=False),

@@ -2,7 +2,7 @@
 
 Each takes its own ``key=value`` arguments (``bench`` and ``data`` through
 Hydra's config, the others a handful of options checked here) and returns
-the process's exit status; :func:`psdk.cli.main` dispatches to them.
+the process's exit status; :func:`psdk.launch.cli.main` dispatches to them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from psdk.errors import ConfigError, PsdkError
-from psdk.logs import set_task_label
+from psdk.runtime.logs import set_task_label
 
 log = logging.getLogger("psdk")
 
@@ -132,7 +132,7 @@ def check_data(args: Sequence[str]) -> int:
 
 def list_plugins() -> int:
     """Every kind of thing plugins add, psdk's own built-ins among them, with who provides each."""
-    from psdk.plugins import listing
+    from psdk.plugins.loading import listing
 
     print(f"{'kind':<8} {'name':<10} {'provided by':<28} description")
     for kind, name, provider, description in listing():

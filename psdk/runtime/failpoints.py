@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from psdk.logs import task_label
+from psdk.runtime.logs import task_label
 
 FAILPOINT_ENV = "PSDK_FAILPOINT"
 

@@ -1,6 +1,6 @@
 """Making backends from what plugins register: loading one, checking its framework, finding one for an object.
 
-The records themselves (and rules, models, datasets) are in :mod:`psdk.registry`;
+The records themselves (and rules, models, datasets) are in :mod:`psdk.plugins.registry`;
 the names a plugin author reaches for are re-exported here, so
 ``psdk.plugins`` is the one module to read. A backend's module (which
 imports its framework) is imported only when :func:`load_backend` is asked for it.
@@ -14,10 +14,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from psdk.backend import Backend
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
-from psdk.optim import UpdateRule
-from psdk.registry import (
+from psdk.plugins.backend import Backend
+from psdk.plugins.registry import (
     BROKEN,
     DEFAULT_PLUGINS,
     ENTRY_POINT_GROUP,
@@ -35,6 +34,7 @@ from psdk.registry import (
     rule_from_json,
     rule_target,
 )
+from psdk.ps.rules import UpdateRule
 
 __all__ = [
     "BROKEN",

@@ -9,7 +9,7 @@ the chief's initial weights are the ps's, so backends never draw their own.
 Variable names and layouts are canonical: ``<layer>/kernel`` of
 shape (in, out) and ``<layer>/bias`` of shape (out,).
 
-Plugins add models (:class:`~psdk.hookspecs.ModelRecord`): a spec of the
+Plugins add models (:class:`~psdk.plugins.hookspecs.ModelRecord`): a spec of the
 same shape as :class:`ModelSpec` (``name``, ``input_dim``, ``num_classes``,
 ``variables()``, ``init_weights(seed)``) and, per backend, a builder;
 :func:`build_model` picks the builder for a backend, or the backend's own
@@ -22,14 +22,11 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from psdk.errors import ConfigError, PluginError, PsdkError, closest
-
-if TYPE_CHECKING:
-    from psdk.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +152,7 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
 
 def supporting_backends(model_name: str) -> tuple[str, ...] | None:
     """The backends a registered model has builders for; None when every backend builds it itself."""
-    from psdk.registry import installed_models
+    from psdk.plugins.registry import installed_models
 
     record = installed_models().get(model_name)
     return tuple(sorted(record.builders)) if record is not None and record.builders else None
@@ -176,9 +173,22 @@ def check_supported(model_name: str, backends: Sequence[str]) -> None:
         )
 
 
-def build_model(backend: Backend, spec: Any, weights: Mapping[str, np.ndarray]) -> Any:
+class Builder(Protocol):
+    """What :func:`build_model` needs of a backend; a :class:`~psdk.plugins.backend.Backend` has it.
+
+    Named here rather than imported: the backend contract imports this module for
+    :class:`ModelSpec`, and a circle of imports, even of annotations, is one to untangle.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> Any: ...
+
+
+def build_model(backend: Builder, spec: Any, weights: Mapping[str, np.ndarray]) -> Any:
     """``spec`` built on ``backend`` holding ``weights``: by the model's plugin, or by the backend itself."""
-    from psdk.registry import installed_models, load_target
+    from psdk.plugins.registry import installed_models, load_target
 
     record = installed_models().get(str(spec.name))
     if record is not None and record.builders:

@@ -2,7 +2,7 @@
 
 Hooks only *register* things: backends, update rules, models and datasets, as
 small records (or, for rules, the numpy-only rule classes themselves); the
-behaviour lives in what the records point to (see :class:`psdk.backend.Backend`).
+behaviour lives in what the records point to (see :class:`psdk.plugins.backend.Backend`).
 psdk's own built-ins register through these same hooks. A plugin is found
 through the ``psdk`` entry-point group::
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from psdk.optim import UpdateRule
+    from psdk.ps.rules import UpdateRule
 
 hookspec = pluggy.HookspecMarker("psdk")
 hookimpl = pluggy.HookimplMarker("psdk")
@@ -32,7 +32,7 @@ hookimpl = pluggy.HookimplMarker("psdk")
 class BackendRecord:
     """A backend a plugin provides: its whole identity, declared once.
 
-    ``target`` is ``"package.module:ClassName"`` of a :class:`psdk.backend.Backend`
+    ``target`` is ``"package.module:ClassName"`` of a :class:`psdk.plugins.backend.Backend`
     subclass, imported only when the backend is used, so listing backends never
     imports a framework. ``framework`` is the framework's top-level module,
     checked for (never imported) before a job starts. ``modules`` names other
@@ -45,7 +45,7 @@ class BackendRecord:
     ``install`` tells a user whose environment lacks the framework how to get it;
     ``options`` are the plugin's own settings with their defaults, which a job
     overrides as ``backend_options.<name>.<key>=...`` and the backend reads from
-    :attr:`psdk.backend.Backend.options`.
+    :attr:`psdk.plugins.backend.Backend.options`.
     """
 
     name: str
@@ -110,7 +110,7 @@ class DatasetRecord:
 
 @hookspec
 def psdk_register_rules() -> list[type[UpdateRule]]:  # type: ignore[empty-body]
-    """Update rules (subclasses of :class:`psdk.optim.UpdateRule`) this plugin provides to the ps.
+    """Update rules (subclasses of :class:`psdk.ps.rules.UpdateRule`) this plugin provides to the ps.
 
     A rule's ``name`` is what ``optimizer=<name>`` selects; its dataclass
     fields are its hyper-parameters (the job's ``optimizer.*`` keys) and its

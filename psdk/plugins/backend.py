@@ -1,6 +1,6 @@
 """The backend contract: what a framework plugin must do for a worker.
 
-A backend builds a :class:`~psdk.models.ModelSpec` in its framework, moves
+A backend builds a :class:`~psdk.plugins.models.ModelSpec` in its framework, moves
 weights and gradients in and out as named numpy arrays in the canonical
 layout (float32, C order, dense kernels (in, out)), computes loss and
 gradients on a batch, evaluates, and places itself on a device. It also
@@ -10,7 +10,7 @@ framework's users pass the rule itself instead
 (``DistributedOptimizer(None, model, session, rule=psdk.rules.Adam(lr=1e-3))``).
 
 A backend's identity (name, framework, aliases, options) is its plugin's
-:class:`~psdk.hookspecs.BackendRecord`, declared once: :func:`psdk.plugins.load_backend`
+:class:`~psdk.plugins.hookspecs.BackendRecord`, declared once: :func:`psdk.plugins.load_backend`
 hands the record and the job's options to the instance.
 
 Per training step a worker calls :meth:`Backend.write_weights` (the
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psdk.models import ModelSpec
-from psdk.optim import UpdateRule
+from psdk.plugins.models import ModelSpec
+from psdk.ps.rules import UpdateRule
 
 if TYPE_CHECKING:
-    from psdk.hookspecs import BackendRecord
+    from psdk.plugins.hookspecs import BackendRecord
 
 
 class Backend(ABC):
@@ -47,7 +47,7 @@ class Backend(ABC):
     def record(self) -> BackendRecord:
         """The plugin's record of this backend; found by class when the instance was made directly."""
         if self._record is None:
-            from psdk.registry import record_of
+            from psdk.plugins.registry import record_of
 
             self._record = record_of(type(self))
         return self._record
@@ -81,7 +81,7 @@ class Backend(ABC):
         so a user's ``class Net(torch.nn.Module)`` defined in a script belongs
         to torch. Override to be stricter.
         """
-        from psdk.registry import package_of
+        from psdk.plugins.registry import package_of
 
         record = self.record
         packages = {record.framework, *record.modules, package_of(record.target)}

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from psdk import access, disks, tf_config
 from psdk.config import flags
-from psdk.disks import WriteError
 from psdk.errors import USAGE_EXIT, BindError, ConfigError, DataError, PsdkError, closest
-from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV
-from psdk.logs import set_task_label
+from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV, tf_config
+from psdk.runtime import access, disks
+from psdk.runtime.disks import WriteError
+from psdk.runtime.logs import set_task_label
 
 if TYPE_CHECKING:
     from psdk.config.check import OverrideChecker
@@ -124,7 +124,7 @@ def _given_value(args: Sequence[str], key: str) -> object:
 
 
 def _agrees(key: str, given: object, wanted: object) -> bool:
-    from psdk.cluster import parse_hosts
+    from psdk.protocol.cluster import parse_hosts
 
     if key in HOST_KEYS:
         return parse_hosts(given, key, require_port=key == "ps_hosts") == wanted
@@ -239,7 +239,7 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
         if from_tf is not None:
             log.info("%s %d: role and cluster from %s", job, cfg.task_index, from_tf.origin)
         if job in (None, "worker"):
-            from psdk.epochs import resolve_steps
+            from psdk.jobs.epochs import resolve_steps
 
             resolve_steps(cfg)  # train.epochs, when given, sets train.steps before anything reads it
         from psdk.config.capacity import check_settings
@@ -302,7 +302,7 @@ def _setting_for(path: object, cfg: DictConfig, output_dir: Path) -> str:
 def _beating(cfg: DictConfig) -> contextlib.AbstractContextManager[None]:
     """The task's liveness file (``liveness.file``, which a launcher sets), rewritten while it runs."""
     from psdk.config.options import options_from
-    from psdk.liveness import beating
+    from psdk.runtime.liveness import beating
 
     live = options_from(cfg).liveness
     return beating(Path(live.file) if live.file else None, live.interval_s)
@@ -409,7 +409,7 @@ def check_run_folder(args: Sequence[str]) -> None:
     The folder is ``hydra.run.dir`` (``hydra.sweep.dir`` for a multirun) as
     given, or the shipped default (``outputs/<date>/<time>`` under the
     current folder); the part before its first interpolation is probed by
-    writing a file there (:func:`psdk.disks.probe_folder`). A folder that
+    writing a file there (:func:`psdk.runtime.disks.probe_folder`). A folder that
     starts with an interpolation is left to Hydra, whose failure to write it
     is explained the same way.
     """
@@ -519,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("command", unknown_command(command), COMMANDS)
         access.apply(access.from_args(args[1:]))  # before anything is written, by this process or its tasks
         if command in ("plugins", "fuzz", "keys", "data", "bench"):
-            from psdk.commands import run_command
+            from psdk.launch.commands import run_command
 
             return run_command(command, normalize_args(args[1:], meant_config_key if command == "data" else None))
         if command == "report":
