@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from psdk.cluster import ClusterSpec
+from psdk.config.options import TransportOptions
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
@@ -80,14 +81,17 @@ def running_ps(
     """Start ``num_ps`` ps threads; they are stopped and joined afterwards, whatever happens."""
     context = zmq.Context()
     transport = ZmqTransport(
-        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s, shared_memory=shared_memory),
+        ZmqOptions(
+            transport=TransportOptions(
+                heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s, shared_memory=shared_memory
+            )
+        ),
         context=context,
     )
     stop = threading.Event()
     servers, threads, addresses = [], [], []
     options = ServerOptions(
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        startup_timeout_s=startup_timeout_s,
+        transport=TransportOptions(heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s),
         poll_s=0.02,
         pause_lease_s=pause_lease_s,
         recovery=recovery,

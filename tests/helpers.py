@@ -14,12 +14,17 @@ from psdk.backends.numpy_backend import NumpyBackend
 from psdk.checkpoint import Checkpoint
 from psdk.client import ClientOptions
 from psdk.cluster import ClusterSpec
+from psdk.config.options import TransportOptions
 from psdk.models import ModelSpec, init_weights
 from psdk.optim import UpdateRule
 from psdk.transport import Transport
 
 Batch = tuple[np.ndarray, np.ndarray]
-FAST = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0
+    )
+)
 
 
 def train_threads(

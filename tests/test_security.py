@@ -15,6 +15,7 @@ import pytest
 
 from psdk.client import ClientOptions, ParameterClient
 from psdk.cluster import ClusterSpec
+from psdk.config.options import TransportOptions
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError
 from psdk.jobspec import JobSpec
@@ -24,7 +25,11 @@ from psdk.transport import security
 from psdk.transport.wire import Message
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
-QUICK = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=2.0, init_timeout_s=2.0)
+QUICK = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=2.0, init_timeout_s=2.0
+    )
+)
 
 
 @pytest.fixture

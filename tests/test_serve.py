@@ -17,6 +17,7 @@ import pytest
 import psdk
 from psdk.backends.numpy_backend import NumpyBackend
 from psdk.client import ClientOptions
+from psdk.config.options import TransportOptions
 from psdk.errors import ConfigError, PortInUseError
 from psdk.models import ModelSpec, init_weights
 from psdk.report.runs import load_run
@@ -28,7 +29,11 @@ from .test_report import check_png, events
 pytestmark = pytest.mark.timeout(60)
 
 SPEC = ModelSpec(hidden=(), input_dim=16, num_classes=4)
-FAST = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0
+    )
+)
 FAST_PS = {"transport.heartbeat_interval_s": 0.2, "transport.heartbeat_timeout_s": 5, "ps.idle_timeout_s": 30}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient, StepResult
+from psdk.config.options import TransportOptions
 from psdk.consistency import SyncSpec
 from psdk.errors import PeerTimeoutError, RemoteError
 from psdk.jobspec import JobSpec
@@ -22,7 +23,11 @@ from psdk.transport.wire import Message
 
 from .conftest import PsCluster, running_ps
 
-FAST = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0
+    )
+)
 INIT = {"w": np.zeros((2, 3), np.float32), "b": np.ones(3, np.float32)}
 
 
@@ -225,7 +230,9 @@ def test_a_second_initialisation_never_overwrites_the_store(ps_cluster: PsCluste
 
 
 def test_workers_wait_for_the_chief_with_a_bounded_wait(ps_cluster: PsCluster) -> None:
-    impatient = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, init_timeout_s=0.3)
+    impatient = ClientOptions(
+        transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, init_timeout_s=0.3)
+    )
     c1 = ParameterClient(ps_cluster.transport, ps_cluster.cluster(2), 1, impatient)
     try:
         with pytest.raises(PeerTimeoutError) as info:

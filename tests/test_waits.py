@@ -25,6 +25,7 @@ from psdk import announce, waits
 from psdk.client import ClientOptions, ParameterClient
 from psdk.client import waiting as client_waiting
 from psdk.cluster import ClusterSpec
+from psdk.config.options import TransportOptions
 from psdk.consistency import SyncSpec
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError, TransportError
 from psdk.jobspec import JobSpec
@@ -37,7 +38,11 @@ from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 from .conftest import REPO, free_port, running_ps
 from .jobs import env
 
-QUICK = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, request_timeout_s=5.0, init_timeout_s=2.0)
+QUICK = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, request_timeout_s=5.0, init_timeout_s=2.0
+    )
+)
 INIT = {"w": np.zeros(4, np.float32)}
 JOB = JobSpec(SyncSpec("async").resolved(2), 10, 2)
 

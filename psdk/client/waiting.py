@@ -91,7 +91,7 @@ def rejoining(client: ParameterClient, request: Callable[[], T]) -> T:
     dead, which takes at most a heartbeat timeout. An id whose holder is
     alive (a second worker started with the same index) is refused at once.
     """
-    deadline = time.monotonic() + client.options.heartbeat_timeout_s + 10.0
+    deadline = time.monotonic() + client.options.transport.heartbeat_timeout_s + 10.0
     clock: WaitLog | None = None
     while True:
         try:

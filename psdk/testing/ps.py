@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import zmq
 
 from psdk.cluster import ClusterSpec
+from psdk.config.options import TransportOptions
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
@@ -32,7 +33,8 @@ def running_ps(heartbeat_timeout_s: float = 5.0) -> Iterator[RunningPs]:
     """A ps serving until the block ends, then stopped and joined whatever happened."""
     context = zmq.Context()
     transport = ZmqTransport(
-        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s), context=context
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s)),
+        context=context,
     )
     stop = threading.Event()
     thread = None
@@ -41,7 +43,9 @@ def running_ps(heartbeat_timeout_s: float = 5.0) -> Iterator[RunningPs]:
         server = ParameterServer(
             endpoint,
             0,
-            ServerOptions(heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=60, poll_s=0.02),
+            ServerOptions(
+                transport=TransportOptions(heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=60), poll_s=0.02
+            ),
         )
         thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
         thread.start()

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from psdk import protocol
+from psdk.config.options import TransportOptions
 from psdk.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security, shm
@@ -97,22 +98,23 @@ class LivePs:
         self.keys_dir = keys_dir
         curve = security.load_server(keys_dir) if keys_dir is not None else None
         options = ZmqOptions(
-            heartbeat_interval_s=1.0,
-            heartbeat_timeout_s=60.0,
+            transport=TransportOptions(
+                heartbeat_interval_s=1.0,
+                heartbeat_timeout_s=60.0,
+                shared_memory=mode.shared_memory,
+                max_message_bytes=8 << 20,
+            ),
             curve=curve,
-            shared_memory=mode.shared_memory,
-            max_message_bytes=8 << 20,
         )
         self.transport = ZmqTransport(options)
         endpoint = self.transport.serve("127.0.0.1:0", "ps 0")
         self.address = endpoint.address
         server_options = ServerOptions(
-            heartbeat_timeout_s=60.0,
-            startup_timeout_s=600.0,
+            transport=TransportOptions(heartbeat_timeout_s=60.0, startup_timeout_s=600.0),
             poll_s=0.01,
             idle_timeout_s=None,
             max_workers=WORKERS,
-            pause_lease_s=3600.0,  # a pause ends by the chief's resume or a restore, never by a slow step's timing
+            pause_lease_s=3600.0,
         )
         self.server = ParameterServer(endpoint, 0, server_options)
         self.crashed: BaseException | None = None
