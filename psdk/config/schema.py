@@ -26,7 +26,7 @@ import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -93,13 +93,22 @@ OPTIMIZER_SCHEMAS = {
     for rule in RULES.values()
 }
 SyncConfig = schema_of(SyncSpec, "SyncConfig", target=True)
-TransportConfig = schema_of(TransportOptions, "TransportConfig")
-PsConfig = schema_of(PsOptions, "PsConfig")
-TrainConfig = schema_of(TrainOptions, "TrainConfig")
-CheckpointConfig = schema_of(CheckpointOptions, "CheckpointConfig")
-RecoveryConfig = schema_of(RecoveryOptions, "RecoveryConfig")
-PlacementConfig = schema_of(PlacementOptions, "PlacementConfig")
-LivenessConfig = schema_of(LivenessOptions, "LivenessConfig")
+if TYPE_CHECKING:  # a derived schema has its options class's fields, so the type checker reads the root by those
+    TransportConfig = TransportOptions
+    PsConfig = PsOptions
+    TrainConfig = TrainOptions
+    CheckpointConfig = CheckpointOptions
+    RecoveryConfig = RecoveryOptions
+    PlacementConfig = PlacementOptions
+    LivenessConfig = LivenessOptions
+else:
+    TransportConfig = schema_of(TransportOptions, "TransportConfig")
+    PsConfig = schema_of(PsOptions, "PsConfig")
+    TrainConfig = schema_of(TrainOptions, "TrainConfig")
+    CheckpointConfig = schema_of(CheckpointOptions, "CheckpointConfig")
+    RecoveryConfig = schema_of(RecoveryOptions, "RecoveryConfig")
+    PlacementConfig = schema_of(PlacementOptions, "PlacementConfig")
+    LivenessConfig = schema_of(LivenessOptions, "LivenessConfig")
 
 
 @dataclass
@@ -172,7 +181,14 @@ class ReportConfig:
 
 @dataclass
 class PsdkConfig:
-    """The primary config (``conf/config.yaml`` extends it)."""
+    """The primary config (``conf/config.yaml`` extends it), typed key by key.
+
+    The groups chosen from a list (``model``, ``optimizer``, ``sync``,
+    ``topology``, ``launcher``) stay ``Any``, as Hydra has it for a group in
+    the defaults list: each choice brings its own schema (one per update
+    rule, one per plugin model), which a single type here would refuse.
+    ``ps_hosts`` and ``worker_hosts`` are a list or a comma-separated string.
+    """
 
     model: Any = MISSING
     optimizer: Any = MISSING
@@ -181,27 +197,27 @@ class PsdkConfig:
     launcher: Any = MISSING
     backend: str = "torch"
     seed: int = 0
-    job_name: Any = None
+    job_name: str | None = None
     task_index: int = 0
     ps_hosts: Any = None
-    ps_hosts_from: Any = None
+    ps_hosts_from: str | None = None
     worker_hosts: Any = None
-    output_dir: Any = None
-    resume: Any = None
-    run_id: Any = None
-    weights: Any = None
+    output_dir: str | None = None
+    resume: str | None = None
+    run_id: str | None = None
+    weights: str | None = None
     file_access: str = "owner"
-    recovery: Any = field(default_factory=RecoveryConfig)  # derived: typed by the instance
-    checkpoint: Any = field(default_factory=CheckpointConfig)  # derived: typed by the instance
-    train: Any = field(default_factory=TrainConfig)  # derived: typed by the instance
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    transport: Any = field(default_factory=TransportConfig)  # derived: typed by the instance
-    ps: Any = field(default_factory=PsConfig)  # derived: typed by the instance
-    placement: Any = field(default_factory=PlacementConfig)  # derived: typed by the instance
-    liveness: Any = field(default_factory=LivenessConfig)  # derived: typed by the instance
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
-    backend_options: Any = field(default_factory=lambda: backend_option_defaults())
+    backend_options: dict[str, Any] = field(default_factory=lambda: backend_option_defaults())
 
 
 def backend_option_defaults() -> dict[str, dict[str, Any]]:
