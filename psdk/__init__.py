@@ -23,6 +23,7 @@ _LAZY = {
     "WorkerSession": "psdk.api",
     "DistributedOptimizer": "psdk.api",
     "ClientOptions": "psdk.client",
+    "TransportOptions": "psdk.config.options",
     "StepResult": "psdk.client",
     "SyncSpec": "psdk.consistency",
     "Backend": "psdk.backend",
@@ -46,6 +47,7 @@ __all__ = [
     "SummaryWriter",
     "SyncSpec",
     "Topology",
+    "TransportOptions",
     "WorkerSession",
     "__version__",
     "connect",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from psdk.backend import Backend
     from psdk.client import ClientOptions, StepResult
     from psdk.cluster import ClusterSpec, Topology
+    from psdk.config.options import TransportOptions
     from psdk.consistency import SyncSpec
     from psdk.errors import PsdkError
     from psdk.models import ModelSpec, init_weights
