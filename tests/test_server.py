@@ -239,7 +239,9 @@ def test_workers_wait_for_the_chief_with_a_bounded_wait(ps_cluster: PsCluster) -
             c1.wait_initialized()
         assert "chief (worker 0)" in str(info.value) and "ps 0" in str(info.value)
         # Now a patient wait, parked at the ps (measured, not slept for) when the chief initialises.
-        c1.options = dataclasses.replace(impatient, init_timeout_s=20.0)
+        c1.options = dataclasses.replace(
+            impatient, transport=dataclasses.replace(impatient.transport, init_timeout_s=20.0)
+        )
         parked = len(ps_cluster.servers[0].shard.init_waiters)
         waiting = in_thread(lambda: c1.wait_initialized() or StepResult(0, False, ""))
         wait_until(lambda: len(ps_cluster.servers[0].shard.init_waiters) > parked)

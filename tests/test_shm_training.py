@@ -140,7 +140,7 @@ def test_after_the_ps_lets_go_a_knock_fails_and_the_push_goes_whole_at_once() ->
             started = time.monotonic()
             with contextlib.suppress(RemoteError):  # a finished worker's push: whatever the ps answers, at once
                 client.push_pull()
-            assert time.monotonic() - started < FAST.request_timeout_s / 2
+            assert time.monotonic() - started < FAST.transport.request_timeout_s / 2
             assert client.endpoint.sharing(0) == "frames"
         finally:
             client.close()
