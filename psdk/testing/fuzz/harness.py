@@ -97,20 +97,18 @@ class LivePs:
     def __init__(self, mode: Mode, keys_dir: Path | None):
         self.keys_dir = keys_dir
         curve = security.load_server(keys_dir) if keys_dir is not None else None
-        options = ZmqOptions(
-            transport=TransportOptions(
-                heartbeat_interval_s=1.0,
-                heartbeat_timeout_s=60.0,
-                shared_memory=mode.shared_memory,
-                max_message_bytes=8 << 20,
-            ),
-            curve=curve,
+        settings = TransportOptions(  # one transport.* group for the sockets and the server, as a ps task has
+            heartbeat_interval_s=1.0,
+            heartbeat_timeout_s=60.0,
+            startup_timeout_s=600.0,
+            shared_memory=mode.shared_memory,
+            max_message_bytes=8 << 20,
         )
-        self.transport = ZmqTransport(options)
+        self.transport = ZmqTransport(ZmqOptions(settings, curve=curve))
         endpoint = self.transport.serve("127.0.0.1:0", "ps 0")
         self.address = endpoint.address
         server_options = ServerOptions(
-            transport=TransportOptions(heartbeat_timeout_s=60.0, startup_timeout_s=600.0),
+            transport=settings,
             poll_s=0.01,
             idle_timeout_s=None,
             max_workers=WORKERS,
