@@ -48,7 +48,7 @@ from psdk.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins import check_framework, load_backend
+from psdk.plugins import load_backend
 from psdk.report.tensorboard import TensorBoardSink
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,6 @@ def run_worker(cfg: DictConfig) -> None:
     options, task, cluster = setup.options, setup.task, setup.cluster
     if task == 0 and LAUNCHED_ENV not in os.environ:  # a launcher tried the chief's checkpoint folder already
         checkpoint.check_folder(options.checkpoint)
-    check_framework(setup.backend)
     backend = load_backend(setup.backend, setup.backend_options)
     placement = options.placement
     device = RankPlacement(placement.device).devices(cluster, task, visible_gpus())[0]

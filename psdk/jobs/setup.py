@@ -25,6 +25,7 @@ from psdk.consistency import SyncSpec
 from psdk.launch import LAUNCHED_ENV
 from psdk.models import ModelSpec
 from psdk.optim import UpdateRule
+from psdk.plugins import check_framework
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ def worker_setup(cfg: DictConfig) -> WorkerSetup:
     sync = build.sync_spec(cfg)
     build.check_training(cfg, options, sync, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
     backend = build.topology(cfg).backend_of(task, str(cfg.backend))
+    check_framework(backend)  # a framework not installed is named before anything is built with it
     return WorkerSetup(
         task=task,
         cluster=cluster,
