@@ -26,6 +26,7 @@ _LAZY = {
     "WorkerSession": "psdk.api",
     "DistributedOptimizer": "psdk.api",
     "ClientOptions": "psdk.client",
+    "TransportOptions": "psdk.config.options",
     "StepResult": "psdk.client",
     "SyncSpec": "psdk.ps.consistency",
     "Backend": "psdk.plugins.backend",
@@ -49,6 +50,7 @@ __all__ = [
     "SummaryWriter",
     "SyncSpec",
     "Topology",
+    "TransportOptions",
     "WorkerSession",
     "__version__",
     "connect",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from psdk import rules
     from psdk.api import DistributedOptimizer, WorkerSession, connect
     from psdk.client import ClientOptions, StepResult
+    from psdk.config.options import TransportOptions
     from psdk.errors import PsdkError
     from psdk.plugins.backend import Backend
     from psdk.plugins.models import ModelSpec, init_weights

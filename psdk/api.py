@@ -218,10 +218,10 @@ def connect(
     encrypt its traffic, as every ps expects unless it was started with
     ``transport.secure=false``; then pass ``secure=False`` here too. A
     ``transport`` of your own (e.g. in-process, for tests) brings its own.
-    ``options`` holds this worker's timeouts and the settings of the
-    transport made for it: shared memory, doorbells, I/O threads
-    (``transport.*`` in the config tree; the MNIST job passes them all,
-    :meth:`psdk.config.options.TaskOptions.client`).
+    ``options.transport`` (``psdk.TransportOptions``, the ``transport.*``
+    keys of the config tree, which the MNIST job passes as they are) holds
+    this worker's timeouts and the settings of the transport made for it:
+    heartbeats, shared memory, doorbells, I/O threads.
     With ``options.recovery_timeout_s`` set, the chief restores a lost ps
     from this run's latest checkpoint in ``checkpoint_dir`` (or the initial
     state) and the other workers wait for it. ``run_id`` names the run: its
@@ -241,14 +241,7 @@ def connect(
     own = None
     if transport is None:
         own = transport = ZmqTransport(
-            ZmqOptions(
-                io_threads=options.io_threads,
-                heartbeat_interval_s=options.heartbeat_interval_s,
-                heartbeat_timeout_s=options.heartbeat_timeout_s,
-                curve=_worker_keys(keys, secure, cluster, task_index),
-                shared_memory=options.shared_memory,
-                doorbells=options.doorbells,
-            )
+            ZmqOptions(options.transport, curve=_worker_keys(keys, secure, cluster, task_index))
         )
     try:
         client = ParameterClient(transport, cluster, task_index, options)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -80,15 +81,17 @@ def running_ps(
 ) -> Iterator[PsCluster]:
     """Start ``num_ps`` ps threads; they are stopped and joined afterwards, whatever happens."""
     context = zmq.Context()
-    transport = ZmqTransport(
-        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s, shared_memory=shared_memory),
-        context=context,
+    settings = TransportOptions(  # one transport.* group for the sockets and the servers, as a ps task has
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        startup_timeout_s=startup_timeout_s,
+        shared_memory=shared_memory,
     )
+    transport = ZmqTransport(ZmqOptions(settings), context=context)
     stop = threading.Event()
     servers, threads, addresses = [], [], []
     options = ServerOptions(
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        startup_timeout_s=startup_timeout_s,
+        transport=settings,
         poll_s=0.02,
         pause_lease_s=pause_lease_s,
         recovery=recovery,

@@ -12,6 +12,7 @@ import numpy as np
 import psdk
 from psdk.client import ClientOptions
 from psdk.client.checkpoint import Checkpoint
+from psdk.config.options import TransportOptions
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
 from psdk.protocol.cluster import ClusterSpec
@@ -19,7 +20,11 @@ from psdk.ps.rules import UpdateRule
 from psdk.transport import Transport
 
 Batch = tuple[np.ndarray, np.ndarray]
-FAST = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0
+    )
+)
 
 
 def train_threads(

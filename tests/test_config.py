@@ -22,6 +22,7 @@ from psdk.plugins.models import ModelSpec
 from psdk.plugins.registry import locate, target_of
 from psdk.protocol import Sender
 from psdk.protocol.cluster import Topology
+from psdk.ps import main as ps_main
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD, UpdateRule
 from psdk.ps.server import ServerOptions
@@ -231,7 +232,7 @@ def test_the_data_dir_defaults_to_psdk_data_dir(monkeypatch: pytest.MonkeyPatch,
 def server_options(cfg: DictConfig) -> ServerOptions:
     """A ps's serving options as a per-task ps builds them (a chief only where worker_hosts is given)."""
     cluster = cluster_from(cfg) if cfg.worker_hosts is not None and cfg.ps_hosts is not None else None
-    return options_from(cfg).server(cluster)
+    return ps_main.server_options(options_from(cfg), cluster)
 
 
 def test_the_ps_idle_timeout_is_seconds_or_null_and_names_the_chief() -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from psdk.bench.zmtp import RawZmtpPeer
 from psdk.client import ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
@@ -39,9 +40,9 @@ def guarded_ps(max_message_bytes: int = 4 * MiB, max_connections: int = 64) -> I
 
     # Raw peers answer no ZeroMQ heartbeat: a long timeout keeps libzmq from closing them itself mid-test.
     options = ZmqOptions(
-        heartbeat_interval_s=0.2,
-        heartbeat_timeout_s=120.0,
-        max_message_bytes=max_message_bytes,
+        transport=TransportOptions(
+            heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0, max_message_bytes=max_message_bytes
+        ),
         max_connections=max_connections,
     )
     transport = ZmqTransport(options)
@@ -80,7 +81,7 @@ def _seen(guard: zmq_guard.ConnectionGuard, connections: int) -> None:
 @contextmanager
 def chief(address: str) -> Iterator[ParameterClient]:
     """The job's chief, which initialised 1000 floats: its largest legitimate message is ~68 KB."""
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+    transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, shared_memory=False)))
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
     try:
         client.initialize({"w": np.zeros(1000, np.float32)}, JobSpec(SyncSpec("async").resolved(1), 10**6, 1), SGD())
@@ -176,7 +177,9 @@ def test_messages_queued_behind_the_ones_taken_are_still_counted() -> None:
     The owner takes one message for every two that come: libzmq's queue fills and the rest waits in the kernel,
     received all the same. Counting from each take (as the guard first did) forgot all of it.
     """
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0))
+    transport = ZmqTransport(
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0))
+    )
     endpoint = transport.serve("127.0.0.1:0", "ps 0")
     try:
         assert isinstance(endpoint, ZmqServer) and endpoint.guard is not None

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from psdk.client import ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import NonFiniteError, RemoteError
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -118,7 +119,7 @@ def test_one_message_never_ends_the_ps(frames: list[bytes], answered: bool) -> N
 
 def test_two_finite_pushes_that_overflow_are_refused_and_the_store_stays_finite() -> None:
     with running_ps(scheme="tcp") as ps:
-        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+        transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, shared_memory=False)))
         client = _client(transport, ps.addresses[0])
         try:
             _init(client)
@@ -150,7 +151,7 @@ def test_adam_slots_that_would_overflow_are_refused_with_the_parameters() -> Non
 
 def test_a_sync_round_whose_sum_would_overflow_refuses_the_push_that_overflows_it() -> None:
     with running_ps(scheme="tcp") as ps:
-        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+        transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, shared_memory=False)))
         chief, other = _client(transport, ps.addresses[0], 0, 2), _client(transport, ps.addresses[0], 1, 2)
         try:
             _init(chief, sync="sync", workers=2)
@@ -423,7 +424,7 @@ def test_full_queues_from_peers_that_reset_never_abort_the_ps_process(tmp_path: 
                 thread.join(timeout=30)
             time.sleep(1.0)  # several of the old heartbeat intervals
             assert ps.poll() is None, ps.communicate(timeout=10)[0][-2000:]
-        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=False))
+        transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, shared_memory=False)))
         client = _client(transport, f"127.0.0.1:{port}")
         try:
             _init(client)
@@ -441,7 +442,7 @@ def test_full_queues_from_peers_that_reset_never_abort_the_ps_process(tmp_path: 
 
 def test_a_ps_socket_sends_no_zeromq_heartbeats_and_keeps_tcp_alive() -> None:
     """The process-level test above needs libzmq's queue to fill; this one pins down the setting itself."""
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0))
+    transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)))
     try:
         endpoint = transport.serve("127.0.0.1:0", "ps 0")
         sock = endpoint.sock  # type: ignore[attr-defined]
@@ -455,7 +456,7 @@ def test_a_ps_socket_sends_no_zeromq_heartbeats_and_keeps_tcp_alive() -> None:
 def test_a_worker_socket_sends_no_zeromq_heartbeats_either() -> None:
     """The ps's I/O thread answers a worker's PING: one queued on a full connection when the worker went aborted a
     ps slowed to 1 s per update at the end of the job, 4 runs of 4. A worker's own pings find a dead ps."""
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0))
+    transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)))
     try:
         endpoint = transport.connect(["127.0.0.1:1"], ["ps 0"])  # connecting is asynchronous: nothing need listen
         for sock in endpoint.socks:  # type: ignore[attr-defined]

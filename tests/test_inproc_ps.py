@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient, StepResult
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
@@ -27,7 +28,11 @@ from psdk.transport.inproc import InprocHub, InprocServer, InprocTransport
 
 pytestmark = pytest.mark.timeout(60)
 
-FAST = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, request_timeout_s=20.0, init_timeout_s=20.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, request_timeout_s=20.0, init_timeout_s=20.0
+    )
+)
 INIT = {"w": np.zeros((2, 3), np.float32), "b": np.ones(3, np.float32)}
 """Two variables, so round-robin sharding puts one on each of the two shards."""
 
@@ -39,7 +44,7 @@ def inproc_ps(num_ps: int = 2) -> Iterator[tuple[InprocTransport, ClusterSpec, l
     stop = threading.Event()
     servers: list[ParameterServer] = []
     threads: list[threading.Thread] = []
-    options = ServerOptions(heartbeat_timeout_s=5.0, startup_timeout_s=60, poll_s=0.02)
+    options = ServerOptions(transport=TransportOptions(heartbeat_timeout_s=5.0, startup_timeout_s=60), poll_s=0.02)
     try:
         for index in range(num_ps):
             endpoint = transport.serve("127.0.0.1:0", f"ps {index}")

@@ -24,16 +24,18 @@ import psdk.ps.main as ps_main
 from psdk.api import WorkerSession
 from psdk.client import ClientOptions, ParameterClient, checkpoint
 from psdk.config import build, schema
-from psdk.config.options import GROUPS, TaskOptions, options_from
+from psdk.config.options import GROUPS, TaskOptions, TransportOptions, options_from
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError
 from psdk.jobs.mnist import run_worker
+from psdk.jobs.setup import worker_setup
 from psdk.plugins.models import init_weights
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.main import run_ps
-from psdk.ps.rules import SGD, NoOp
+from psdk.ps.rules import SGD, Adam, NoOp
+from psdk.ps.server import ServerOptions
 from psdk.transport.lending import ATTACHED, REFUSED
-from psdk.transport.zeromq import ZmqServer, ZmqTransport
+from psdk.transport.zeromq import ZmqOptions, ZmqServer, ZmqTransport
 
 from .conftest import MNIST_DIR, PsCluster, running_ps
 from .helpers import FAST
@@ -106,15 +108,49 @@ def test_a_value_of_the_wrong_type_fails_at_composition() -> None:
             compose("config", overrides=[override])
 
 
+WORKER = ["job_name=worker", "ps_hosts=127.0.0.1:2222", "worker_hosts='127.0.0.1,127.0.0.1'", "backend=numpy"]
+
+
 def test_where_keys_overlap_one_wins() -> None:
-    cfg = compose("config", overrides=[*BASE, "transport.io_threads=5", "recovery.enabled=false"])
+    cfg = compose("config", overrides=[*BASE, *WORKER, "transport.io_threads=5", "recovery.enabled=false"])
     options = options_from(cfg)
-    assert options.client().io_threads == 5  # the workers' I/O threads
-    assert options.ps_transport(2, None).io_threads == min(2, os.cpu_count() or 1)  # a ps: one per worker
+    client = worker_setup(cfg).client
+    assert client.transport.io_threads == 5  # the workers' I/O threads
+    assert ps_main.ps_transport(options, 2, None).transport.io_threads == min(2, os.cpu_count() or 1)  # one per worker
     ps_set = options_from(compose("config", overrides=[*BASE, "transport.io_threads=5", "ps.io_threads=3"]))
-    assert ps_set.ps_transport(2, None).io_threads == 3
-    assert options.client().recovery_timeout_s is None and options.recovery.restarts == 0  # enabled=false wins
-    assert options.server(None).pause_lease_s == 3 * options.transport.heartbeat_interval_s  # null lease
+    assert ps_main.ps_transport(ps_set, 2, None).transport.io_threads == 3
+    assert client.recovery_timeout_s is None and options.recovery.restarts == 0  # enabled=false wins
+    lease = ps_main.server_options(options, None).pause_lease_s
+    assert lease == 3 * options.transport.heartbeat_interval_s  # a null lease
+
+
+def test_each_transport_setting_is_declared_once_and_held_as_it_is() -> None:
+    """The client, the ZeroMQ transport and the server hold the ``transport.*`` group; none declares one of its keys."""
+    keys = {f.name for f in dataclasses.fields(TransportOptions)}
+    for holder in (ClientOptions, ZmqOptions, ServerOptions):
+        fields = {f.name: f for f in dataclasses.fields(holder)}
+        assert not keys & set(fields), f"{holder.__name__} declares {sorted(keys & set(fields))} again"
+        assert fields["transport"].type in (TransportOptions, "TransportOptions")
+    heartbeats = ["transport.heartbeat_interval_s=0.3", "transport.heartbeat_timeout_s=7", "transport.io_threads=2"]
+    cfg = compose("config", overrides=[*BASE, *WORKER, *heartbeats])
+    setup = worker_setup(cfg)
+    assert setup.client.transport is setup.options.transport  # the worker's: the group itself, not a copy
+    assert ps_main.server_options(setup.options, None).transport is setup.options.transport
+    ps_side = ps_main.ps_transport(setup.options, 2, None).transport
+    assert (ps_side.heartbeat_interval_s, ps_side.heartbeat_timeout_s) == (0.3, 7.0)
+
+
+def test_a_worker_builds_its_typed_setup_once() -> None:
+    """Cluster, sync spec, rule, model, backend options and run id, built from the config when the task starts."""
+    overrides = ["sync=ssp", "optimizer=adam", "optimizer.lr=0.002", "model=softmax", "run_id=r1", "seed=4"]
+    setup = worker_setup(compose("config", overrides=[*BASE, *WORKER, "task_index=1", *overrides]))
+    assert (setup.task, setup.is_chief, setup.cluster.num_workers, setup.cluster.num_ps) == (1, False, 2, 1)
+    assert isinstance(setup.sync, SyncSpec) and setup.sync.mode == "ssp"
+    assert isinstance(setup.rule, Adam) and setup.rule.lr == pytest.approx(0.002, abs=1e-12)
+    assert (setup.model.name, setup.backend, setup.run_id, setup.seed) == ("softmax", "numpy", "r1", 4)
+    assert setup.resume is None and setup.ps_hosts_from is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setup.seed = 5  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------ the schemas are the dataclasses

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
@@ -26,7 +27,11 @@ from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 from .conftest import REPO, free_port
 from .jobs import env
 
-FAST = ClientOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, request_timeout_s=20.0, init_timeout_s=20.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, request_timeout_s=20.0, init_timeout_s=20.0
+    )
+)
 INIT = {"w": np.zeros((2, 3), np.float32)}
 
 
@@ -51,9 +56,14 @@ class Served:
 def serving(idle_timeout_s: float | None) -> Iterator[Served]:
     """One ps thread whose heartbeat timeout is far away, so that only the idle timeout can fire."""
     context = zmq.Context()
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0), context=context)
+    transport = ZmqTransport(
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0)), context=context
+    )
     options = ServerOptions(
-        heartbeat_timeout_s=30.0, startup_timeout_s=60.0, poll_s=0.02, idle_timeout_s=idle_timeout_s, chief_host="h0"
+        transport=TransportOptions(heartbeat_timeout_s=30.0, startup_timeout_s=60.0),
+        poll_s=0.02,
+        idle_timeout_s=idle_timeout_s,
+        chief_host="h0",
     )
     server = ParameterServer(transport.serve(f"inproc://ps-{id(context)}", "ps 0"), 0, options)
     stop = threading.Event()
@@ -165,7 +175,7 @@ def test_a_ps_process_exits_after_its_idle_timeout_naming_the_chief(tmp_path: Pa
         env=env(),
         cwd=REPO,
     )
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.05))
+    transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.05)))
     try:
         cluster = ClusterSpec({"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1"]})
         chief = ParameterClient(transport, cluster, 0, FAST)

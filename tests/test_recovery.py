@@ -11,6 +11,7 @@ import zmq
 
 import psdk
 from psdk.client import ClientOptions, checkpoint
+from psdk.config.options import TransportOptions
 from psdk.errors import PortInUseError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
@@ -22,13 +23,12 @@ SPEC = ModelSpec(hidden=(16,), input_dim=32, num_classes=10)
 RNG = np.random.default_rng(3)
 X, Y = RNG.random((50, 10, 32), dtype=np.float32), RNG.integers(0, 10, (50, 10))
 OPTIONS = ClientOptions(
-    heartbeat_interval_s=0.1,
-    heartbeat_timeout_s=1.5,
-    request_timeout_s=30.0,
-    init_timeout_s=30.0,
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, request_timeout_s=30.0, init_timeout_s=30.0
+    ),
     recovery_timeout_s=30.0,
 )
-SERVER = ServerOptions(heartbeat_timeout_s=5.0, poll_s=0.02, recovery=True)
+SERVER = ServerOptions(transport=TransportOptions(heartbeat_timeout_s=5.0), poll_s=0.02, recovery=True)
 STEPS, EVERY, KILL_AT = 300, 40, 120
 
 
@@ -56,7 +56,9 @@ class Shard:
 
 
 def test_a_lost_ps_is_restored_from_the_last_checkpoint_and_training_goes_on(tmp_path: Path) -> None:
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5), context=zmq.Context())
+    transport = ZmqTransport(
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5)), context=zmq.Context()
+    )
     shards = [Shard(transport, 0), Shard(transport, 1)]
     cluster = psdk.ClusterSpec({"ps": [s.address for s in shards], "worker": ["localhost"] * 2})
     results: dict[int, dict] = {}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import ConfigError, PeerTimeoutError
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -24,7 +25,11 @@ from psdk.transport import security
 from psdk.transport.wire import Message
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
-QUICK = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=2.0, init_timeout_s=2.0)
+QUICK = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=2.0, init_timeout_s=2.0
+    )
+)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 
 import psdk
 from psdk.client import ClientOptions
+from psdk.config.options import TransportOptions
 from psdk.errors import ConfigError, PortInUseError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
@@ -28,7 +29,11 @@ from .test_report import check_png, events
 pytestmark = pytest.mark.timeout(60)
 
 SPEC = ModelSpec(hidden=(), input_dim=16, num_classes=4)
-FAST = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, request_timeout_s=30.0, init_timeout_s=30.0
+    )
+)
 FAST_PS = {"transport.heartbeat_interval_s": 0.2, "transport.heartbeat_timeout_s": 5, "ps.idle_timeout_s": 30}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient, StepResult
+from psdk.config.options import TransportOptions
 from psdk.errors import PeerTimeoutError, RemoteError
 from psdk.protocol import ID_HELD, ID_IN_USE
 from psdk.protocol.jobspec import JobSpec
@@ -23,7 +24,11 @@ from psdk.transport.wire import Message
 
 from .conftest import PsCluster, running_ps
 
-FAST = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0
+    )
+)
 INIT = {"w": np.zeros((2, 3), np.float32), "b": np.ones(3, np.float32)}
 
 
@@ -227,14 +232,18 @@ def test_a_second_initialisation_never_overwrites_the_store(ps_cluster: PsCluste
 
 
 def test_workers_wait_for_the_chief_with_a_bounded_wait(ps_cluster: PsCluster) -> None:
-    impatient = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, init_timeout_s=0.3)
+    impatient = ClientOptions(
+        transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, init_timeout_s=0.3)
+    )
     c1 = ParameterClient(ps_cluster.transport, ps_cluster.cluster(2), 1, impatient)
     try:
         with pytest.raises(PeerTimeoutError) as info:
             c1.wait_initialized()
         assert "chief (worker 0)" in str(info.value) and "ps 0" in str(info.value)
         # Now a patient wait, parked at the ps (measured, not slept for) when the chief initialises.
-        c1.options = dataclasses.replace(impatient, init_timeout_s=20.0)
+        c1.options = dataclasses.replace(
+            impatient, transport=dataclasses.replace(impatient.transport, init_timeout_s=20.0)
+        )
         parked = len(ps_cluster.servers[0].shard.init_waiters)
         waiting = in_thread(lambda: c1.wait_initialized() or StepResult(0, False, ""))
         wait_until(lambda: len(ps_cluster.servers[0].shard.init_waiters) > parked)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
+from psdk.config.options import TransportOptions
 from psdk.errors import ProtocolError, PsdkError
 from psdk.transport import ServerEndpoint, shm
 from psdk.transport.compact import JSON, Packer, Unpacker
@@ -233,7 +234,7 @@ class Lender:
 
 @contextmanager
 def ps_endpoint(**options: Any) -> Iterator[ZmqServer]:
-    transport = ZmqTransport(ZmqOptions(**options))
+    transport = ZmqTransport(ZmqOptions(TransportOptions(**options)))
     server = transport.serve("127.0.0.1:0", "ps 0")
     try:
         yield server
@@ -310,12 +311,12 @@ def test_a_request_naming_memory_the_endpoint_does_not_hold_is_sent_back_to_go_w
 @pytest.mark.parametrize("doorbells", [True, False], ids=["knock", "header"])
 def test_a_restarted_server_gets_the_request_whole_and_nothing_is_lost(doorbells: bool) -> None:
     """The worker's transport finds out from a broken knock pipe, or from the new server's answer, and resends."""
-    first = ZmqTransport(ZmqOptions(doorbells=doorbells))
+    first = ZmqTransport(ZmqOptions(transport=TransportOptions(doorbells=doorbells)))
     server = first.serve("127.0.0.1:0", "ps 0")
     address = server.address.removeprefix("tcp://")
-    worker = ZmqTransport(ZmqOptions(doorbells=doorbells))
+    worker = ZmqTransport(ZmqOptions(transport=TransportOptions(doorbells=doorbells)))
     client = worker.connect([address], ["ps 0"], b"w")
-    second = ZmqTransport(ZmqOptions(doorbells=doorbells))
+    second = ZmqTransport(ZmqOptions(transport=TransportOptions(doorbells=doorbells)))
     try:
         buffers = client.buffers(0, SIZE)
         for step in range(1, 21):  # lending is agreed beside the first steps: within a few, they use it

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from psdk.client import ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import RemoteError
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -59,7 +60,11 @@ def _train(
 
     ``before_close`` looks at the ps while the worker is still there (what it lent goes when it closes).
     """
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory, doorbells=doorbells))
+    transport = ZmqTransport(
+        ZmqOptions(
+            transport=TransportOptions(heartbeat_interval_s=0.2, shared_memory=shared_memory, doorbells=doorbells)
+        )
+    )
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10, 1)
@@ -124,7 +129,7 @@ def test_a_ps_that_refuses_shared_memory_leaves_the_worker_on_frames() -> None:
 def test_after_the_ps_lets_go_a_knock_fails_and_the_push_goes_whole_at_once() -> None:
     """The ps holds the only reader of a knock pipe it heard: letting go breaks the pipe, no push waits in it."""
     with ps_over_tcp(shared_memory=True) as (_, address):
-        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.2))
+        transport = ZmqTransport(ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.2)))
         client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["127.0.0.1"]}), 0, FAST)
         try:
             client.initialize({"w": np.zeros(SIZE, np.float32)}, JobSpec(SyncSpec("async").resolved(1), 10, 1), SGD())
@@ -135,7 +140,7 @@ def test_after_the_ps_lets_go_a_knock_fails_and_the_push_goes_whole_at_once() ->
             started = time.monotonic()
             with contextlib.suppress(RemoteError):  # a finished worker's push: whatever the ps answers, at once
                 client.push_pull()
-            assert time.monotonic() - started < FAST.request_timeout_s / 2
+            assert time.monotonic() - started < FAST.transport.request_timeout_s / 2
             assert client.endpoint.sharing(0) == "frames"
         finally:
             client.close()

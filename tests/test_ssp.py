@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD
 
 from .conftest import running_ps
 
-OPTIONS = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, request_timeout_s=30.0)
+OPTIONS = ClientOptions(
+    transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, request_timeout_s=30.0)
+)
 STALENESS, STEPS, SLOW_S = 2, 60, 0.01
 
 

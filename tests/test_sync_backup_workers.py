@@ -22,6 +22,7 @@ import pytest
 
 import psdk
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import PsdkError, RemoteError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
@@ -36,7 +37,11 @@ from .jobs import psdk as run_psdk
 REPEATS = int(os.environ.get("PSDK_SYNC_REPEATS", "10"))
 """Runs of each setup; raise it (``PSDK_SYNC_REPEATS=50``) to hunt for a rare order."""
 
-FAST = ClientOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0)
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, request_timeout_s=20.0, init_timeout_s=20.0
+    )
+)
 SPEC = ModelSpec(hidden=(8,), input_dim=6, num_classes=3)
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((64, 6)).astype(np.float32)

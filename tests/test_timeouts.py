@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import PortInUseError, PsdkError
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -26,9 +27,11 @@ from .test_server import FAST, INIT, grads, in_thread, wait_until
 
 # A request timeout of one second stands for the default 300 s; heartbeats are answered throughout.
 SHORT = ClientOptions(
-    heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0, request_timeout_s=1.0, init_timeout_s=20.0,
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0, request_timeout_s=1.0, init_timeout_s=20.0
+    ),
     recovery_timeout_s=20.0,
-)  # fmt: skip
+)
 
 
 def chief_and_worker(ps: PsCluster, worker_options: ClientOptions) -> tuple[ParameterClient, ParameterClient]:
@@ -81,7 +84,9 @@ def test_a_shard_slow_beyond_the_recovery_timeout_is_named_in_a_clear_error() ->
 
 @contextmanager
 def ps_thread(transport: ZmqTransport, port: int) -> Iterator[ParameterServer]:
-    options = ServerOptions(heartbeat_timeout_s=30.0, startup_timeout_s=60.0, poll_s=0.02, recovery=True)
+    options = ServerOptions(
+        transport=TransportOptions(heartbeat_timeout_s=30.0, startup_timeout_s=60.0), poll_s=0.02, recovery=True
+    )
     deadline = time.monotonic() + 20.0
     while True:  # the ps this one replaces closed its socket; ZeroMQ's I/O thread lets go of the port a moment later
         try:
@@ -106,7 +111,9 @@ def test_a_timeout_from_a_shard_that_lost_its_state_restores_it(caplog: pytest.L
     """The ps is replaced by an empty one while it holds the chief's push, and no heartbeat says so."""
     caplog.set_level(logging.WARNING)
     context = zmq.Context()
-    transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0), context=context)
+    transport = ZmqTransport(
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0)), context=context
+    )
     port = free_port()
     cluster = ClusterSpec({"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1"] * 2})
     try:

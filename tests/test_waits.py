@@ -23,6 +23,7 @@ import pytest
 
 from psdk import protocol
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import ConfigError, PeerTimeoutError, ProtocolError, PsdkError, RefusedError, TransportError
 from psdk.launch import announce
 from psdk.protocol.cluster import ClusterSpec
@@ -39,7 +40,11 @@ from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 from .conftest import REPO, free_port, running_ps
 from .jobs import env
 
-QUICK = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, request_timeout_s=5.0, init_timeout_s=2.0)
+QUICK = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, request_timeout_s=5.0, init_timeout_s=2.0
+    )
+)
 INIT = {"w": np.zeros(4, np.float32)}
 JOB = JobSpec(SyncSpec("async").resolved(2), 10, 2)
 

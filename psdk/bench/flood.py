@@ -31,6 +31,7 @@ import numpy as np
 
 from psdk.bench.zmtp import RawZmtpPeer
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
@@ -187,7 +188,11 @@ def run(connections: int = 16, seconds: float = 10.0) -> FloodReport:
             f"hydra.run.dir={tmp}/ps", "ps.idle_timeout_s=null",
         ]  # fmt: skip
         ps = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        transport = ZmqTransport(ZmqOptions(heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, shared_memory=False))
+        transport = ZmqTransport(
+            ZmqOptions(
+                transport=TransportOptions(heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, shared_memory=False)
+            )
+        )
         cluster = ClusterSpec({"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1"] * WORKERS})
         chief: ParameterClient | None = None
         try:
@@ -197,7 +202,9 @@ def run(connections: int = 16, seconds: float = 10.0) -> FloodReport:
                     raise RuntimeError(f"the ps did not start: {ps.stderr.read() if ps.stderr else ''}")
                 time.sleep(0.05)
             report.base_kb = _vm(ps.pid, "VmHWM")
-            options = ClientOptions(heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, request_timeout_s=60.0)
+            options = ClientOptions(
+                transport=TransportOptions(heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, request_timeout_s=60.0)
+            )
             chief = ParameterClient(transport, cluster, 0, options)
             job = JobSpec(SyncSpec("async").resolved(WORKERS), 10**9, WORKERS)
             chief.initialize({"w": np.zeros(SIZE, np.float32)}, job, SGD(lr=0.01, momentum=0.9))

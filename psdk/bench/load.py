@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
@@ -67,15 +68,19 @@ class LoadReport:
 
 def run(clients: int = 16, replicas: int = 12, seconds: float = 5.0, size: int = 79_510) -> LoadReport:
     report = LoadReport(clients, replicas, size)
-    transport = ZmqTransport(ZmqOptions(io_threads=2))
+    transport = ZmqTransport(ZmqOptions(transport=TransportOptions(io_threads=2)))
     endpoint = transport.serve("127.0.0.1:0", "ps 0")
     address = endpoint.address.split("://", 1)[1]
-    server = ParameterServer(endpoint, 0, ServerOptions(heartbeat_timeout_s=30.0, poll_s=0.02))
+    server = ParameterServer(
+        endpoint, 0, ServerOptions(transport=TransportOptions(heartbeat_timeout_s=30.0), poll_s=0.02)
+    )
     stop = threading.Event()
     serving = threading.Thread(target=server.serve, args=(stop,), daemon=True)
     serving.start()
     cluster = ClusterSpec({"ps": [address], "worker": ["localhost"] * clients})
-    options = ClientOptions(heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0, request_timeout_s=60.0)
+    options = ClientOptions(
+        transport=TransportOptions(heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0, request_timeout_s=60.0)
+    )
     workers = [ParameterClient(transport, cluster, i, options) for i in range(clients)]
     lock = threading.Lock()
     try:

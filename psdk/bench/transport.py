@@ -64,12 +64,13 @@ def _raw_server(size: int, queue: Any) -> None:
 
 
 def _psdk_server(size: int, queue: Any, keys: str | None = None, shared_memory: bool = True) -> None:
+    from psdk.config.options import TransportOptions
     from psdk.ps.server import ParameterServer
     from psdk.transport import security
     from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
     curve = security.load_server(Path(keys)) if keys else None
-    transport = ZmqTransport(ZmqOptions(curve=curve, shared_memory=shared_memory))
+    transport = ZmqTransport(ZmqOptions(TransportOptions(shared_memory=shared_memory), curve=curve))
     endpoint = transport.serve("127.0.0.1:0", "ps 0")
     queue.put(endpoint.address.split("://", 1)[1])
     ParameterServer(endpoint, 0).serve()
@@ -125,6 +126,7 @@ def _psdk_client(
     address: str, size: int, count: int, warmup: int, keys: str | None = None, shared_memory: bool = True
 ) -> tuple[float, float, float, float]:
     from psdk.client import ParameterClient
+    from psdk.config.options import TransportOptions
     from psdk.protocol.cluster import ClusterSpec
     from psdk.protocol.jobspec import JobSpec
     from psdk.ps.consistency import SyncSpec
@@ -133,7 +135,7 @@ def _psdk_client(
     from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
     curve = security.load_worker(Path(keys), 0) if keys else None
-    transport = ZmqTransport(ZmqOptions(curve=curve, shared_memory=shared_memory))
+    transport = ZmqTransport(ZmqOptions(TransportOptions(shared_memory=shared_memory), curve=curve))
     client = ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["localhost"]}), 0)
     try:
         job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)

@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,6 +26,7 @@ from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
+from psdk.config.options import TransportOptions
 from psdk.errors import (
     PeerDeadError,
     PeerRestartedError,
@@ -47,24 +48,18 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ClientOptions:
-    """A worker's settings: its timeouts, and those of the transport :func:`psdk.connect` makes for it.
+    """A worker's settings: the ``transport.*`` group as it is (its timeouts, and the transport
+    :func:`psdk.connect` makes for it), and how long a lost ps is waited out.
 
-    The last three are ``transport.*`` keys of the config tree, as the MNIST job passes them; they shape the
-    ZeroMQ transport ``connect`` opens (a transport passed to ``connect`` brings its own settings).
+    The transport settings are :class:`~psdk.config.options.TransportOptions`, held, never copied: the MNIST
+    job passes its ``transport.*`` keys as they are; a transport passed to ``connect`` brings its own sockets.
     """
 
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
-    request_timeout_s: float = 300.0
-    init_timeout_s: float = 300.0
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    """Heartbeats, request and init timeouts; for the transport ``connect`` makes: shared memory (False: arrays in
+    ZeroMQ frames), doorbells and ZeroMQ I/O threads."""
     recovery_timeout_s: float | None = None
     """When set, a lost ps or a restored job is waited out (this long at most) instead of failing."""
-    shared_memory: bool = True
-    """Offer a ps on this host shared memory for the arrays (it may turn the offer down); False: ZeroMQ frames."""
-    doorbells: bool = True
-    """With shared memory, pushes and replies ring pipes instead of crossing ZeroMQ (see psdk.transport.lending)."""
-    io_threads: int = 1
-    """ZeroMQ I/O threads of this worker's transport."""
 
 
 class ParameterClient:
@@ -113,7 +108,7 @@ class ParameterClient:
                 self.addresses,
                 self.names,
                 task_index,
-                self.options.heartbeat_interval_s,
+                self.options.transport.heartbeat_interval_s,
                 self.identity + HEARTBEAT_SUFFIX,
             )
             self.heartbeat.start()
@@ -147,14 +142,14 @@ class ParameterClient:
         restarted (off while waiting for what may take long, e.g. the chief's init).
         """
         silence = self.heartbeat.silence if (self.heartbeat is not None and watch) else None
-        timeout_s = timeout_s if timeout_s is not None else self.options.request_timeout_s
+        timeout_s = timeout_s if timeout_s is not None else self.options.transport.request_timeout_s
         report = ReplyWait(self, what, timeout_s)
         try:
             replies = pending.wait(
                 timeout_s,
                 what,
                 silence_s=silence,
-                dead_after_s=self.options.heartbeat_timeout_s,
+                dead_after_s=self.options.transport.heartbeat_timeout_s,
                 restarted=self._restarted if watch else None,
                 report=report,
             )
@@ -208,7 +203,7 @@ class ParameterClient:
         self.fallback = initial_state(variables, rule, restore)
         messages = init_requests(self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch)
         replies = self._rejoining(
-            lambda: self.request(messages, "initialising the variables", self.options.init_timeout_s)
+            lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
         )
         fresh = {reply.op == "ok" for reply in replies.values()}
         if len(fresh) > 1 and self.options.recovery_timeout_s is None:
@@ -228,7 +223,7 @@ class ParameterClient:
             lambda: self.request(
                 self.to_all("wait_init"),
                 "the chief (worker 0) to initialise the variables",
-                self.options.init_timeout_s,
+                self.options.transport.init_timeout_s,
                 watch=False,
             )
         )

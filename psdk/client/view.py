@@ -25,11 +25,18 @@ from psdk.transport.wire import Message
 T = TypeVar("T")
 
 
+class HeartbeatOptions(Protocol):
+    """The transport settings the client's parts read."""
+
+    @property
+    def heartbeat_timeout_s(self) -> float: ...
+
+
 class TimeoutOptions(Protocol):
     """The client's options its parts read."""
 
     @property
-    def heartbeat_timeout_s(self) -> float: ...
+    def transport(self) -> HeartbeatOptions: ...
 
     @property
     def recovery_timeout_s(self) -> float | None: ...

@@ -88,7 +88,7 @@ def rejoining(client: ClientView, request: Callable[[], T]) -> T:
     The ps's error kind tells the two apart (:data:`~psdk.protocol.ID_HELD`,
     :data:`~psdk.protocol.ID_IN_USE`), never the words of its message.
     """
-    deadline = time.monotonic() + client.options.heartbeat_timeout_s + 10.0
+    deadline = time.monotonic() + client.options.transport.heartbeat_timeout_s + 10.0
     clock: WaitLog | None = None
     while True:
         try:

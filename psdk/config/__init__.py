@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 __all__ = ["config_dir", "prepare_hydra", "register_configs"]
 
 
@@ -39,6 +37,8 @@ def register_configs() -> None:
 
 def prepare_hydra() -> None:
     """Register the schemas and resolvers (idempotent)."""
+    from omegaconf import OmegaConf  # here: the transport and the client import psdk.config.options without it
+
     register_configs()
     if not OmegaConf.has_resolver("psdk_task_suffix"):
         OmegaConf.register_new_resolver("psdk_task_suffix", _task_suffix)

@@ -50,13 +50,12 @@ def cluster_from(cfg: DictConfig) -> ClusterSpec:
     return ClusterSpec({"ps": plain(cfg.ps_hosts), "worker": plain(cfg.worker_hosts)})
 
 
-def with_announced_ps(cfg: DictConfig, cluster: ClusterSpec, transport: TransportOptions) -> ClusterSpec:
-    """``cluster`` with the ps addresses the ps tasks announced in ``ps_hosts_from`` (if set), once they have.
+def with_announced_ps(folder: str | None, cluster: ClusterSpec, transport: TransportOptions) -> ClusterSpec:
+    """``cluster`` with the ps addresses the ps tasks announced in ``folder`` (``ps_hosts_from``), once they have.
 
     ``run`` starts the workers together with the ps tasks, which bind free
     ports: a worker waits for the addresses only once its own start-up is done.
     """
-    folder = cfg.get("ps_hosts_from")
     if not folder:
         return cluster
     addresses = announce.wait_for(Path(str(folder)), cluster.num_ps, transport.startup_timeout_s)
@@ -83,7 +82,7 @@ def instantiate_node(cfg: DictConfig, group: str) -> Any:
     As Hydra's ``instantiate`` would for these flat nodes, without
     importing Hydra: a task that a launcher handed its config starts about
     50 ms sooner. Values arrive as plain lists and dicts. The ``_target_``
-    is read by :func:`psdk.registry.locate`, as plugin records' targets are:
+    is read by :func:`psdk.plugins.registry.locate`, as plugin records' targets are:
     ``package.module:Name``, or the dotted form saved runs hold.
     """
     try:
@@ -134,16 +133,16 @@ def sync_spec(cfg: DictConfig) -> SyncSpec:
     return cast(SyncSpec, instantiate_node(cfg, "sync"))
 
 
-def check_training(cfg: DictConfig, options: TaskOptions, num_workers: int, warn: bool = True) -> None:
+def check_training(cfg: DictConfig, options: TaskOptions, sync: SyncSpec, num_workers: int, warn: bool = True) -> None:
     """The training loop's settings, refused before any task starts when they cannot work together.
 
-    Each group's own values were checked when ``options`` were built; these checks span groups.
+    Each group's own values were checked when ``options`` and ``sync`` were built; these checks span groups.
     ``warn``: also warn about settings that work but may train badly (once per job: the launcher).
     """
     from psdk.data.mnist import TRAIN_SIZE
 
     train = options.train
-    if train.overlap and not sync_spec(cfg).allows_overlap:
+    if train.overlap and not sync.allows_overlap:
         raise ConfigError(
             "train.overlap",
             "works with sync=async or sync=ssp only: in sync mode the gradient computed while the last push "

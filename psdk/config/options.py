@@ -13,9 +13,14 @@ Where two keys could say the same thing, one wins, here and in
 ``docs/configuration.md``: on a ps ``ps.io_threads`` wins over
 ``transport.io_threads`` (which the workers use); ``recovery.enabled=false``
 wins over ``recovery.timeout_s``; a null ``ps.pause_lease_s`` is three
-``transport.heartbeat_interval_s``. The conversions into the objects of the
-transport, the client and the server import those modules only when called,
-so a launcher checks a config without loading them.
+``transport.heartbeat_interval_s``.
+
+Each setting is declared once, here. :class:`TransportOptions` is not copied
+into the objects of the transport, the client and the server: they hold it
+(``ZmqOptions.transport``, ``ClientOptions.transport``,
+``ServerOptions.transport``), so a heartbeat key reaches every task from
+this one declaration. This module imports none of theirs (they import it),
+and no OmegaConf until a config is read.
 """
 
 from __future__ import annotations
@@ -32,12 +37,6 @@ from psdk.launch.placement import DEVICE_CHOICES, check_memory_fraction
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
-
-    from psdk.client import ClientOptions
-    from psdk.protocol.cluster import ClusterSpec
-    from psdk.ps.server import ServerOptions
-    from psdk.transport.security import CurveKeys
-    from psdk.transport.zeromq import ZmqOptions
 
 
 class _Group:
@@ -69,7 +68,12 @@ class _Group:
 
 @dataclass(frozen=True)
 class TransportOptions(_Group):
-    """``transport.*``: how every task talks; a worker passes all of it to :func:`psdk.connect`."""
+    """``transport.*``: how every task talks, held as it is by the transport, the client and the server.
+
+    A worker passes it to :func:`psdk.connect` (``ClientOptions(transport=...)``); a ps hands it to its
+    ZeroMQ transport with its own I/O threads (``ps.io_threads``) and to its server. ``secure`` and
+    ``keys_dir`` say where a task's keys come from; the transport itself sees only the keys loaded.
+    """
 
     GROUP: ClassVar[str] = "transport"
     secure: bool = True
@@ -237,7 +241,7 @@ GROUPS: dict[str, type[_Group]] = {
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """Every typed group of one task's config, and the objects of the transport, client and server built from them."""
+    """Every typed group of one task's config, built once at the task's start (:func:`options_from`)."""
 
     transport: TransportOptions = field(default_factory=TransportOptions)
     ps: PsOptions = field(default_factory=PsOptions)
@@ -246,22 +250,6 @@ class TaskOptions:
     recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
     placement: PlacementOptions = field(default_factory=PlacementOptions)
     liveness: LivenessOptions = field(default_factory=LivenessOptions)
-
-    def client(self) -> ClientOptions:
-        """A worker's options for :func:`psdk.connect`: every ``transport.*`` key it uses, and the recovery wait."""
-        from psdk.client import ClientOptions
-
-        t = self.transport
-        return ClientOptions(
-            heartbeat_interval_s=t.heartbeat_interval_s,
-            heartbeat_timeout_s=t.heartbeat_timeout_s,
-            request_timeout_s=t.request_timeout_s,
-            init_timeout_s=t.init_timeout_s,
-            recovery_timeout_s=self.recovery.wait_s,
-            shared_memory=t.shared_memory,
-            doorbells=t.doorbells,
-            io_threads=t.io_threads,
-        )
 
     def ps_io_threads(self, num_workers: int) -> int:
         """A ps's ZeroMQ I/O threads: ``ps.io_threads``, else one per worker up to the CPUs (never transport's)."""
@@ -282,40 +270,6 @@ class TaskOptions:
                 "(4 per worker + 16, room for restarted workers)",
             )
         return limit
-
-    def ps_transport(self, num_workers: int, curve: CurveKeys | None) -> ZmqOptions:
-        """A ps's socket settings: ``transport.*``, with ``ps.io_threads`` and ``ps.max_connections``."""
-        from psdk.transport.zeromq import ZmqOptions
-
-        t = self.transport
-        return ZmqOptions(
-            io_threads=self.ps_io_threads(num_workers),
-            max_message_bytes=t.max_message_bytes,
-            max_connections=self.ps_max_connections(num_workers),
-            heartbeat_interval_s=t.heartbeat_interval_s,
-            heartbeat_timeout_s=t.heartbeat_timeout_s,
-            curve=curve,
-            shared_memory=t.shared_memory,
-            doorbells=t.doorbells,
-        )
-
-    def server(self, cluster: ClusterSpec | None) -> ServerOptions:
-        """A ps's serving options; ``cluster`` (a per-task run's) names its chief and bounds the worker ids."""
-        from psdk.ps.server import ServerOptions  # a ps's only: a worker does not pay for importing the server
-
-        lease = self.ps.pause_lease_s
-        return ServerOptions(
-            heartbeat_timeout_s=self.transport.heartbeat_timeout_s,
-            startup_timeout_s=self.transport.startup_timeout_s,
-            log_every_s=self.ps.log_every_s,
-            idle_timeout_s=self.ps.idle_timeout_s,
-            chief_host=cluster.worker_host(0) if cluster is not None else None,
-            recovery=self.recovery.enabled,
-            recovery_timeout_s=self.recovery.timeout_s,
-            max_workers=cluster.num_workers if cluster is not None else ServerOptions.max_workers,
-            # A few heartbeats by default: the chief's heartbeats renew the lease while it writes the file.
-            pause_lease_s=lease if lease is not None else 3 * self.transport.heartbeat_interval_s,
-        )
 
 
 def _group(cls: type[_Group], node: Any) -> _Group:

@@ -22,12 +22,12 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-from omegaconf import DictConfig, ListConfig
-from omegaconf.nodes import FloatNode, IntegerNode
+from typing import TYPE_CHECKING, Any
 
 from psdk.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 INT64_MAX = 2**63 - 1
 """Step counts and counters are int64 in numpy, the checkpoints and the wire."""
@@ -187,6 +187,9 @@ def numeric_leaves(cfg: DictConfig) -> Iterator[tuple[str, Any, bool]]:
 
 
 def _leaves(node: Any, prefix: str) -> Iterator[tuple[str, Any, bool, bool]]:
+    from omegaconf import DictConfig, ListConfig  # only here: psdk.config.options imports this table without it
+    from omegaconf.nodes import FloatNode, IntegerNode
+
     keys: Any = node.keys() if isinstance(node, DictConfig) else range(len(node))
     for key in keys:
         if prefix == "" and key == "hydra":

@@ -226,7 +226,14 @@ class ReportConfig:
 
 @dataclass
 class PsdkConfig:
-    """The primary config (``conf/config.yaml`` extends it)."""
+    """The primary config (``conf/config.yaml`` extends it), typed key by key.
+
+    The groups chosen from a list (``model``, ``optimizer``, ``sync``,
+    ``topology``, ``launcher``) stay ``Any``, as Hydra has it for a group in
+    the defaults list: each choice brings its own schema (one per update
+    rule, one per plugin model), which a single type here would refuse.
+    ``ps_hosts`` and ``worker_hosts`` are a list or a comma-separated string.
+    """
 
     model: Any = MISSING
     optimizer: Any = MISSING
@@ -235,15 +242,15 @@ class PsdkConfig:
     launcher: Any = MISSING
     backend: str = "torch"
     seed: int = 0
-    job_name: Any = None
+    job_name: str | None = None
     task_index: int = 0
     ps_hosts: Any = None
-    ps_hosts_from: Any = None
+    ps_hosts_from: str | None = None
     worker_hosts: Any = None
-    output_dir: Any = None
-    resume: Any = None
-    run_id: Any = None
-    weights: Any = None
+    output_dir: str | None = None
+    resume: str | None = None
+    run_id: str | None = None
+    weights: str | None = None
     file_access: str = "owner"
     recovery: Any = field(default_factory=lambda: _options("RecoveryConfig"))  # derived: typed by the instance
     checkpoint: Any = field(default_factory=lambda: _options("CheckpointConfig"))  # derived: typed by the instance
@@ -255,7 +262,7 @@ class PsdkConfig:
     liveness: Any = field(default_factory=lambda: _options("LivenessConfig"))  # derived: typed by the instance
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
-    backend_options: Any = field(default_factory=lambda: backend_option_defaults())
+    backend_options: dict[str, Any] = field(default_factory=lambda: backend_option_defaults())
 
 
 def backend_option_defaults() -> dict[str, dict[str, Any]]:

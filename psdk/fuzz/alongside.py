@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from psdk.config.options import TransportOptions
 from psdk.fuzz.harness import REPLY_OPS, WORKERS, Actor, LivePs, Mode, Sent
 from psdk.protocol import ops as protocol
 from psdk.protocol.numerics import all_finite
@@ -172,7 +173,9 @@ def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s
     rng = np.random.default_rng(seed)
     xs, ys = rng.random((20, 16, 32), dtype=np.float32), rng.integers(0, 10, (20, 16))
     cluster = ClusterSpec({"ps": [ps.address.split("://", 1)[1]], "worker": ["127.0.0.1"] * WORKERS})
-    options = ClientOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, request_timeout_s=60.0)
+    options = ClientOptions(
+        transport=TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, request_timeout_s=60.0)
+    )
     report = AlongsideReport(target=steps)
     lock = threading.Lock()
 

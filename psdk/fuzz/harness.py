@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from psdk.config.options import TransportOptions
 from psdk.protocol import ops as protocol
 from psdk.protocol.numerics import all_finite
 from psdk.ps.server import ParameterServer, ServerOptions
@@ -96,23 +97,22 @@ class LivePs:
     def __init__(self, mode: Mode, keys_dir: Path | None):
         self.keys_dir = keys_dir
         curve = security.load_server(keys_dir) if keys_dir is not None else None
-        options = ZmqOptions(
+        settings = TransportOptions(  # one transport.* group for the sockets and the server, as a ps task has
             heartbeat_interval_s=1.0,
             heartbeat_timeout_s=60.0,
-            curve=curve,
+            startup_timeout_s=600.0,
             shared_memory=mode.shared_memory,
             max_message_bytes=8 << 20,
         )
-        self.transport = ZmqTransport(options)
+        self.transport = ZmqTransport(ZmqOptions(settings, curve=curve))
         endpoint = self.transport.serve("127.0.0.1:0", "ps 0")
         self.address = endpoint.address
         server_options = ServerOptions(
-            heartbeat_timeout_s=60.0,
-            startup_timeout_s=600.0,
+            transport=settings,
             poll_s=0.01,
             idle_timeout_s=None,
             max_workers=WORKERS,
-            pause_lease_s=3600.0,  # a pause ends by the chief's resume or a restore, never by a slow step's timing
+            pause_lease_s=3600.0,
         )
         self.server = ParameterServer(endpoint, 0, server_options)
         self.crashed: BaseException | None = None

@@ -27,6 +27,7 @@ import zmq
 
 from psdk import protocol
 from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import ProtocolError
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -236,10 +237,14 @@ class FuzzSession:
 
     def __init__(self, max_message_bytes: int = 4 << 20):
         self.max_message_bytes = max_message_bytes
-        self.transport = ZmqTransport(ZmqOptions(max_message_bytes=max_message_bytes, heartbeat_interval_s=0.5))
+        self.transport = ZmqTransport(
+            ZmqOptions(transport=TransportOptions(max_message_bytes=max_message_bytes, heartbeat_interval_s=0.5))
+        )
         endpoint = self.transport.serve("127.0.0.1:0", "ps 0")
         self.address = endpoint.address.split("://", 1)[1]
-        self.server = ParameterServer(endpoint, 0, ServerOptions(poll_s=0.02, heartbeat_timeout_s=60.0))
+        self.server = ParameterServer(
+            endpoint, 0, ServerOptions(transport=TransportOptions(heartbeat_timeout_s=60.0), poll_s=0.02)
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.server.serve, args=(self._stop,), daemon=True)
         self._thread.start()
@@ -253,7 +258,9 @@ class FuzzSession:
 
     def _real_workers(self) -> list[ParameterClient]:
         cluster = ClusterSpec({"ps": [self.address], "worker": ["localhost", "localhost"]})
-        options = ClientOptions(heartbeat_interval_s=0.5, heartbeat_timeout_s=60.0, request_timeout_s=30.0)
+        options = ClientOptions(
+            transport=TransportOptions(heartbeat_interval_s=0.5, heartbeat_timeout_s=60.0, request_timeout_s=30.0)
+        )
         workers = [ParameterClient(self.transport, cluster, i, options) for i in range(2)]
         for w in workers:
             w.endpoint = RecordingEndpoint(w.endpoint, self.corpus)

@@ -27,12 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
 from psdk.client import StepResult, checkpoint
 from psdk.config import build
-from psdk.config.options import PlacementOptions, TaskOptions, options_from
+from psdk.config.options import PlacementOptions
 from psdk.data import mnist
 from psdk.data.datasets import check_fits, load_dataset
 from psdk.errors import TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
-from psdk.jobs.epochs import count_of
+from psdk.jobs.epochs import EpochCount, batches_per_step
+from psdk.jobs.setup import WorkerSetup, worker_setup
 from psdk.jobs.summary import build_summary, save_params
 from psdk.launch import LAUNCHED_ENV
 from psdk.launch.placement import (
@@ -41,7 +42,7 @@ from psdk.launch.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins.loading import check_framework, load_backend
+from psdk.plugins.loading import load_backend
 from psdk.plugins.models import build_model
 from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
@@ -126,60 +127,55 @@ class WorkerReport:
         }
 
 
-def load_split(cfg: DictConfig, task: int, num_workers: int, spec: Any) -> mnist.Split:
+def load_split(setup: WorkerSetup) -> mnist.Split:
     """This worker's part of the job's dataset (``data.name``), once the model is known to fit it."""
-    data = load_dataset(cfg.data)
-    check_fits(data, spec, str(cfg.data.get("name", "mnist")))
-    return mnist.split(data, task, num_workers, int(cfg.data.validation_size))
+    data = load_dataset(setup.data)
+    check_fits(data, setup.model, str(setup.data.get("name", "mnist")))
+    return mnist.split(data, setup.task, setup.cluster.num_workers, setup.validation_size)
 
 
 def run_worker(cfg: DictConfig) -> None:
     """One worker task of the MNIST job; raises :class:`~psdk.errors.PsdkError` on failure."""
     start = time.time()
-    options = options_from(cfg)
-    task = int(cfg.task_index)
-    cluster = build.cluster_from(cfg)
-    cluster.check_task("worker", task)
-    build.check_training(cfg, options, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
+    setup = worker_setup(cfg)  # every setting this worker uses, built once
+    options, task, cluster = setup.options, setup.task, setup.cluster
     if task == 0 and LAUNCHED_ENV not in os.environ:  # a launcher tried the chief's checkpoint folder already
         checkpoint.check_folder(options.checkpoint)
-    backend_name = build.topology(cfg).backend_of(task, str(cfg.backend))
-    check_framework(backend_name)
-    backend = load_backend(backend_name, build.backend_options(cfg, backend_name))
+    backend = load_backend(setup.backend, setup.backend_options)
     placement = options.placement
     device = RankPlacement(placement.device).devices(cluster, task, visible_gpus())[0]
     backend.setup(device, options.train.threads, placement.gpu_memory_fraction)
     beat()  # the framework is in: from here each phase must beat within liveness.stall_timeout_s
     log.info("worker %d: backend %s on %s, %d ps task(s)", task, backend.name, backend.device, cluster.num_ps)
 
-    resume = checkpoint.load(cfg.resume) if cfg.resume and task == 0 else None
-    spec = build.model_spec(cfg)
-    data = load_split(cfg, task, cluster.num_workers, spec)
-    model = build_model(backend, spec, spec.init_weights(int(cfg.seed)))
+    resume = checkpoint.load(setup.resume) if setup.resume else None
+    spec = setup.model
+    data = load_split(setup)
+    model = build_model(backend, spec, spec.init_weights(setup.seed))
     beat()  # the data and the model too
-    rule = build.update_rule(cfg)  # named directly: no framework optimizer to build and inspect
-    metrics = MetricsLog(Path(cfg.output_dir) / "metrics.jsonl", record_sinks(cfg, task))
+    metrics = MetricsLog(setup.output_dir / "metrics.jsonl", record_sinks(setup))
     unwritten: Exception | None = None  # a result the disk refused at the end
-    cluster = build.with_announced_ps(cfg, cluster, options.transport)
+    cluster = setup.announced()
     try:
         with connect(
             cluster,
             task,
             steps=options.train.steps,
-            sync=build.sync_spec(cfg),
-            sharding=str(cfg.topology.sharding),
-            options=options.client(),  # every transport.* key a worker uses, and the recovery wait
+            sync=setup.sync,
+            sharding=setup.sharding,
+            options=setup.client,  # the transport.* group as it is, and the recovery wait
             keys=build.worker_keys(options.transport, cluster, task),
             secure=options.transport.secure,
             checkpoint_dir=options.checkpoint.dir if task == 0 else None,
-            run_id=build.run_id(cfg),
+            run_id=setup.run_id,
         ) as session:
-            optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=rule)
+            # The rule is named directly: no framework optimizer to build and inspect.
+            optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=setup.rule)
             tune_compute_thread(placement, cluster.local_rank(task))
             optimizer.broadcast_parameters(resume)
             if optimizer.restored_step is not None:
-                log.info("worker 0: resumed from %s at global step %d", cfg.resume, optimizer.restored_step)
-            job = WorkerJob(cfg, options, session, optimizer, data, metrics)
+                log.info("worker 0: resumed from %s at global step %d", setup.resume, optimizer.restored_step)
+            job = WorkerJob(setup, session, optimizer, data, metrics)
             workers = job.train_to_the_end(options.train.final_wait_s)
             if session.is_chief:
                 failpoint(TRAINED)
@@ -196,12 +192,12 @@ def run_worker(cfg: DictConfig) -> None:
         raise unwritten
 
 
-def record_sinks(cfg: DictConfig, task: int) -> list[RecordSink]:
+def record_sinks(setup: WorkerSetup) -> list[RecordSink]:
     """Where a worker's logged points go besides ``metrics.jsonl``: TensorBoard, when asked."""
-    if not cfg.report.tensorboard:
+    if not setup.tensorboard:
         return []
-    folder = Path(cfg.output_dir) / "tensorboard" / f"worker{task}"
-    log.info("worker %d: TensorBoard event files in %s", task, folder)
+    folder = setup.output_dir / "tensorboard" / f"worker{setup.task}"
+    log.info("worker %d: TensorBoard event files in %s", setup.task, folder)
     return [TensorBoardSink(folder)]
 
 
@@ -218,33 +214,34 @@ class WorkerJob:
 
     def __init__(
         self,
-        cfg: DictConfig,
-        options: TaskOptions,
+        setup: WorkerSetup,
         session: WorkerSession,
         optimizer: DistributedOptimizer,
         data: mnist.Split,
         metrics: MetricsLog,
     ):
-        self.cfg, self.session, self.optimizer, self.data, self.metrics = (
-            cfg,
+        self.setup, self.session, self.optimizer, self.data, self.metrics = (
+            setup,
             session,
             optimizer,
             data,
             metrics,
         )
+        options = setup.options
         self.train_options, self.checkpoints = options.train, options.checkpoint
         self.backend, self.model = optimizer.backend, optimizer.model
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
         num_workers = session.job.num_workers
-        self.epochs = count_of(cfg, num_workers, data.train_size or len(data.train_images) * num_workers)
-        self.fingerprint = build.fingerprint(cfg)
+        train_size = data.train_size or len(data.train_images) * num_workers
+        per_step = batches_per_step(setup.sync, num_workers)
+        self.epochs = EpochCount.of_job(train_size, num_workers, options.train.batch_size, per_step)
         self.divergence = DivergenceWatch(
             target_steps=options.train.steps,
             num_workers=session.job.num_workers,
-            lr=float(cfg.optimizer.get("lr") or 0.0),
-            momentum=float(cfg.optimizer.get("momentum") or 0.0),
-            mode=str(build.sync_spec(cfg).mode),
+            lr=float(getattr(setup.rule, "lr", 0.0) or 0.0),
+            momentum=float(getattr(setup.rule, "momentum", 0.0) or 0.0),
+            mode=str(setup.sync.mode),
         )
         self.every_steps = self.checkpoints.every_steps if session.is_chief else 0
         self.every_seconds = self.checkpoints.every_seconds if session.is_chief else 0.0
@@ -295,7 +292,7 @@ class WorkerJob:
 
     def train(self) -> None:
         train = self.train_options
-        batches = Batches(self.data, train.batch_size, int(self.cfg.seed) * 1000 + self.task)
+        batches = Batches(self.data, train.batch_size, self.setup.seed * 1000 + self.task)
         log_every, validate_every = train.log_every, train.validate_every
         began = window_start = time.time()
         window_steps = 0
@@ -378,7 +375,7 @@ class WorkerJob:
 
     def _log_point(self, result: StepResult, loss: float, validate: bool, rate: float, elapsed: float) -> None:
         epoch = self.epochs.at_step(result.global_step)  # the job's epochs, from the global step (psdk.jobs.epochs)
-        target = self.cfg.train.get("epochs")
+        target = self.train_options.epochs
         accuracy = self.backend.accuracy(self.model, self.data.val_x, self.data.val_y) if validate else None
         if accuracy is not None:
             self.report.last_val_accuracy = accuracy
@@ -423,13 +420,13 @@ class WorkerJob:
         checkpoint's failure is kept in :attr:`unwritten`: the chief writes
         the other results first, then fails.
         """
-        config = OmegaConf.to_yaml(self.cfg, resolve=True)
+        config = OmegaConf.to_yaml(self.setup.config, resolve=True)
         folder = Path(self.checkpoints.dir)
         if final:
             self.unwritten = None  # a final checkpoint written after a restore makes up for one refused before
         try:
             path = self.session.save_checkpoint(
-                folder, config=config, fingerprint=self.fingerprint, backend=self.backend.name
+                folder, config=config, fingerprint=self.setup.fingerprint, backend=self.backend.name
             )
         except WriteError as exc:
             path = None
@@ -456,13 +453,15 @@ class WorkerJob:
         for index, state in sorted(workers.items()):
             if state["status"] == "dead":
                 log.warning("worker 0: worker %s died during the job: %s", index, state["reason"])
-        cfg, client = self.cfg, self.session.client
+        client = self.session.client
         client.wrapping_up(self.optimizer.pull, "pulling the final parameters")
         test_accuracy = self.backend.accuracy(self.model, self.data.test_x, self.data.test_y)
-        out = Path(cfg.output_dir)
+        out = self.setup.output_dir
         save_params(out / "params.npz", client.params)
         stats = client.wrapping_up(client.stats, "reading the ps statistics")
-        summary = build_summary(cfg, stats, workers, test_accuracy, time.time() - start, self.backend.name)
+        summary = build_summary(
+            self.setup.config, stats, workers, test_accuracy, time.time() - start, self.backend.name
+        )
         summary["workers"].get("0", {})["test_accuracy"] = test_accuracy  # its own figure: the final parameters'
         summary["run_id"] = self.session.run_id
         summary["epochs"] = round(self.epochs.at_step(summary["global_step"]), 4)  # the job's (psdk.jobs.epochs)

@@ -218,11 +218,12 @@ class LocalLauncher:
         for name in backends:
             check_framework(name)
             merged_options(installed[name].record, build.backend_options(cfg, name))
-        build.sync_spec(cfg).resolved(topology.num_workers)
+        sync = build.sync_spec(cfg)
+        sync.resolved(topology.num_workers)
         check_dataset_name(cfg.data)
         check_supported(str(build.model_spec(cfg).name), backends)
         build.update_rule(cfg)
-        build.check_training(cfg, self.options, topology.num_workers)
+        build.check_training(cfg, self.options, sync, topology.num_workers)
         build.run_id(cfg)
         build.check_liveness(self.options)
         if self.starts_tasks_here:

@@ -8,6 +8,7 @@ interface unless told to (``ps.bind=0.0.0.0``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -15,14 +16,15 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from psdk.config import build
-from psdk.config.options import options_from
+from psdk.config.options import TaskOptions, options_from
 from psdk.errors import BindError, ConfigError, TransportError
 from psdk.launch import announce
 from psdk.protocol.cluster import ClusterSpec, parse_hosts, split_host, task_out_of_range
 from psdk.ps.progress import progress_file
-from psdk.ps.server import ParameterServer
+from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport import security
-from psdk.transport.zeromq import ZmqTransport
+from psdk.transport.security import CurveKeys
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,28 @@ def bind_address(bind: object, advertised: str) -> str:
     if own_port is None:
         raise ConfigError("ps.bind", f"{text!r} has no port and the ps_hosts entry {advertised!r} has none to lend")
     return f"{host}:{own_port}"
+
+
+def ps_transport(options: TaskOptions, num_workers: int, curve: CurveKeys | None) -> ZmqOptions:
+    """A ps's socket settings: ``transport.*`` as it is, but ``ps.io_threads``, and ``ps.max_connections``."""
+    own = dataclasses.replace(options.transport, io_threads=options.ps_io_threads(num_workers))
+    return ZmqOptions(own, max_connections=options.ps_max_connections(num_workers), curve=curve)
+
+
+def server_options(options: TaskOptions, cluster: ClusterSpec | None) -> ServerOptions:
+    """A ps's serving options; ``cluster`` (a per-task run's) names its chief and bounds the worker ids."""
+    lease = options.ps.pause_lease_s
+    return ServerOptions(
+        transport=options.transport,
+        log_every_s=options.ps.log_every_s,
+        idle_timeout_s=options.ps.idle_timeout_s,
+        chief_host=cluster.worker_host(0) if cluster is not None else None,
+        recovery=options.recovery.enabled,
+        recovery_timeout_s=options.recovery.timeout_s,
+        max_workers=cluster.num_workers if cluster is not None else ServerOptions.max_workers,
+        # A few heartbeats by default: the chief's heartbeats renew the lease while it writes the file.
+        pause_lease_s=lease if lease is not None else 3 * options.transport.heartbeat_interval_s,
+    )
 
 
 class PsTask:
@@ -88,7 +112,7 @@ def start_ps(cfg: DictConfig) -> PsTask:
     cluster = ClusterSpec({"ps": ps_hosts, "worker": workers or ["localhost"]})
     curve = build.server_keys(options.transport, task)
     # ps.io_threads wins over transport.io_threads here: by default one I/O thread per worker, up to the cores.
-    transport = ZmqTransport(options.ps_transport(cluster.num_workers, curve))
+    transport = ZmqTransport(ps_transport(options, cluster.num_workers, curve))
     if curve is not None:
         log.info("ps %d: CURVE on: %d worker key(s) accepted, traffic encrypted", task, len(curve.allowed))
     else:
@@ -100,7 +124,7 @@ def start_ps(cfg: DictConfig) -> PsTask:
             raise BindError(bind, f"ps {task}", exc.reason or str(exc), explicit=bind != advertised) from None
         if options.ps.announce_file:
             announce.announce(Path(options.ps.announce_file), endpoint.address)
-        server = ParameterServer(endpoint, task, options.server(cluster if workers else None))
+        server = ParameterServer(endpoint, task, server_options(options, cluster if workers else None))
     except BaseException:
         transport.close()
         raise

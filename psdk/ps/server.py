@@ -23,8 +23,9 @@ import resource
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from psdk.config.options import TransportOptions
 from psdk.errors import ProtocolError, RefusedError
 from psdk.protocol import ops as protocol
 from psdk.protocol.jobspec import JobSpec
@@ -52,8 +53,11 @@ HOUSEKEEPING_S = 0.05
 
 @dataclass(frozen=True)
 class ServerOptions:
-    heartbeat_timeout_s: float = 10.0
-    startup_timeout_s: float = 600.0
+    """A ps's serving settings; its heartbeat and start-up limits are the ``transport.*`` group, held as it is."""
+
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    """``heartbeat_timeout_s``: a worker silent this long is dead; ``startup_timeout_s``: how long the ps waits
+    for the job's workers to join."""
     log_every_s: float = 10.0
     poll_s: float = 0.1
     idle_timeout_s: float | None = 60.0  # a chief silent this long has vanished (ps.idle_timeout_s)
@@ -108,7 +112,8 @@ class ParameterServer:
         self.store = store or FlatStore()
         self.stats = ShardStats()
         self.outbox = Outbox(endpoint, self.stats, self.name)
-        membership = Membership(self.options.heartbeat_timeout_s, self.options.startup_timeout_s, time.monotonic())
+        transport = self.options.transport
+        membership = Membership(transport.heartbeat_timeout_s, transport.startup_timeout_s, time.monotonic())
         self.sessions = Sessions(self.name, membership, self.options.max_workers, endpoint.connected)
         self.pause = PauseLease(self.options.pause_lease_s)
         self.shard = ServedShard(
@@ -271,12 +276,12 @@ class ParameterServer:
         self._check_blocked_round(now)
         if self.job is None and (waited := self._startup_wait.due(now - self.membership.started)) is not None:
             self._waiting_for_the_chief(waited)
-        if self.job is None and now - self.membership.started > self.options.startup_timeout_s:
+        if self.job is None and now - self.membership.started > self.options.transport.startup_timeout_s:
             log.error(
                 "%s: no chief initialised the job within %.0f s; exiting (raise "
                 "transport.startup_timeout_s to wait longer)",
                 self.name,
-                self.options.startup_timeout_s,
+                self.options.transport.startup_timeout_s,
             )
             self.exit_code = 1
         if now - self._last_log >= self.options.log_every_s and self.job is not None:
@@ -298,7 +303,7 @@ class ParameterServer:
             self.name,
             self.endpoint.address,
             seconds(waited_s),
-            seconds(self.options.startup_timeout_s),
+            seconds(self.options.transport.startup_timeout_s),
             f"connected: {', '.join(f'worker {i}' for i in here)}" if here else "no worker has connected yet",
         )
 

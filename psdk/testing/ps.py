@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from psdk.config.options import TransportOptions
 from psdk.protocol.cluster import ClusterSpec
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -31,9 +32,8 @@ class RunningPs:
 def running_ps(heartbeat_timeout_s: float = 5.0) -> Iterator[RunningPs]:
     """A ps serving until the block ends, then stopped and joined whatever happened."""
     context = zmq.Context()
-    transport = ZmqTransport(
-        ZmqOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s), context=context
-    )
+    settings = TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=60)
+    transport = ZmqTransport(ZmqOptions(settings), context=context)
     stop = threading.Event()
     thread = None
     try:
@@ -41,7 +41,7 @@ def running_ps(heartbeat_timeout_s: float = 5.0) -> Iterator[RunningPs]:
         server = ParameterServer(
             endpoint,
             0,
-            ServerOptions(heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=60, poll_s=0.02),
+            ServerOptions(transport=settings, poll_s=0.02),
         )
         thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
         thread.start()

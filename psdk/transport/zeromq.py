@@ -14,11 +14,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from psdk.config.options import TransportOptions
 from psdk.errors import PeerTimeoutError, PortInUseError, TransportError
 from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, ShardBuffers, Transport, shm, zmq_guard
@@ -33,24 +34,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ZmqOptions:
-    """Socket settings shared by both sides of a link."""
+    """Socket settings of one process's transport: the ``transport.*`` group it is handed, and what it adds.
 
-    io_threads: int = 1
-    max_message_bytes: int = 1 << 30
-    """A ps refuses bigger messages; it lowers this to its job's largest once the chief initialised it."""
+    Heartbeats, the message limit, I/O threads, shared memory and doorbells
+    are the fields of :class:`~psdk.config.options.TransportOptions`, held here
+    as they are and never copied (a ps hands over its own I/O threads,
+    ``ps.io_threads``, with :func:`dataclasses.replace`).
+    """
+
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    """``transport.max_message_bytes``: a ps refuses bigger messages; it lowers this to its job's largest once
+    the chief initialised it. ``shared_memory``: a worker and a ps on one host exchange arrays through shared
+    memory, headers over ZeroMQ; ``doorbells``: then a push and its reply ring pipes (see psdk.transport.shm)."""
     max_connections: int = 1024
     """A ps shuts down TCP connections beyond this many (each worker makes two per ps)."""
     queue_messages: int = 2
     """Whole messages ZeroMQ queues per peer on their way in (its receive high-water mark): a worker waits for each
     reply, so one is the norm. A peer with this many queued is not read until the ps takes one."""
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
     curve: CurveKeys | None = None
     """CURVE keys: servers authenticate workers by key, all traffic is encrypted."""
-    shared_memory: bool = True
-    """A worker and a ps on one host exchange arrays through shared memory, headers over ZeroMQ."""
-    doorbells: bool = True
-    """With shared memory, a push and its reply ring pipes instead of crossing ZeroMQ (see psdk.transport.shm)."""
 
 
 def endpoint(address: str) -> str:
@@ -96,8 +98,8 @@ def _keep_alive(sock: zmq.Socket[Any], options: ZmqOptions) -> None:
     """Linger 0, and TCP keepalive probes from ``transport.heartbeat_timeout_s`` of silence on."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, int(options.heartbeat_timeout_s)))
-    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, int(options.heartbeat_interval_s)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, int(options.transport.heartbeat_timeout_s)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, int(options.transport.heartbeat_interval_s)))
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
 
@@ -116,13 +118,13 @@ class ZmqServer(ServerEndpoint):
         self.sock = context.socket(zmq.ROUTER)
         _apply_server(self.sock, options)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, options.transport.max_message_bytes)
         self.sock.setsockopt(zmq.RCVHWM, options.queue_messages)
         self.sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE_MESSAGES)
         # A peer that has not finished the handshake (a stranger without a key, a half-open connection) is
         # dropped after this, so it cannot keep a connection slot of the guard's for long.
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
-        self.max_message_bytes = options.max_message_bytes
+        self.max_message_bytes = options.transport.max_message_bytes
         self.secure = options.curve is not None
         if options.curve is not None:
             self.sock.curve_server = True
@@ -143,10 +145,13 @@ class ZmqServer(ServerEndpoint):
             limits = zmq_guard.Limits(held, held + PRE_INIT_SLACK_BYTES, options.max_connections)
             port = int(self.address.rsplit(":", 1)[1])
             self.guard = zmq_guard.ConnectionGuard(self.sock, port, name, limits)
-        self.shares_memory = options.shared_memory and shm.available()
+        self.shares_memory = options.transport.shared_memory and shm.available()
         """Whether workers on this host may lend their buffers (see :mod:`psdk.transport.lending`)."""
         self.links = ServerLinks(
-            name, options.max_message_bytes // 4, self.shares_memory and options.doorbells, self._listen
+            name,
+            options.transport.max_message_bytes // 4,
+            self.shares_memory and options.transport.doorbells,
+            self._listen,
         )
         self._reuse = FrameReuse()
         self._receiver = TimedReceiver(self.sock)
@@ -295,12 +300,12 @@ class ZmqClient(ClientEndpoint):
         super().__init__()
         self.options, self.peers, self.addresses = options, list(names), list(addresses)
         self.watch = HandshakeWatch(secure=options.curve is not None)
-        self.shares_memory = options.shared_memory and shm.available()
+        self.shares_memory = options.transport.shared_memory and shm.available()
         """Whether to lend a ps on this host the buffers of its arrays (see :mod:`psdk.transport.lending`)."""
         self.socks: list[zmq.Socket[Any]] = []
         self.poller = zmq.Poller()
         self._index: dict[zmq.Socket[Any], int] = {}
-        self.links = ClientLinks(self.peers, options.doorbells, self._listen)
+        self.links = ClientLinks(self.peers, options.transport.doorbells, self._listen)
         self._reuse: list[FrameReuse] = []
         for index, address in enumerate(addresses):
             sock = context.socket(zmq.DEALER)
@@ -371,7 +376,7 @@ class ZmqClient(ClientEndpoint):
         # No pipe to the peer just now: between reconnects (a ps restarting, or one refusing
         # the handshake, e.g. a secure ps and a client without its keys) ZeroMQ queues nothing.
         # Wait for one, as long as a heartbeat would, rather than fail on a transient gap.
-        waited = self.options.heartbeat_timeout_s if wait_s is None else wait_s
+        waited = self.options.transport.heartbeat_timeout_s if wait_s is None else wait_s
         if waited > 0 and sock.poll(int(waited * 1000), zmq.POLLOUT):
             try:
                 send_parts(sock, parts, copy=message.volatile)
@@ -429,7 +434,7 @@ class ZmqTransport(Transport):
     def __init__(self, options: ZmqOptions | None = None, context: zmq.Context[Any] | None = None):
         self.options = options or ZmqOptions()
         self._own_context = context is None
-        self.context = context or zmq.Context(io_threads=self.options.io_threads)
+        self.context = context or zmq.Context(io_threads=self.options.transport.io_threads)
         self._authenticator: PsdkAuthenticator | None = None
 
     def serve(self, bind: str, name: str) -> ZmqServer:
