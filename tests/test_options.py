@@ -364,3 +364,10 @@ def test_the_ps_keys_reach_a_ps_and_ps_io_threads_wins(tmp_path: Path, monkeypat
 def test_options_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         TaskOptions().train.steps = 5  # type: ignore[misc]
+
+
+def test_a_transport_setting_given_to_client_options_names_where_it_goes() -> None:
+    """Scripts wrote ClientOptions(heartbeat_timeout_s=5) when the client copied the transport settings."""
+    with pytest.raises(TypeError, match=r"ClientOptions\(transport=psdk\.TransportOptions\(heartbeat_timeout_s=5\)\)"):
+        ClientOptions(heartbeat_timeout_s=5, recovery_timeout_s=3)  # type: ignore[call-arg]
+    assert ClientOptions(recovery_timeout_s=3).recovery_timeout_s == 3

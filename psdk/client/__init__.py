@@ -11,7 +11,7 @@ from typing import Any
 
 _HOMES = {
     "ParameterClient": "psdk.client.client",
-    "ClientOptions": "psdk.client.client",
+    "ClientOptions": "psdk.client.options",
     "Heartbeat": "psdk.client.heartbeat",
     "Basis": "psdk.client.shards",
     "Shard": "psdk.client.shards",

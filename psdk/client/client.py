@@ -14,7 +14,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,9 +23,9 @@ from psdk.client.checkpoint import Checkpoint
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
+from psdk.client.options import ClientOptions
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
-from psdk.config.options import TransportOptions
 from psdk.errors import (
     PeerDeadError,
     PeerRestartedError,
@@ -44,22 +43,6 @@ from psdk.transport.wire import HEARTBEAT_SUFFIX, Message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ClientOptions:
-    """A worker's settings: the ``transport.*`` group as it is (its timeouts, and the transport
-    :func:`psdk.connect` makes for it), and how long a lost ps is waited out.
-
-    The transport settings are :class:`~psdk.config.options.TransportOptions`, held, never copied: the MNIST
-    job passes its ``transport.*`` keys as they are; a transport passed to ``connect`` brings its own sockets.
-    """
-
-    transport: TransportOptions = field(default_factory=TransportOptions)
-    """Heartbeats, request and init timeouts; for the transport ``connect`` makes: shared memory (False: arrays in
-    ZeroMQ frames), doorbells and ZeroMQ I/O threads."""
-    recovery_timeout_s: float | None = None
-    """When set, a lost ps or a restored job is waited out (this long at most) instead of failing."""
 
 
 class ParameterClient:
