@@ -258,14 +258,14 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
             if code:
                 raise SystemExit(code)
         elif job == "worker":
-            from psdk.jobs.mnist import run_worker
+            from psdk.plugins.loading import run_entry
 
             with _beating(cfg):
-                run_worker(cfg)
+                run_entry(cfg, "worker")
         elif job == "evaluate":
-            from psdk.jobs.evaluate import run_evaluate
+            from psdk.plugins.loading import run_entry
 
-            run_evaluate(cfg)
+            run_entry(cfg, "evaluate")
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
     except (ConfigError, DataError, BindError, WriteError) as exc:  # the same command would fail again: not retried
