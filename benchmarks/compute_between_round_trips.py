@@ -38,9 +38,9 @@ def main() -> None:
     from psdk_torch.backend import TorchBackend
 
     from psdk.data import mnist
-    from psdk.jobs.mnist import Batches
     from psdk.plugins.models import ModelSpec, init_weights
     from psdk.protocol.sharding import flat_size, layout, views
+    from psdk.workloads.mnist.job import Batches
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)

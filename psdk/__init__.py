@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from psdk import _moved
-from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, WorkloadRecord, hookimpl
 
 _moved.install()
 
@@ -52,6 +52,7 @@ __all__ = [
     "Topology",
     "TransportOptions",
     "WorkerSession",
+    "WorkloadRecord",
     "__version__",
     "connect",
     "hookimpl",

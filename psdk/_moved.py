@@ -4,7 +4,8 @@ Until 0.1 every module sat in ``psdk/`` itself. The tree now follows the
 architecture (``docs/architecture.md``): the ps side in :mod:`psdk.ps`, the
 worker side in :mod:`psdk.client`, the shared contracts in
 :mod:`psdk.protocol` and :mod:`psdk.config`, the plugin system in
-:mod:`psdk.plugins`, the launchers and the CLI in :mod:`psdk.launch`.
+:mod:`psdk.plugins`, the launchers and the CLI in :mod:`psdk.launch`. The MNIST
+job has since moved into its workload's package, :mod:`psdk.workloads.mnist`.
 
 A finder first on ``sys.meta_path`` answers for the old paths alone (a
 dict lookup; any other name passes on). First, because an old package's
@@ -44,6 +45,8 @@ MOVED = {
     "psdk.disks": "psdk.runtime.disks",
     "psdk.epochs": "psdk.jobs.epochs",
     "psdk.failpoints": "psdk.runtime.failpoints",
+    "psdk.jobs.evaluate": "psdk.workloads.mnist.evaluate",
+    "psdk.jobs.mnist": "psdk.workloads.mnist.job",
     "psdk.hookspecs": "psdk.plugins.hookspecs",
     "psdk.jobspec": "psdk.protocol.jobspec",
     "psdk.liveness": "psdk.runtime.liveness",

@@ -18,6 +18,7 @@ from psdk.config.build import cluster_from, instantiate_node, model_spec, sync_s
 from psdk.config.options import options_from
 from psdk.errors import ConfigError
 from psdk.launch.local import LocalLauncher
+from psdk.plugins.loading import workload_of
 from psdk.plugins.models import ModelSpec
 from psdk.plugins.registry import locate, target_of
 from psdk.protocol import Sender
@@ -29,8 +30,9 @@ from psdk.ps.server import ServerOptions
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
-# Groups that build one object; experiment/ holds presets of the whole config (tests/test_experiments.py).
-COMPONENT_GROUPS = [g for g in GROUPS if g != "experiment"]
+# Groups that build one object; experiment/ holds presets of the whole config (tests/test_experiments.py),
+# workload/ names a registered workload (tests/test_workloads.py), whose record says what runs.
+COMPONENT_GROUPS = [g for g in GROUPS if g not in ("experiment", "workload")]
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +49,13 @@ def options(group: str) -> list[str]:
 
 
 def test_the_tree_has_the_documented_groups() -> None:
-    assert GROUPS == ["experiment", "launcher", "model", "optimizer", "sync", "topology"]
+    assert GROUPS == ["experiment", "launcher", "model", "optimizer", "sync", "topology", "workload"]
+
+
+@pytest.mark.parametrize("option", options("workload"))
+def test_every_workload_option_composes_and_names_an_installed_workload(option: str) -> None:
+    cfg = compose("config", overrides=[f"workload={option}"])
+    assert workload_of(cfg).name == cfg.workload.name == option
 
 
 @pytest.mark.parametrize("group, option", [(g, o) for g in COMPONENT_GROUPS for o in options(g)])

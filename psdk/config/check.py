@@ -65,8 +65,8 @@ KEY_ALIASES = {
 
 
 def group_options(conf: Path) -> dict[str, list[str]]:
-    """Each config group of the tree and its options (schemas, ``base_*``, left out), plugins' rules and models too."""
-    from psdk.plugins.registry import installed_models, installed_rules
+    """Each config group of the tree and its options (``base_*`` left out), plugins' rules, models, workloads too."""
+    from psdk.plugins.registry import installed_models, installed_rules, installed_workloads
 
     groups = {
         d.name: {p.stem for p in d.glob("*.yaml") if not p.stem.startswith("base_")}
@@ -75,6 +75,7 @@ def group_options(conf: Path) -> dict[str, list[str]]:
     }
     groups.setdefault("optimizer", set()).update(name for name in installed_rules() if name != "noop")
     groups.setdefault("model", set()).update(installed_models())
+    groups.setdefault("workload", set()).update(installed_workloads())
     return {group: sorted(options) for group, options in groups.items()}
 
 

@@ -49,7 +49,14 @@ from psdk.config.options import (
     TrainOptions,
     TransportOptions,
 )
-from psdk.plugins.registry import installed_backends, installed_models, installed_rules, load_target, target_of
+from psdk.plugins.registry import (
+    installed_backends,
+    installed_models,
+    installed_rules,
+    installed_workloads,
+    load_target,
+    target_of,
+)
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import NoOp, UpdateRule
 
@@ -218,6 +225,13 @@ class ProgressConfig:
 
 
 @dataclass
+class WorkloadConfig:
+    """The ``workload`` group: which workload the job trains; a plugin's workload adds its own keys to it."""
+
+    name: str = MISSING
+
+
+@dataclass
 class ReportConfig:
     plot: bool = True
     tensorboard: bool = False
@@ -228,13 +242,14 @@ class ReportConfig:
 class PsdkConfig:
     """The primary config (``conf/config.yaml`` extends it), typed key by key.
 
-    The groups chosen from a list (``model``, ``optimizer``, ``sync``,
+    The groups chosen from a list (``workload``, ``model``, ``optimizer``, ``sync``,
     ``topology``, ``launcher``) stay ``Any``, as Hydra has it for a group in
     the defaults list: each choice brings its own schema (one per update
     rule, one per plugin model), which a single type here would refuse.
     ``ps_hosts`` and ``worker_hosts`` are a list or a comma-separated string.
     """
 
+    workload: Any = MISSING
     model: Any = MISSING
     optimizer: Any = MISSING
     sync: Any = MISSING
@@ -273,6 +288,7 @@ def backend_option_defaults() -> dict[str, dict[str, Any]]:
 def group_schemas() -> dict[str, dict[str, type]]:
     """Each group's base schemas (``base_<name>``), as the YAML files of ``conf/<group>/`` extend them."""
     return {
+        "workload": {"base_workload": WorkloadConfig},
         "model": {"base_model": ModelConfig},
         "optimizer": {f"base_{rule.name}": derived()[rule_schema_name(rule)] for rule in rules().values()},
         "sync": {"base_sync": derived()["SyncConfig"]},
@@ -282,18 +298,21 @@ def group_schemas() -> dict[str, dict[str, type]]:
 
 
 def plugin_choices(conf: Path) -> dict[str, dict[str, Any]]:
-    """Rules and models that plugins add, as choices of their groups (those ``conf/`` has no file for)."""
+    """Rules, models and workloads that plugins add, as choices of their groups (those ``conf/`` has no file for)."""
 
     def _has_file(group: str, name: str) -> bool:
         return (conf / group / f"{name}.yaml").is_file()
 
-    choices: dict[str, dict[str, Any]] = {"optimizer": {}, "model": {}}
+    choices: dict[str, dict[str, Any]] = {"optimizer": {}, "model": {}, "workload": {}}
     for name, rule in rules().items():
         if not _has_file("optimizer", name):
             choices["optimizer"][name] = derived()[rule_schema_name(rule)]
     for name in installed_models():
         if not _has_file("model", name) and (schema := model_schema(name)) is not None:
             choices["model"][name] = schema(name=name)
+    for name, workload in installed_workloads().items():
+        if not _has_file("workload", name):
+            choices["workload"][name] = {"name": name, **workload.options}
     return choices
 
 

@@ -1,4 +1,4 @@
-"""What one worker task of the MNIST job runs with, built once from its config at its start.
+"""What one worker task of a workload's job runs with (the MNIST job's, today), built once from its config at its start.
 
 A worker used to go back to the composed config for each piece on its way
 (the cluster, the sync spec, the backend options, the model spec, the update

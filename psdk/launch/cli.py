@@ -2,8 +2,10 @@
 
 ``run`` starts the whole job here; ``ps`` and ``worker`` run one task each,
 as TensorFlow 1.x users ran ``--job_name=ps --task_index=0`` in separate
-terminals (those flags are accepted too); ``plugins`` lists the backends;
-``data`` fetches and verifies MNIST without training (TensorFlow's old ``download_only``).
+terminals (those flags are accepted too); ``plugins`` lists the backends, workloads and
+the rest; ``data`` fetches and verifies the workload's data without training (TensorFlow's
+old ``download_only``). ``worker``, ``evaluate`` and ``data`` run the entries of the
+workload the config chooses (``workload=mnist`` by default), found in the plugin registry.
 A bare comma-separated host list (``ps_hosts=h1:2222,h2:2222``), which Hydra
 alone would read as a sweep, is taken as one list. When ``TF_CONFIG`` is set
 (a Kubeflow or Kubernetes job), ``task``, ``ps`` and ``worker`` take the role
@@ -54,14 +56,15 @@ commands:
   worker    run one worker task:  python -m psdk worker task_index=1 ps_hosts=... worker_hosts=...
   task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too;
             with TF_CONFIG set (Kubeflow, Kubernetes), the task it names: `python -m psdk task`
-  evaluate  test accuracy of saved weights on any backend: evaluate weights=PATH backend=tf
+  evaluate  the workload's metrics of saved weights on any backend: evaluate weights=PATH backend=tf
   report    rebuild a run's curves.png, or a multirun's comparison: report PATH [target_accuracy=0.97]
-  plugins   list the installed backends and the distributions that provide them
+  plugins   list the installed backends, workloads, rules, models, datasets and who provides them
   fuzz      sequences of every op from real workers, then mutated single messages, against live ps tasks:
             fuzz sequences=300 steps=50 count=100000 seed=0
   keys      make CURVE keys for per-task runs: keys keys_dir=DIR workers=N ps=M [overwrite=true]
   bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
-  data      download MNIST (or check a folder: data.dir=...) and verify its checksums, nothing else
+  data      fetch the workload's data and check it, nothing else; MNIST: download it (or check a folder:
+            data.dir=...) and verify its checksums
 
 examples:
   python -m psdk run backend=torch
@@ -258,14 +261,14 @@ def _run_task(cfg: DictConfig, output_dir: Path) -> None:
             if code:
                 raise SystemExit(code)
         elif job == "worker":
-            from psdk.jobs.mnist import run_worker
+            from psdk.plugins.loading import run_entry
 
             with _beating(cfg):
-                run_worker(cfg)
+                run_entry(cfg, "worker")
         elif job == "evaluate":
-            from psdk.jobs.evaluate import run_evaluate
+            from psdk.plugins.loading import run_entry
 
-            run_evaluate(cfg)
+            run_entry(cfg, "evaluate")
         else:
             raise ConfigError("job_name", f"got {job!r}", ["ps", "worker"])
     except (ConfigError, DataError, BindError, WriteError) as exc:  # the same command would fail again: not retried

@@ -114,20 +114,18 @@ def make_keys(args: Sequence[str]) -> int:
 
 
 def check_data(args: Sequence[str]) -> int:
-    """``data [data.dir=...]``: MNIST found (or downloaded) and every file's checksum verified; no training."""
+    """``data [data.dir=...] [workload=...]``: the workload's data found (or downloaded) and checked; no training."""
     from psdk.config import config_dir, prepare_hydra
     from psdk.config.check import OverrideChecker
-    from psdk.data import mnist
+    from psdk.plugins.loading import run_entry, workload_of
 
     prepare_hydra()
-    data = OverrideChecker(config_dir()).composed(args).data
-    folder = mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))
-    checked = mnist.verify(folder)
-    print(f"MNIST is in {folder}; the MD5 checksums of all four files are verified:")
-    for path, md5 in checked:
-        print(f"  {path.name:<28} md5 {md5}  ok")
-    print(f"train on it with data.dir={folder} (or PSDK_DATA_DIR={folder}), e.g. python -m psdk run data.dir={folder}")
-    return 0
+    cfg = OverrideChecker(config_dir()).composed(args)
+    code = run_entry(cfg, "data")
+    if code is None:
+        print(f"the workload {workload_of(cfg).name!r} has no data to check")
+        return 0
+    return int(code)
 
 
 def list_plugins() -> int:

@@ -33,14 +33,21 @@ from omegaconf import DictConfig
 from psdk.client import checkpoint
 from psdk.config import build, capacity
 from psdk.config.options import TaskOptions, options_from
-from psdk.data import mnist
 from psdk.data.datasets import check_dataset_name
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
 from psdk.launch import LAUNCHED_ENV, announce, handoff
 from psdk.launch.curves import CurvesInBackground
 from psdk.launch.placement import RankPlacement, visible_gpus
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
-from psdk.plugins.loading import check_framework, installed_backends, merged_options, resolve_backend_name
+from psdk.plugins.loading import (
+    check_framework,
+    check_trainer,
+    installed_backends,
+    merged_options,
+    resolve_backend_name,
+    run_entry,
+    workload_of,
+)
 from psdk.plugins.models import check_supported
 from psdk.protocol.cluster import ClusterSpec
 from psdk.report.metrics import summary_line, write_json_atomic
@@ -215,8 +222,10 @@ class LocalLauncher:
         installed = installed_backends()
         named = {topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)}
         backends = sorted({resolve_backend_name(name, installed) for name in named})
+        workload = workload_of(cfg)  # an unknown workload= is named before anything starts
         for name in backends:
             check_framework(name)
+            check_trainer(workload, name)
             merged_options(installed[name].record, build.backend_options(cfg, name))
         sync = build.sync_spec(cfg)
         sync.resolved(topology.num_workers)
@@ -251,11 +260,7 @@ class LocalLauncher:
         self.run_id = build.run_id(cfg) or checkpoint.new_run_id()
         log.info("launcher: run %s", self.run_id)
         common = [*passed_on(overrides), f"output_dir={out}", f"run_id={self.run_id}"]
-        if str(cfg.data.get("name", "mnist")) == "mnist":  # fetched once here, not by every worker at once
-            data = cfg.data
-            common.append(
-                f"data.dir={mnist.resolve_dir(data.dir, data.cache_dir, bool(data.download), list(data.mirrors))}"
-            )
+        common += run_entry(cfg, "prepare") or []  # the workload's data, fetched once here, not by every worker
         self.handoffs = handoff.HandoffMaker.for_job(cfg, overrides, passed_on(overrides), OWN_KEYS)
         transport = self.options.transport
         if transport.secure:

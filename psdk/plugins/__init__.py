@@ -1,11 +1,11 @@
 """The plugin system: the hooks, the registry of what plugins provide, and the backends made from it.
 
-:mod:`~psdk.plugins.hookspecs` declares the four hooks and their records,
+:mod:`~psdk.plugins.hookspecs` declares the five hooks and their records,
 :mod:`~psdk.plugins.registry` finds what installed plugins register,
 :mod:`~psdk.plugins.loading` makes backends from it, :mod:`~psdk.plugins.backend`
 is the contract a framework implements, :mod:`~psdk.plugins.models` the
 model specs every backend builds alike, :mod:`~psdk.plugins.builtins` psdk's
-own rules, models and datasets, and :mod:`~psdk.plugins.backends` the numpy
+own rules, models, datasets and the MNIST workload, and :mod:`~psdk.plugins.backends` the numpy
 reference backend with the kit every backend uses.
 
 ``psdk.plugins.load_backend`` and the other names of
@@ -26,11 +26,14 @@ if TYPE_CHECKING:
         installed_datasets,
         installed_models,
         installed_rules,
+        installed_workloads,
         listing,
         load_backend,
         merged_options,
         resolve_backend_name,
         rule_from_json,
+        run_entry,
+        workload_of,
     )
 
 __all__ = [
@@ -40,11 +43,14 @@ __all__ = [
     "installed_datasets",
     "installed_models",
     "installed_rules",
+    "installed_workloads",
     "listing",
     "load_backend",
     "merged_options",
     "resolve_backend_name",
     "rule_from_json",
+    "run_entry",
+    "workload_of",
 ]
 
 

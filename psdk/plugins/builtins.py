@@ -1,13 +1,13 @@
-"""psdk's own update rules and models, registered through the same hooks as any plugin's.
+"""psdk's own update rules, models, datasets and the MNIST workload, registered through the same hooks as any plugin's.
 
 Like pytest's built-in plugins, these go through :mod:`psdk.plugins.hookspecs`: a
-rule, model or dataset that a plugin adds is found, listed and configured
+rule, model, dataset or workload that a plugin adds is found, listed and configured
 exactly as these are, and nothing in the core knows the built-ins by name.
 """
 
 from __future__ import annotations
 
-from psdk.plugins.hookspecs import DatasetRecord, ModelRecord, hookimpl
+from psdk.plugins.hookspecs import DatasetRecord, ModelRecord, WorkloadRecord, hookimpl
 from psdk.ps.rules import SGD, Adagrad, Adam, NoOp, RMSProp, UpdateRule
 
 
@@ -38,4 +38,22 @@ def psdk_register_datasets() -> list[DatasetRecord]:
             "psdk.data.datasets:idx_folder",
             "any folder of MNIST-format IDX files (Fashion-MNIST, KMNIST, ...); classes and image size read from it",
         ),
+    ]
+
+
+@hookimpl
+def psdk_register_workloads() -> list[WorkloadRecord]:
+    # One trainer for every framework ("*"): the MNIST training loop is written on the Backend
+    # contract, whose forward_backward (softmax cross-entropy) and accuracy are MNIST's loss and
+    # metric, so each backend plugin already is this workload's trainer on its framework.
+    return [
+        WorkloadRecord(
+            "mnist",
+            "the distributed MNIST job: classify 28x28 digits, test accuracy at the end",
+            trainers={"*": "psdk.workloads.mnist.job:WorkerJob"},
+            worker="psdk.workloads.mnist.job:run_worker",
+            evaluate="psdk.workloads.mnist.evaluate:run_evaluate",
+            prepare="psdk.workloads.mnist.data:prepare",
+            data="psdk.workloads.mnist.data:check_data",
+        )
     ]

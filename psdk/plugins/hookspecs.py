@@ -1,6 +1,6 @@
 """psdk's plugin hooks. Plugins implement them with ``@psdk.hookimpl``.
 
-Hooks only *register* things: backends, update rules, models and datasets, as
+Hooks only *register* things: backends, update rules, models, datasets and workloads, as
 small records (or, for rules, the numpy-only rule classes themselves); the
 behaviour lives in what the records point to (see :class:`psdk.plugins.backend.Backend`).
 psdk's own built-ins register through these same hooks. A plugin is found
@@ -126,3 +126,51 @@ def psdk_register_models() -> list[ModelRecord]:  # type: ignore[empty-body]
 @hookspec
 def psdk_register_datasets() -> list[DatasetRecord]:  # type: ignore[empty-body]
     """Datasets this plugin provides (see :class:`DatasetRecord`)."""
+
+
+@dataclass(frozen=True)
+class WorkloadRecord:
+    """A workload a plugin provides (``workload=<name>``): what a job trains, and how each command runs it.
+
+    A workload is the job around the parameter server: its data, its models,
+    its training loop, its evaluation. The CLI and the launchers run the one
+    chosen through these entries, each ``"package.module:function"``,
+    imported only when used (as model builders are):
+
+    - ``worker``: ``function(cfg)``, one worker task of the job
+      (``python -m psdk worker``, and every worker ``run`` starts);
+    - ``evaluate``: ``function(cfg)``, returning a dict with the metrics of
+      the saved parameters ``cfg.weights`` (``python -m psdk evaluate``,
+      which the launcher runs for each backend the chief does not use);
+    - ``prepare``: ``function(cfg)``, called once by the launcher before any
+      task starts (a download, say), returning overrides for every task
+      (``["data.dir=/where/it/went"]``); ``""`` when nothing is prepared;
+    - ``data``: ``function(cfg)``, ``python -m psdk data``: fetch and check
+      the data, print where it is, return an exit status; ``""`` when the
+      workload has no data to check.
+
+    ``trainers`` maps a framework (a backend record's ``framework``) to what
+    trains the workload on it, ``"package.module:Name"``; the key ``"*"``
+    stands for every framework, for a trainer written on the
+    :class:`psdk.plugins.backend.Backend` contract alone. ``options`` are the
+    workload's own config keys with their defaults, the ``workload.*`` keys
+    a job overrides (``workload.<key>=...``).
+    """
+
+    name: str
+    description: str
+    trainers: Mapping[str, str]
+    worker: str
+    evaluate: str
+    prepare: str = ""
+    data: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def trainer(self, framework: str) -> str | None:
+        """The trainer's target for ``framework`` (its own, else the one for every framework), None if none."""
+        return self.trainers.get(framework, self.trainers.get("*"))
+
+
+@hookspec
+def psdk_register_workloads() -> list[WorkloadRecord]:  # type: ignore[empty-body]
+    """Workloads this plugin provides (see :class:`WorkloadRecord`)."""

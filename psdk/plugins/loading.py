@@ -1,6 +1,8 @@
 """Making backends from what plugins register: loading one, checking its framework, finding one for an object.
 
-The records themselves (and rules, models, datasets) are in :mod:`psdk.plugins.registry`;
+It also finds the chosen workload (:func:`workload_of`) and runs one of its
+entries (:func:`run_entry`), so the CLI and the launchers name no workload.
+The records themselves (and rules, models, datasets, workloads) are in :mod:`psdk.plugins.registry`;
 the names a plugin author reaches for are re-exported here, so
 ``psdk.plugins`` is the one module to read. A backend's module (which
 imports its framework) is imported only when :func:`load_backend` is asked for it.
@@ -16,6 +18,7 @@ from typing import Any
 
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.plugins.backend import Backend
+from psdk.plugins.hookspecs import WorkloadRecord
 from psdk.plugins.registry import (
     BROKEN,
     DEFAULT_PLUGINS,
@@ -27,6 +30,7 @@ from psdk.plugins.registry import (
     installed_datasets,
     installed_models,
     installed_rules,
+    installed_workloads,
     load_target,
     merged_options,
     record_of,
@@ -43,12 +47,14 @@ __all__ = [
     "InstalledBackend",
     "backend_for",
     "check_framework",
+    "check_trainer",
     "distribution_of",
     "get_plugin_manager",
     "installed_backends",
     "installed_datasets",
     "installed_models",
     "installed_rules",
+    "installed_workloads",
     "listing",
     "load_backend",
     "load_target",
@@ -56,6 +62,8 @@ __all__ = [
     "record_of",
     "resolve_backend_name",
     "rule_from_json",
+    "run_entry",
+    "workload_of",
 ]
 
 
@@ -107,11 +115,62 @@ def backend_for(obj: object) -> Backend:
     raise UnknownBackendError(f"<one for {type(obj).__module__} objects like {type(obj).__name__}>", backends, {})
 
 
+# ------------------------------------------------------------- workloads
+DEFAULT_WORKLOAD = "mnist"
+"""The workload of a config that names none: one saved before workloads were a config group."""
+
+ENTRIES = ("worker", "evaluate", "prepare", "data")
+"""The entries of a :class:`~psdk.plugins.hookspecs.WorkloadRecord` that the commands run."""
+
+
+def workload_of(cfg: Any) -> WorkloadRecord:
+    """The record of the workload ``cfg`` chooses (``workload=<name>``); an unknown one is refused, listing the rest."""
+    node = cfg.get("workload") if hasattr(cfg, "get") else None
+    name = str(node.get("name", DEFAULT_WORKLOAD)) if node is not None else DEFAULT_WORKLOAD
+    workloads = installed_workloads()
+    if name not in workloads:
+        broken = "".join(f"; {why}" for why in BROKEN.values())
+        raise ConfigError(
+            "workload",
+            f"no installed workload is called {name!r}; is the plugin that provides it installed?{broken}",
+            sorted(workloads),
+        )
+    return workloads[name]
+
+
+def check_trainer(workload: WorkloadRecord, backend: str) -> str:
+    """The target of ``workload``'s trainer for ``backend``'s framework; refused when it has none."""
+    backends = installed_backends()
+    record = backends[resolve_backend_name(backend, backends)].record
+    trainer = workload.trainer(record.framework)
+    if trainer is None:
+        raise ConfigError(
+            "backend",
+            f"the workload {workload.name!r} has no trainer for {record.framework} (the {record.name} backend)",
+            sorted(workload.trainers),
+        )
+    return trainer
+
+
+def run_entry(cfg: Any, entry: str) -> Any:
+    """Run the chosen workload's ``entry`` (one of :data:`ENTRIES`) on ``cfg``; None when the workload has none."""
+    if entry not in ENTRIES:
+        raise ValueError(f"a workload has no entry {entry!r}; its entries are {', '.join(ENTRIES)}")
+    record = workload_of(cfg)
+    target = getattr(record, entry)
+    if not target:
+        return None
+    function = load_target(target, f"the {entry} entry of workload {record.name!r}")
+    if not callable(function):
+        raise PluginError(f"workload {record.name!r}'s {entry} entry {target} is not a function")
+    return function(cfg)
+
+
 # ------------------------------------------------------------- other kinds
 
 
 def listing() -> list[tuple[str, str, str, str]]:
-    """(kind, name, provider, description) of every backend, rule, model and dataset: ``python -m psdk plugins``."""
+    """(kind, name, provider, description) of every backend, rule, model, dataset, workload: ``psdk plugins``."""
     rows: list[tuple[str, str, str, str]] = []
     for name, entry in sorted(installed_backends().items()):
         r = entry.record
@@ -128,6 +187,10 @@ def listing() -> list[tuple[str, str, str, str]]:
         rows.append(("model", name, distribution_of(model.target), f"{model.description}{builds}"))
     for name, dataset in sorted(installed_datasets().items()):
         rows.append(("dataset", name, distribution_of(dataset.target), dataset.description))
+    for name, workload in sorted(installed_workloads().items()):
+        trainers = ", ".join(sorted(workload.trainers)).replace("*", "every backend")
+        description = f"{workload.description} (trains on: {trainers})"
+        rows.append(("workload", name, distribution_of(workload.worker), description))
     return rows
 
 

@@ -1,8 +1,8 @@
 """The plugin registry: what installed plugins provide, as records, without importing any framework.
 
-Four kinds of things plug in, each through its own hook (:mod:`psdk.plugins.hookspecs`):
-backends, update rules, models and datasets. psdk's own (the numpy backend,
-the four rules, the dense models, MNIST and IDX folders) register through the
+Five kinds of things plug in, each through its own hook (:mod:`psdk.plugins.hookspecs`):
+backends, update rules, models, datasets and workloads. psdk's own (the numpy backend,
+the rules, the dense models, MNIST and IDX folders, the MNIST workload) register through the
 same hooks from :data:`DEFAULT_PLUGINS`, as pytest registers its own plugins.
 Nothing happens at import time: the manager is built by
 :func:`get_plugin_manager` on first use. This module knows records and rule
@@ -26,7 +26,7 @@ import pluggy
 from psdk._moved import MOVED
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.plugins import hookspecs
-from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, WorkloadRecord
 from psdk.ps.rules import UpdateRule
 
 ENTRY_POINT_GROUP = "psdk"
@@ -286,6 +286,12 @@ def installed_datasets() -> dict[str, DatasetRecord]:
     """Every registered dataset by name (``data.name=<name>``)."""
     records = _collected("psdk_register_datasets", lambda r: isinstance(r, DatasetRecord), "DatasetRecord")
     return _unique(records, lambda r: r.name, lambda r: f"{r.target} ({distribution_of(r.target)})", "dataset")
+
+
+def installed_workloads() -> dict[str, WorkloadRecord]:
+    """Every registered workload by name (``workload=<name>``)."""
+    records = _collected("psdk_register_workloads", lambda r: isinstance(r, WorkloadRecord), "WorkloadRecord")
+    return _unique(records, lambda r: r.name, lambda r: f"{r.worker} ({distribution_of(r.worker)})", "workload")
 
 
 def load_target(target: str, what: str) -> Any:
