@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from psdk.config import flags
 from psdk.errors import USAGE_EXIT, BindError, ConfigError, DataError, PsdkError, closest
 from psdk.launch import HANDOFF_ENV, LAUNCHED_ENV, tf_config
+from psdk.launch.arguments import apply_tf_config, given_text, meant_config_key, normalize_args
 from psdk.runtime import access, disks
 from psdk.runtime.disks import WriteError
 from psdk.runtime.logs import set_task_label
@@ -41,9 +42,7 @@ COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz", "data"
 # Commands people type from other tools, and psdk's.
 COMMAND_ALIASES = {"train": "run", "start": "run", "launch": "run", "download": "data", "eval": "evaluate"}
 # Config groups chosen in config.yaml's defaults list: `+model=...` would be refused as a second value.
-DEFAULT_GROUPS = ("model", "optimizer", "sync", "topology", "launcher", "experiment")
 TF_FLAGS = flags.CLUSTER_FLAGS
-HOST_KEYS = ("ps_hosts", "worker_hosts")
 # Runs of this process's multirun that failed: the sweep goes on, and its exit status says so at the end.
 FAILED_RUNS: list[Path] = []
 
@@ -76,87 +75,6 @@ examples:
 
 `python -m psdk run --help` shows every config group and key.
 """
-
-
-def normalize_args(args: Sequence[str], meant_key: Callable[[str], str | None] | None = None) -> list[str]:
-    """TensorFlow-style ``--flag=value`` and bare host lists, turned into Hydra overrides.
-
-    A ``--flag`` psdk does not take is refused (:mod:`psdk.config.flags`);
-    ``meant_key`` (:func:`meant_config_key`) then says which override was meant.
-    """
-    out: list[str] = []
-    for arg in flags.translate(args, meant_key):
-        key, sep, value = arg.partition("=")
-        if sep and key.startswith("+") and key.lstrip("+") in DEFAULT_GROUPS:
-            key, arg = key.lstrip("+"), arg.lstrip("+")  # Hydra's docs say +experiment=...; here it is a choice
-        if sep and key.lstrip("+") in HOST_KEYS and "," in value and value[:1] not in "[\"'":
-            arg = f"{key}='{value}'"
-        out.append(arg)
-    return out
-
-
-def meant_config_key(name: str) -> str | None:
-    """The key of the shipped config ``name`` most likely means (to explain a flag psdk does not take)."""
-    from psdk.config import config_dir, prepare_hydra
-    from psdk.config.check import OverrideChecker, meant_key
-
-    prepare_hydra()
-    return meant_key(name, OverrideChecker(config_dir()).keys())
-
-
-def _given(args: Sequence[str], key: str) -> str | None:
-    for arg in args:
-        k, sep, v = arg.partition("=")
-        if sep and k.lstrip("+") == key:
-            return v
-    return None
-
-
-def _given_value(args: Sequence[str], key: str) -> object:
-    """The value of ``key=...`` among ``args`` as Hydra parses it (a list, a string, a number)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    for arg in args:
-        k, sep, v = arg.lstrip("+").partition("=")
-        if sep and k == key:
-            try:
-                return OverridesParser.create().parse_override(f"{k}={v}").value()
-            except Exception:  # Hydra's parser says why later, with its own message
-                return v
-    return None
-
-
-def _agrees(key: str, given: object, wanted: object) -> bool:
-    from psdk.protocol.cluster import parse_hosts
-
-    if key in HOST_KEYS:
-        return parse_hosts(given, key, require_port=key == "ps_hosts") == wanted
-    return str(given) == str(wanted)
-
-
-def apply_tf_config(task: tf_config.TfConfigTask, command: str, args: list[str]) -> list[str]:
-    """``args`` with the role and cluster of ``TF_CONFIG`` added; explicit ones must agree with it."""
-    if command in ("ps", "worker") and command != task.job_name:
-        raise ConfigError(
-            "job_name",
-            f"`python -m psdk {command}` runs a {command} task, but {task.origin} makes this "
-            f"{task.job_name} {task.task_index}; run `python -m psdk task` to take the role from TF_CONFIG",
-        )
-    added = []
-    for key, wanted in task.values().items():
-        given = _given_value(args, key)
-        if given is None:
-            value = ",".join(wanted) if isinstance(wanted, tuple) else wanted
-            added.append(f"{key}='{value}'" if key in HOST_KEYS else f"{key}={value}")
-        elif not _agrees(key, given, wanted):
-            shown = ",".join(wanted) if isinstance(wanted, tuple) else wanted
-            raise ConfigError(
-                key,
-                f"is {_given(args, key)} on the command line but {task.origin} says {shown} "
-                f"(this task is {task.job_name} {task.task_index}); drop the flag, or unset TF_CONFIG "
-                "to give the whole cluster by flags",
-            )
-    return [*added, *args]
 
 
 class _HydraErrorsRaised:
@@ -360,20 +278,20 @@ def run_hydra(command: str, args: list[str]) -> None:
             "there, which takes its role from TF_CONFIG; unset TF_CONFIG to start a whole job here with `run`",
         )
     if command in ("ps", "worker", "evaluate"):
-        given = _given(args, "job_name")
+        given = given_text(args, "job_name")
         if given is not None and given != command:
             raise ConfigError("job_name", f"is {given!r} but the command is {command!r}")
         if given is None:
             args = [f"job_name={command}", *args]
-    elif command == "task" and _given(args, "job_name") is None:
+    elif command == "task" and given_text(args, "job_name") is None:
         raise ConfigError(
             "job_name", "`python -m psdk task` needs job_name=ps or job_name=worker, or TF_CONFIG in the environment"
         )
-    elif command == "run" and _given(args, "job_name") not in (None, "null"):
+    elif command == "run" and given_text(args, "job_name") not in (None, "null"):
         raise ConfigError("job_name", "`run` starts every task itself; use `ps` or `worker` for one task")
-    if _given(args, "hydra.job.name") is None:
+    if given_text(args, "hydra.job.name") is None:
         # Prepended: Hydra's parser wants overrides before flags such as `--cfg job`.
-        args = [f"hydra.job.name={command if command != 'task' else _given(args, 'job_name')}", *args]
+        args = [f"hydra.job.name={command if command != 'task' else given_text(args, 'job_name')}", *args]
     if "-m" in args or "--multirun" in args:
         # First as well: after the prepended override, argparse would take the sweep's overrides for extra arguments.
         args = ["--multirun", *(a for a in args if a not in ("-m", "--multirun"))]
@@ -422,7 +340,7 @@ def check_run_folder(args: Sequence[str]) -> None:
     if split is None or any(a.split("=", 1)[0] in PRINT_ONLY for a in args):
         return  # the config is printed, or Hydra judges alone: no folder is made
     key = "hydra.sweep.dir" if split[1] else "hydra.run.dir"
-    value = _given(args, key)
+    value = given_text(args, key)
     folder = literal_folder(str(value) if value is not None else _shipped(key))
     if folder is not None:
         disks.probe_folder(folder, key)
