@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from psdk.plugins.metrics import MetricSpec
+
 if TYPE_CHECKING:
     from psdk.ps.rules import UpdateRule
 
@@ -154,7 +156,10 @@ class WorkloadRecord:
     stands for every framework, for a trainer written on the
     :class:`psdk.plugins.backend.Backend` contract alone. ``options`` are the
     workload's own config keys with their defaults, the ``workload.*`` keys
-    a job overrides (``workload.<key>=...``).
+    a job overrides (``workload.<key>=...``). ``metrics`` are the
+    :class:`~psdk.plugins.metrics.MetricSpec` s the workload reports, which
+    progress lines, ``summary.json``, curves, TensorBoard, comparisons and
+    ``report.target`` show (its ``primary`` one is what a target judges).
     """
 
     name: str
@@ -165,6 +170,7 @@ class WorkloadRecord:
     prepare: str = ""
     data: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)
+    metrics: tuple[MetricSpec, ...] = ()
 
     def trainer(self, framework: str) -> str | None:
         """The trainer's target for ``framework`` (its own, else the one for every framework), None if none."""
