@@ -34,7 +34,9 @@ class MetricSpec:
     ``primary``: the metric ``report.target`` and comparisons judge a run by
     (one per workload; the first declared if none says so);
     ``held_out``: the logged points measure it on held-out data (a
-    validation accuracy, "val acc") rather than on the training batch (a loss).
+    validation accuracy, "val acc") rather than on the training batch (a loss);
+    ``target``: the primary metric's default ``report.target``, what
+    comparisons time the runs to (None: no target unless one is given).
     """
 
     name: str
@@ -44,6 +46,7 @@ class MetricSpec:
     format: str = ".4f"
     primary: bool = False
     held_out: bool = True
+    target: float | None = None
 
     @property
     def words(self) -> str:
@@ -51,8 +54,8 @@ class MetricSpec:
 
     @property
     def logged_words(self) -> str:
-        """What a logged point's value is: "validation accuracy", or "loss" for one of the training batch."""
-        return f"validation {self.words}" if self.held_out else self.words
+        """What a logged point's value is: "validation accuracy", or "training loss" (of the training batch)."""
+        return f"validation {self.words}" if self.held_out else f"training {self.words}"
 
     def show(self, value: Any) -> str:
         """``value`` as the spec formats it, ``n/a`` when missing."""

@@ -32,3 +32,19 @@ def run_metrics(summary: Mapping[str, Any] | None, config: Mapping[str, Any] | N
     node = (config or {}).get("workload")
     name = node.get("name") if isinstance(node, Mapping) else None
     return workload_metrics(str(name) if name else None)
+
+
+def report_target(report: Mapping[str, Any] | None, spec: MetricSpec | None, default: bool = True) -> float | None:
+    """The value of the primary metric ``spec`` that comparisons time runs to.
+
+    ``report.target`` if set, else ``report.target_<name>`` (``target_accuracy``: MNIST's,
+    the name it had before workloads declared metrics), else the spec's own default
+    (None with ``default=False``: only what ``report`` sets).
+    """
+    report = report or {}
+    keys = ["target", *([f"target_{spec.name}"] if spec is not None else [])]
+    for key in keys:
+        value = report.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return spec.target if spec is not None and default else None

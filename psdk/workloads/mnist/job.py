@@ -42,7 +42,7 @@ from psdk.launch.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins.loading import load_backend
+from psdk.plugins.loading import load_backend, workload_of
 from psdk.plugins.models import build_model
 from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
@@ -198,7 +198,7 @@ def record_sinks(setup: WorkerSetup) -> list[RecordSink]:
         return []
     folder = setup.output_dir / "tensorboard" / f"worker{setup.task}"
     log.info("worker %d: TensorBoard event files in %s", setup.task, folder)
-    return [TensorBoardSink(folder)]
+    return [TensorBoardSink(folder, workload_of(setup.config).metrics)]
 
 
 def tune_compute_thread(placement: PlacementOptions, local_rank: int) -> None:
