@@ -70,8 +70,10 @@ def plot_curves(run: Run, path: Path, title: str | None = None) -> Path:
     start = run.start_time or 0.0
     for row, spec in enumerate(specs):
         left, right = axes[2 * row], axes[2 * row + 1]
+        values: list[float] = []
         for task, points in run.by_task().items():
             logged = [p for p in points if isinstance(p.get(spec.name), (int, float))]
+            values += [p[spec.name] for p in logged]
             style = "o-" if spec.held_out else "-"
             left.plot([p["global_step"] for p in logged], [p[spec.name] for p in logged], style, label=task)
             right.plot([p["time"] - start for p in logged], [p[spec.name] for p in logged], style, label=task)
@@ -81,8 +83,7 @@ def plot_curves(run: Run, path: Path, title: str | None = None) -> Path:
             ax.grid(alpha=0.3)
             if ax.lines:
                 ax.legend(loc="best", fontsize="small")
-                positive = all(y > 0 for line in ax.lines for y in line.get_ydata())  # type: ignore[union-attr]
-                if not spec.higher_is_better and positive:  # a loss spans decades
+                if not spec.higher_is_better and all(v > 0 for v in values):  # a loss spans decades
                     ax.set_yscale("log")
             else:
                 ax.text(0.5, 0.5, "no points logged", ha="center", va="center", transform=ax.transAxes)
