@@ -25,6 +25,7 @@ from psdk.report.declared import report_target, run_metrics
 from psdk.report.metrics import summary_line
 from psdk.report.runs import load_run
 from psdk.report.tensorboard import TensorBoardSink
+from psdk.report.writer import SummaryWriter
 from tests.test_report import events
 from tests.test_workloads import manager
 
@@ -161,3 +162,15 @@ def test_progress_lines_and_tensorboard_tags_name_the_declared_metrics(tmp_path:
         "validation_auc": pytest.approx(0.8, abs=1e-6),
         "validation_log_loss": pytest.approx(0.4, abs=1e-6),
     }
+
+
+def test_a_scripts_summary_writer_records_declared_metrics_and_draws_them(tmp_path: Path) -> None:
+    with SummaryWriter(tmp_path) as writer:
+        for step, (auc, loss) in enumerate([(0.6, 0.7), (0.7, 0.6)]):
+            writer.scalars({"auc": auc, "log_loss": loss}, step)
+        summary = writer.write_summary(metrics={"auc": 0.7, "log_loss": 0.6, "calls": 3.0}, metric_specs=CTR_METRICS)
+    assert summary["metrics"] == {"auc": 0.7, "log_loss": 0.6, "calls": 3.0} and summary["primary_metric"] == "auc"
+    assert [s.name for s in run_metrics(summary, None)] == ["auc", "log_loss", "calls"]
+    assert "test AUC 0.7000, test log loss 0.600, test calls 3.0000" in summary_line(summary)
+    height = int.from_bytes((tmp_path / "curves.png").read_bytes()[20:24], "big")  # the PNG header's
+    assert height == 1125  # a row of 3.75 inches (100 dpi) per metric: three rows, from the recorded specs
