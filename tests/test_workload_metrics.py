@@ -8,6 +8,7 @@ read them as they read a finished job's: no training needed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from psdk.errors import PluginError
 from psdk.jobs.summary import metric_fields
 from psdk.launch.progress import JobProgress
 from psdk.plugins import builtins, registry
@@ -174,3 +176,17 @@ def test_a_scripts_summary_writer_records_declared_metrics_and_draws_them(tmp_pa
     assert "test AUC 0.7000, test log loss 0.600, test calls 3.0000" in summary_line(summary)
     height = int.from_bytes((tmp_path / "curves.png").read_bytes()[20:24], "big")  # the PNG header's
     assert height == 1125  # a row of 3.75 inches (100 dpi) per metric: three rows, from the recorded specs
+
+
+@pytest.mark.parametrize(
+    ("metrics", "problem"),
+    [
+        ((MetricSpec("auc"), MetricSpec("auc")), "declares a metric twice"),
+        ((MetricSpec("auc", primary=True), MetricSpec("log_loss", primary=True)), "marks more than one metric primary"),
+        (("auc",), "lists something that is not a psdk.MetricSpec"),
+    ],
+)
+def test_a_workload_whose_metrics_no_report_could_read_is_refused(metrics: tuple[Any, ...], problem: str) -> None:
+    with pytest.raises(PluginError, match=f"workload 'ctr' {problem}"):
+        dataclasses.replace(CTR, metrics=metrics)
+    assert dataclasses.replace(CTR, metrics=list(CTR_METRICS)).metrics == CTR_METRICS  # a list is kept as a tuple
