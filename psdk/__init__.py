@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from psdk import _moved
 from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, WorkloadRecord, hookimpl
+from psdk.plugins.metrics import MetricSpec
 
 _moved.install()
 
@@ -42,6 +43,7 @@ __all__ = [
     "ClusterSpec",
     "DatasetRecord",
     "DistributedOptimizer",
+    "MetricSpec",
     "ModelRecord",
     "ModelSpec",
     "PsServer",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -12,6 +12,8 @@ import numpy as np
 from omegaconf import DictConfig
 
 from psdk.config import build
+from psdk.plugins.loading import workload_of
+from psdk.plugins.metrics import MetricSpec, primary, specs_json
 from psdk.report.metrics import percentile
 from psdk.runtime.disks import naming
 
@@ -61,12 +63,17 @@ def build_summary(
     cfg: DictConfig,
     shards: list[dict[str, Any]],
     workers: Mapping[str, Mapping[str, str]],
-    test_accuracy: float,
+    metrics: Mapping[str, float | None],
     wall_s: float,
     backend: str,
 ) -> dict[str, Any]:
-    """The run's figures, from shard 0's statistics (it keeps the global step), and what the config says."""
-    summary = ps_summary(shards, workers, test_accuracy, wall_s, backend)
+    """The run's figures, from shard 0's statistics (it keeps the global step), and what the config says.
+
+    ``metrics``: the workload's final evaluation by metric name, as its
+    record declares them (:func:`metric_fields`).
+    """
+    summary = ps_summary(shards, workers, None, wall_s, backend)
+    summary.update(metric_fields(metrics, workload_of(cfg).metrics))
     summary.update(
         {
             "model": str(cfg.model.name),
@@ -80,6 +87,16 @@ def build_summary(
     return summary
 
 
+def metric_fields(metrics: Mapping[str, float | None], specs: Sequence[MetricSpec]) -> dict[str, Any]:
+    """``summary.json``'s metrics: the values by name, the primary's name, and the specs the reports read."""
+    head = primary(specs)
+    return {
+        "metrics": {name: None if value is None else float(value) for name, value in metrics.items()},
+        "primary_metric": head.name if head is not None else None,
+        "metric_specs": specs_json(specs),
+    }
+
+
 def ps_summary(
     shards: list[dict[str, Any]],
     workers: Mapping[str, Mapping[str, str]],
@@ -88,6 +105,11 @@ def ps_summary(
     backend: str | None,
 ) -> dict[str, Any]:
     """The figures of ``summary.json`` the ps statistics hold: the built-in job's and a script's alike.
+
+    ``test_accuracy`` (and ``test_accuracy_by_backend``) are MNIST's final
+    metric under the names its summaries have always had, kept for the
+    scripts and benchmarks that read them; a workload's metrics are in
+    ``metrics`` (:func:`metric_fields`).
 
     ``shards``: every ps's statistics (:meth:`ParameterClient.stats`);
     ``workers``: each worker's state, as the chief's ``finish()`` returns it.

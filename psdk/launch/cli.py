@@ -56,7 +56,7 @@ commands:
   task      run the task named by job_name=ps|worker; `python -m psdk --job_name=ps ...` too;
             with TF_CONFIG set (Kubeflow, Kubernetes), the task it names: `python -m psdk task`
   evaluate  the workload's metrics of saved weights on any backend: evaluate weights=PATH backend=tf
-  report    rebuild a run's curves.png, or a multirun's comparison: report PATH [target_accuracy=0.97]
+  report    rebuild a run's curves.png, or a multirun's comparison: report PATH [target=0.97]
   plugins   list the installed backends, workloads, rules, models, datasets and who provides them
   fuzz      sequences of every op from real workers, then mutated single messages, against live ps tasks:
             fuzz sequences=300 steps=50 count=100000 seed=0

@@ -306,7 +306,8 @@ class LocalLauncher:
             return None
         progress = cfg.get("progress") or {}
         mode, every_s = str(progress.get("mode", "auto")), float(progress.get("every_s", 10.0))
-        return make_monitor(mode, every_s, out, num_workers, num_ps, self.options.train.steps)
+        metrics = workload_of(cfg).metrics  # the display shows the workload's own
+        return make_monitor(mode, every_s, out, num_workers, num_ps, self.options.train.steps, metrics=metrics)
 
     def _popen(self, command: list[str], env: dict[str, str] | None) -> subprocess.Popen[Any]:
         """Start a task's process; under a live display its output goes through the display."""

@@ -25,11 +25,15 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from tqdm import tqdm
+
+from psdk.plugins.metrics import MetricSpec
+from psdk.report.declared import workload_metrics
 
 MODES = ("auto", "live", "plain", "off")
 LIVE_REFRESH_S = 0.25
@@ -103,14 +107,17 @@ class JobProgress:
     num_workers: int
     num_ps: int
     target: int
+    metrics: tuple[MetricSpec, ...] | None = None  # the workload's (None: the default workload's)
     workers: dict[int, dict[str, Any]] = field(default_factory=dict)
-    accuracy: dict[int, float] = field(default_factory=dict)
+    held_out: dict[int, dict[str, float]] = field(default_factory=dict)  # each worker's last validated values
     ps: dict[int, dict[str, Any]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     first_step: float | None = None
 
     def __post_init__(self) -> None:
         self._tail = JsonlTail(self.out / "metrics.jsonl")
+        if self.metrics is None:
+            self.metrics = workload_metrics(None)
 
     def update(self) -> None:
         for point in self._tail.read():
@@ -119,8 +126,9 @@ class JobProgress:
                 continue
             index = int(task[6:])
             self.workers[index] = point
-            if isinstance(point.get("accuracy"), (int, float)):
-                self.accuracy[index] = float(point["accuracy"])
+            for spec in self.metrics or ():  # a validation comes every few points: the last one is kept
+                if spec.held_out and isinstance(point.get(spec.name), (int, float)):
+                    self.held_out.setdefault(index, {})[spec.name] = float(point[spec.name])
         for index in range(self.num_ps):
             counters = read_json(ps_progress_path(self.out, index))
             if counters is not None:
@@ -130,12 +138,16 @@ class JobProgress:
         point = self.workers.get(index)
         if point is None:
             return f"worker {index}: starting"
-        acc = self.accuracy.get(index)
+        validated = self.held_out.get(index, {})
         parts = [
             f"worker {index}: step {_int(point.get('local_step')):>6}",
             f"global step {_int(point.get('global_step')):>6}/{self.target}",
-            f"loss {_num(point.get('loss'), '.4f')}",
-            f"val acc {_num(acc, '.4f')}",
+            *(
+                f"val {spec.short or spec.words} {_num(validated.get(spec.name), spec.format)}"
+                if spec.held_out
+                else f"{spec.short or spec.words} {_num(point.get(spec.name), spec.format)}"
+                for spec in self.metrics or ()
+            ),
             f"{_num(point.get('steps_per_s'), '.0f')} steps/s",
         ]
         return " | ".join(parts)
@@ -329,13 +341,20 @@ class ProgressMonitor:
 
 
 def make_monitor(
-    mode: str, every_s: float, out: Path, num_workers: int, num_ps: int, target: int, stream: IO[str] | None = None
+    mode: str,
+    every_s: float,
+    out: Path,
+    num_workers: int,
+    num_ps: int,
+    target: int,
+    stream: IO[str] | None = None,
+    metrics: Sequence[MetricSpec] | None = None,
 ) -> ProgressMonitor | None:
-    """A monitor for ``progress.mode`` (not started), or None when it is ``off``."""
+    """A monitor for ``progress.mode`` (not started), or None when it is ``off``; ``metrics``: the workload's."""
     stream = stream or sys.stdout
     resolved = resolve_mode(mode, stream)
     if resolved == "off":
         return None
-    progress = JobProgress(out, num_workers, num_ps, target)
+    progress = JobProgress(out, num_workers, num_ps, target, metrics=tuple(metrics) if metrics is not None else None)
     display: Display = LiveDisplay(progress, stream) if resolved == "live" else PlainDisplay(progress, stream, every_s)
     return ProgressMonitor(display)

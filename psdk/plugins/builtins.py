@@ -8,7 +8,15 @@ exactly as these are, and nothing in the core knows the built-ins by name.
 from __future__ import annotations
 
 from psdk.plugins.hookspecs import DatasetRecord, ModelRecord, WorkloadRecord, hookimpl
+from psdk.plugins.metrics import MetricSpec
 from psdk.ps.rules import SGD, Adagrad, Adam, NoOp, RMSProp, UpdateRule
+
+MNIST_METRICS = (
+    MetricSpec("loss", higher_is_better=False, held_out=False),
+    MetricSpec("accuracy", short="acc", primary=True, target=0.97),
+)
+"""MNIST's metrics: the training batch's cross-entropy, and accuracy (on the validation split while it
+trains, on the test set at the end); ``test_accuracy`` in ``summary.json`` is the last's old name."""
 
 
 @hookimpl
@@ -55,5 +63,6 @@ def psdk_register_workloads() -> list[WorkloadRecord]:
             evaluate="psdk.workloads.mnist.evaluate:run_evaluate",
             prepare="psdk.workloads.mnist.data:prepare",
             data="psdk.workloads.mnist.data:check_data",
+            metrics=MNIST_METRICS,
         )
     ]

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from psdk.errors import PluginError
+from psdk.plugins.metrics import MetricSpec
+
 if TYPE_CHECKING:
     from psdk.ps.rules import UpdateRule
 
@@ -154,7 +157,10 @@ class WorkloadRecord:
     stands for every framework, for a trainer written on the
     :class:`psdk.plugins.backend.Backend` contract alone. ``options`` are the
     workload's own config keys with their defaults, the ``workload.*`` keys
-    a job overrides (``workload.<key>=...``).
+    a job overrides (``workload.<key>=...``). ``metrics`` are the
+    :class:`~psdk.plugins.metrics.MetricSpec` s the workload reports, which
+    progress lines, ``summary.json``, curves, TensorBoard, comparisons and
+    ``report.target`` show (its ``primary`` one is what a target judges).
     """
 
     name: str
@@ -165,6 +171,24 @@ class WorkloadRecord:
     prepare: str = ""
     data: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)
+    metrics: tuple[MetricSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        """Refuse metrics no report could read: a name twice, two primaries, something not a MetricSpec."""
+        metrics = tuple(self.metrics)
+        object.__setattr__(self, "metrics", metrics)  # a list given is kept as the tuple a frozen record holds
+        names = [getattr(m, "name", None) for m in metrics]
+        problem = (
+            "lists something that is not a psdk.MetricSpec"
+            if not all(isinstance(m, MetricSpec) for m in metrics)
+            else "declares a metric twice"
+            if len(set(names)) != len(names)
+            else "marks more than one metric primary"
+            if sum(m.primary for m in metrics) > 1
+            else None
+        )
+        if problem is not None:
+            raise PluginError(f"workload {self.name!r} {problem}: metrics={list(metrics)!r}")
 
     def trainer(self, framework: str) -> str | None:
         """The trainer's target for ``framework`` (its own, else the one for every framework), None if none."""

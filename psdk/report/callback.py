@@ -21,12 +21,12 @@ log = logging.getLogger(__name__)
 
 class ComparisonCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from psdk.report.compare import markdown, write_comparison
+        from psdk.report.compare import markdown, target_for, write_comparison
 
         root = Path(str(config.hydra.sweep.dir)).resolve()
         report = config.get("report") or {}
-        target = float(report.get("target_accuracy", 0.97))
         try:
+            target = target_for(root, report)  # report.target, for the workload's primary metric
             rows = write_comparison(root, target, plot=bool(report.get("plot", True)))
         except Exception as exc:  # the runs are done and saved: a report that fails must not hide them
             log.error(

@@ -12,41 +12,37 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from psdk.errors import ConfigError
-from psdk.report.compare import markdown, row, write_comparison
+from psdk.report.compare import markdown, row, target_for, write_comparison
 from psdk.report.runs import find_runs, is_run, load_run
 
-DEFAULT_TARGET = 0.97
+USAGE = "usage: python -m psdk report PATH [target=0.97] [plot=true|false]"
 
 
-def _target(folder: Path, given: str | None) -> float:
-    """``target_accuracy=`` if given, else the run's (or the sweep's first run's) ``report.target_accuracy``."""
-    if given is not None:
-        try:
-            return float(given)
-        except ValueError:
-            raise ConfigError("target_accuracy", f"must be a number, got {given!r}") from None
-    runs = [folder] if is_run(folder) else find_runs(folder)[:1]
-    for run in runs:
-        value = (load_run(run).config.get("report") or {}).get("target_accuracy")
-        if isinstance(value, (int, float)):
-            return float(value)
-    return DEFAULT_TARGET
+def _given_target(options: dict[str, str]) -> dict[str, float]:
+    """``target=`` (or ``target_<metric>=``, as ``target_accuracy=`` for MNIST) as numbers."""
+    given = {}
+    for key, value in options.items():
+        if key == "target" or key.startswith("target_"):
+            try:
+                given[key] = float(value)
+            except ValueError:
+                raise ConfigError(key, f"must be a number, got {value!r}") from None
+    return given
 
 
 def report(args: Sequence[str]) -> int:
     paths = [a for a in args if "=" not in a]
     options = dict(a.split("=", 1) for a in args if "=" in a)
-    unknown = sorted(set(options) - {"target_accuracy", "plot"})
+    unknown = sorted(k for k in options if k != "plot" and k != "target" and not k.startswith("target_"))
     if len(paths) != 1 or unknown:
         raise ConfigError(
             unknown[0] if unknown else "PATH",
-            "usage: python -m psdk report PATH [target_accuracy=0.97] [plot=true|false]"
-            + (f"; unknown option {unknown[0]!r}" if unknown else ""),
+            USAGE + (f"; unknown option {unknown[0]!r}" if unknown else ""),
         )
     folder = Path(paths[0]).resolve()
     if not folder.is_dir():
         raise ConfigError("PATH", f"{folder} is not a folder (a run's, or a multirun's)")
-    target = _target(folder, options.get("target_accuracy"))
+    target = target_for(folder, _given_target(options))
     plot = options.get("plot", "true").lower() not in ("false", "0", "no")
     if is_run(folder):
         run = load_run(folder)

@@ -1,8 +1,9 @@
 """A comparison of runs (a Hydra sweep's, or any folder of runs): one row each, as Markdown, CSV and a figure.
 
 A row says what the run was (its overrides, backend, sync mode, workers)
-and what it achieved (test accuracy, time to ``report.target_accuracy``
-validation accuracy, global steps/s, wall time). Runs that failed or did not
+and what it achieved in its workload's primary metric (for MNIST: test
+accuracy, best validation accuracy, time to ``report.target`` validation
+accuracy), global steps/s, wall time. Runs that failed or did not
 finish get a row too, with their status and blanks where figures are
 missing: a sweep in which one setting fails should say so, not lose it.
 """
@@ -11,34 +12,60 @@ from __future__ import annotations
 
 import csv
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from psdk.plugins.metrics import MetricSpec
 from psdk.ps.consistency import SyncSpec
-from psdk.report.runs import Run, find_runs, load_run
+from psdk.report.declared import report_target
+from psdk.report.runs import Run, find_runs, is_run, load_run
 
 log = logging.getLogger(__name__)
 
-COLUMNS = [
-    ("run", "run"),
-    ("status", "status"),
-    ("overrides", "overrides"),
-    ("backend", "backend"),
-    ("sync", "sync"),
-    ("workers", "workers"),
-    ("test_accuracy", "test accuracy"),
-    ("best_val_accuracy", "best val accuracy"),
-    ("time_to_target_s", "time to target (s)"),
-    ("step_at_target", "step at target"),
-    ("steps_per_s", "global steps/s"),
-    ("wall_s", "wall (s)"),
-]
+UNDECLARED = MetricSpec("metric", primary=True)
+"""What judges runs when none records or declares a metric (no workload installed at all): blanks, not an error."""
 
 
-def row(run: Run, root: Path, target: float) -> dict[str, Any]:
-    """One run's line of the comparison."""
-    reached = run.time_to_accuracy(target)
+def columns(spec: MetricSpec) -> list[tuple[str, str]]:
+    """The comparison's columns (key, heading), with the primary metric's (``test_auc``, "test auc")."""
+    return [
+        ("run", "run"),
+        ("status", "status"),
+        ("overrides", "overrides"),
+        ("backend", "backend"),
+        ("sync", "sync"),
+        ("workers", "workers"),
+        (f"test_{spec.name}", f"test {spec.words}"),
+        (f"best_val_{spec.name}", f"best val {spec.words}"),
+        ("time_to_target_s", "time to target (s)"),
+        ("step_at_target", "step at target"),
+        ("steps_per_s", "global steps/s"),
+        ("wall_s", "wall (s)"),
+    ]
+
+
+def primary_of(runs: Sequence[Run]) -> MetricSpec:
+    """The metric a comparison judges its runs by: the first run's primary that has one."""
+    return next((run.primary for run in runs if run.primary is not None), UNDECLARED)
+
+
+def target_for(root: Path, given: Mapping[str, Any] | None) -> float | None:
+    """The target runs below ``root`` are timed to: from ``given`` (``report.target``, or MNIST's
+    ``report.target_accuracy``), else the first run's config, else its primary metric's default."""
+    runs = [load_run(folder) for folder in ([root] if is_run(root) else find_runs(root)[:1])]
+    spec = primary_of(runs)
+    for report in [given, *(run.config.get("report") for run in runs)]:
+        chosen = report_target(report, spec, default=False)
+        if chosen is not None:
+            return chosen
+    return spec.target
+
+
+def row(run: Run, root: Path, target: float | None, spec: MetricSpec | None = None) -> dict[str, Any]:
+    """One run's line of the comparison, judged by ``spec`` (default: the run's primary metric)."""
+    spec = spec or run.primary or UNDECLARED
+    reached = run.time_to_target(target) if target is not None and spec == run.primary else None
     sync = run.setting("sync") or {}
     mode = sync.get("mode")
     if SyncSpec.mode_waits_for_rounds(mode) and sync.get("replicas_to_aggregate") is not None:
@@ -51,19 +78,22 @@ def row(run: Run, root: Path, target: float) -> dict[str, Any]:
         "backend": run.setting("backend"),
         "sync": mode,
         "workers": run.setting("num_workers"),
-        "test_accuracy": run.get("test_accuracy"),
-        "best_val_accuracy": run.best_val_accuracy(),
+        f"test_{spec.name}": run.final(spec.name),
+        f"best_val_{spec.name}": run.best_logged(spec),
         "time_to_target_s": round(reached[0], 3) if reached else None,
         "step_at_target": reached[1] if reached else None,
         "steps_per_s": run.get("global_steps_per_s"),
         "wall_s": run.get("wall_s"),
         "finished": run.finished,
         "error": run.error,
+        "metric": spec,
     }
 
 
-def rows_of(root: Path, target: float) -> list[dict[str, Any]]:
-    rows = [row(load_run(folder), root, target) for folder in find_runs(root)]
+def rows_of(root: Path, target: float | None) -> list[dict[str, Any]]:
+    runs = [load_run(folder) for folder in find_runs(root)]
+    spec = primary_of(runs)
+    rows = [row(run, root, target, spec) for run in runs]
     # What tells the runs apart (a sweep's swept values), to name them in the figure.
     shared = set.intersection(*(set(r["overrides"].split()) for r in rows)) if len(rows) > 1 else set()
     for r in rows:
@@ -72,29 +102,40 @@ def rows_of(root: Path, target: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(value: Any, key: str) -> str:
+def _spec(rows: Sequence[dict[str, Any]]) -> MetricSpec:
+    return rows[0]["metric"] if rows else UNDECLARED
+
+
+def _cell(value: Any, key: str, spec: MetricSpec) -> str:
     if value is None:
         return "not reached" if key in ("time_to_target_s", "step_at_target") else ""
     if isinstance(value, float):
-        return f"{value:.4f}" if "accuracy" in key else f"{value:.1f}"
+        return spec.show(value) if key.endswith(f"_{spec.name}") else f"{value:.1f}"
     return str(value)
 
 
-def markdown(rows: Sequence[dict[str, Any]], target: float, title: str) -> str:
+def markdown(rows: Sequence[dict[str, Any]], target: float | None, title: str) -> str:
     """The comparison as a Markdown table (what ``psdk report`` prints too)."""
+    spec = _spec(rows)
+    keys = columns(spec)
+    beyond = "at or above" if spec.higher_is_better else "at or below"
     lines = [
         f"# {title}",
         "",
-        f"Target validation accuracy: {target:g}. Time to target: seconds of training until a worker first "
-        "validated at or above it.",
+        (
+            f"Target {spec.logged_words}: {target:g}. Time to target: seconds of training until a worker first "
+            f"validated {beyond} it."
+            if target is not None
+            else f"No target {spec.logged_words} (report.target): no time to target."
+        ),
         "",
-        "| " + " | ".join(label for _, label in COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
+        "| " + " | ".join(label for _, label in keys) + " |",
+        "|" + "|".join("---" for _ in keys) + "|",
     ]
     for r in rows:
         cells = [
-            _cell(r[key], key) if r["finished"] or key not in ("time_to_target_s", "step_at_target") else ""
-            for key, _ in COLUMNS
+            _cell(r[key], key, spec) if r["finished"] or key not in ("time_to_target_s", "step_at_target") else ""
+            for key, _ in keys
         ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     failures = [r for r in rows if r["error"]]
@@ -107,12 +148,13 @@ def markdown(rows: Sequence[dict[str, Any]], target: float, title: str) -> str:
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([key for key, _ in COLUMNS])
+        keys = [key for key, _ in columns(_spec(rows))]
+        writer.writerow(keys)
         for r in rows:
-            writer.writerow(["" if r[key] is None else r[key] for key, _ in COLUMNS])
+            writer.writerow(["" if r[key] is None else r[key] for key in keys])
 
 
-def write_comparison(root: Path, target: float, plot: bool = True) -> list[dict[str, Any]]:
+def write_comparison(root: Path, target: float | None, plot: bool = True) -> list[dict[str, Any]]:
     """``comparison.md``, ``comparison.csv`` and ``comparison.png`` in ``root``, from the runs below it."""
     rows = rows_of(root, target)
     root.mkdir(parents=True, exist_ok=True)
@@ -121,5 +163,5 @@ def write_comparison(root: Path, target: float, plot: bool = True) -> list[dict[
     if plot and rows:
         from psdk.report.plot import plot_comparison
 
-        plot_comparison(rows, root / "comparison.png", target)
+        plot_comparison(rows, root / "comparison.png", target, _spec(rows))
     return rows

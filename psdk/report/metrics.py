@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from psdk.plugins.metrics import MetricSpec, primary
 from psdk.ps.consistency import SyncSpec
+from psdk.report.declared import run_metrics
 from psdk.runtime.disks import WriteError, is_write_failure, naming
 
 log = logging.getLogger(__name__)
@@ -115,11 +117,37 @@ def percentile(histogram: Mapping[str, int], q: float) -> float | None:
     return float(items[-1][0])
 
 
-def _by_backend(summary: Mapping[str, Any]) -> str:
-    by_backend = summary.get("test_accuracy_by_backend") or {}
+def final_metrics(summary: Mapping[str, Any], specs: Sequence[MetricSpec]) -> dict[str, Any]:
+    """A summary's final evaluation by metric name: its ``metrics``, else (a summary from before they were
+    recorded) each declared metric's ``test_<name>`` figure."""
+    recorded = summary.get("metrics")
+    if isinstance(recorded, Mapping):
+        return dict(recorded)
+    return {s.name: summary[f"test_{s.name}"] for s in specs if summary.get(f"test_{s.name}") is not None}
+
+
+def _evaluated(summary: Mapping[str, Any]) -> str:
+    """The final metrics as the last line shows them: ``test accuracy 0.9731``, the primary's per backend."""
+    specs = run_metrics(summary, None)
+    values = final_metrics(summary, specs)
+    shown = [s for s in specs if s.name in values]
+    head = primary(specs)
+    if not shown:
+        return f"test {head.words if head is not None else 'metrics'} n/a"
+    parts = []
+    for spec in shown:
+        part = f"test {spec.words} {spec.show(values[spec.name])}"
+        if spec is head:
+            part += _by_backend(summary, spec)
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def _by_backend(summary: Mapping[str, Any], spec: MetricSpec) -> str:
+    by_backend = summary.get(f"test_{spec.name}_by_backend") or {}
     if len(by_backend) < 2:
         return ""
-    return " (" + ", ".join(f"{name} {acc:.4f}" for name, acc in sorted(by_backend.items())) + ")"
+    return " (" + ", ".join(f"{name} {spec.show(value)}" for name, value in sorted(by_backend.items())) + ")"
 
 
 def _training(summary: Mapping[str, Any]) -> str:
@@ -133,13 +161,12 @@ def summary_line(summary: Mapping[str, Any]) -> str:
     mode = str(sync.get("mode", "?"))
     if SyncSpec.mode_waits_for_rounds(mode):
         mode += f"(replicas_to_aggregate={sync.get('replicas_to_aggregate')})"
-    acc = summary.get("test_accuracy")
     rate = summary.get("global_steps_per_s")
     parts = [
         f"psdk done: backend={summary.get('backend')} model={summary.get('model')} sync={mode} "
         f"ps={summary.get('num_ps')} workers={summary.get('num_workers')}",
         f"global step {summary.get('global_step')}",
-        (f"test accuracy {acc:.4f}" if acc is not None else "test accuracy n/a") + _by_backend(summary),
+        _evaluated(summary),
         f"{rate:.0f} global steps/s" if rate else "global steps/s n/a",
         f"wall {float(summary.get('wall_s') or 0):.1f} s" + _training(summary),
         f"gradients applied {summary.get('gradients_applied')}, dropped {summary.get('gradients_dropped')}",

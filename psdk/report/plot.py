@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from psdk.plugins.metrics import MetricSpec
 from psdk.report.runs import Run
 
 if TYPE_CHECKING:
@@ -61,49 +62,46 @@ def _figure(rows: int, cols: int, size: tuple[float, float], margins: dict[str, 
 
 
 def plot_curves(run: Run, path: Path, title: str | None = None) -> Path:
-    """Loss and validation accuracy per worker, against the global step and against seconds of training."""
-    fig = _figure(2, 2, (11, 7.5), CURVES_MARGINS)
+    """Each metric the workload logs, per worker, against the global step and against seconds of training
+    (MNIST: its training loss and its validation accuracy)."""
+    specs = run.metrics or (MetricSpec("loss", higher_is_better=False, held_out=False),)
+    fig = _figure(len(specs), 2, (11, 3.75 * len(specs)), CURVES_MARGINS)
     axes = fig.axes
     start = run.start_time or 0.0
-    for task, points in run.by_task().items():
-        steps = [p["global_step"] for p in points if p.get("loss") is not None]
-        times = [p["time"] - start for p in points if p.get("loss") is not None]
-        losses = [p["loss"] for p in points if p.get("loss") is not None]
-        validated = [p for p in points if p.get("accuracy") is not None]
-        axes[0].plot(steps, losses, label=task)
-        axes[1].plot(times, losses, label=task)
-        axes[2].plot([p["global_step"] for p in validated], [p["accuracy"] for p in validated], "o-", label=task)
-        axes[3].plot([p["time"] - start for p in validated], [p["accuracy"] for p in validated], "o-", label=task)
-    labels = [
-        ("global step", "training loss"),
-        ("seconds of training", "training loss"),
-        ("global step", "validation accuracy"),
-        ("seconds of training", "validation accuracy"),
-    ]
-    for ax, (xlabel, ylabel) in zip(axes, labels, strict=True):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(loc="best", fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "no points logged", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[:2]:
-        if ax.lines:
-            ax.set_yscale("log")
+    for row, spec in enumerate(specs):
+        left, right = axes[2 * row], axes[2 * row + 1]
+        values: list[float] = []
+        for task, points in run.by_task().items():
+            logged = [p for p in points if isinstance(p.get(spec.name), (int, float))]
+            values += [p[spec.name] for p in logged]
+            style = "o-" if spec.held_out else "-"
+            left.plot([p["global_step"] for p in logged], [p[spec.name] for p in logged], style, label=task)
+            right.plot([p["time"] - start for p in logged], [p[spec.name] for p in logged], style, label=task)
+        for ax, xlabel in ((left, "global step"), (right, "seconds of training")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(spec.logged_words)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(loc="best", fontsize="small")
+                if not spec.higher_is_better and all(v > 0 for v in values):  # a loss spans decades
+                    ax.set_yscale("log")
+            else:
+                ax.text(0.5, 0.5, "no points logged", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(title or run.title())
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     return path
 
 
-def plot_comparison(rows: Sequence[dict[str, Any]], path: Path, target: float) -> Path:
-    """Test accuracy, time to ``target`` validation accuracy and throughput of each run, side by side."""
+def plot_comparison(rows: Sequence[dict[str, Any]], path: Path, target: float | None, spec: MetricSpec) -> Path:
+    """The primary metric ``spec`` on test data, the time to ``target`` on validation data, and the
+    throughput of each run, side by side."""
     fig = _figure(1, 3, (max(11.0, 1.2 * len(rows) + 6), 4.5))
     names = [str(row.get("label", row["run"])) for row in rows]
+    reach = f"{target:g} {spec.logged_words}" if target is not None else f"a target {spec.logged_words} (none set)"
     panels = [
-        ("test_accuracy", "test accuracy", None),
-        ("time_to_target_s", f"seconds to {target:g} validation accuracy", "not reached"),
+        (f"test_{spec.name}", f"test {spec.words}", None),
+        ("time_to_target_s", f"seconds to {reach}", "not reached"),
         ("steps_per_s", "global steps/s", None),
     ]
     for ax, (key, label, missing) in zip(fig.axes, panels, strict=True):
@@ -118,7 +116,8 @@ def plot_comparison(rows: Sequence[dict[str, Any]], path: Path, target: float) -
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize="small")
         ax.set_title(label)
         ax.grid(axis="y", alpha=0.3)
-        if key == "test_accuracy" and any(heights):
+        # A fraction where higher is better (an accuracy, an AUC): zoomed in on the runs' differences.
+        if key == f"test_{spec.name}" and spec.higher_is_better and any(heights) and max(heights) <= 1.0:
             low = min(h for h in heights if h) - 0.02
             ax.set_ylim(max(0.0, low), min(1.0, max(heights) + 0.01))
     fig.suptitle(f"{len(rows)} runs (red: failed or unfinished)")

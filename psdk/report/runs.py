@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psdk.report.metrics import write_json_atomic
+from psdk.plugins.metrics import MetricSpec, primary
+from psdk.report.declared import run_metrics
+from psdk.report.metrics import final_metrics, write_json_atomic
 
 # Folders inside a run that hold no run of their own.
 INNER = {"tasks", "checkpoints", "tensorboard", ".hydra", "keys"}
@@ -138,17 +140,42 @@ class Run:
             series[str(point.get("task", "?"))].append(point)
         return dict(sorted(series.items(), key=lambda kv: (len(kv[0]), kv[0])))
 
-    def time_to_accuracy(self, target: float) -> tuple[float, int] | None:
-        """Seconds of training and the global step when any worker first validated at ``target`` or above."""
-        start = self.start_time
+    @property
+    def metrics(self) -> tuple[MetricSpec, ...]:
+        """The metrics the run reports (its summary's record, else its workload's declaration)."""
+        return run_metrics(self.summary, self.config)
+
+    @property
+    def primary(self) -> MetricSpec | None:
+        return primary(self.metrics)
+
+    def time_to_target(self, target: float) -> tuple[float, int] | None:
+        """Seconds of training and the global step when any worker first validated the primary metric at
+        ``target`` or beyond it (above for a metric where higher is better, below otherwise)."""
+        spec, start = self.primary, self.start_time
+        if spec is None or start is None:
+            return None
         for point in sorted(self.points, key=lambda p: p.get("time", 0.0)):
-            if point.get("accuracy") is not None and point["accuracy"] >= target and start is not None:
+            value = point.get(spec.name)
+            if isinstance(value, (int, float)) and spec.reached(value, target):
                 return point["time"] - start, int(point["global_step"])
         return None
 
+    def best_logged(self, spec: MetricSpec) -> float | None:
+        """The best value of ``spec`` any worker logged (validated, for a held-out metric)."""
+        return spec.best(p[spec.name] for p in self.points if isinstance(p.get(spec.name), (int, float)))
+
+    def final(self, name: str) -> Any:
+        """The final evaluation's value of metric ``name`` (None if the run has none)."""
+        return final_metrics(self.summary or {}, self.metrics).get(name)
+
+    # MNIST's names for the primary metric's figures, kept for the scripts that call them.
+    def time_to_accuracy(self, target: float) -> tuple[float, int] | None:
+        return self.time_to_target(target)
+
     def best_val_accuracy(self) -> float | None:
-        values = [p["accuracy"] for p in self.points if p.get("accuracy") is not None]
-        return max(values) if values else None
+        spec = self.primary
+        return self.best_logged(spec) if spec is not None else None
 
     def get(self, key: str) -> Any:
         return (self.summary or {}).get(key)

@@ -16,10 +16,12 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from psdk.plugins.metrics import MetricSpec
+from psdk.report.declared import workload_metrics
 from psdk.runtime.disks import naming
 
 
@@ -123,12 +125,18 @@ class EventWriter:
 
 
 class TensorBoardSink:
-    """A worker's ``metrics.jsonl`` records as TensorBoard scalars against the global step."""
+    """A worker's ``metrics.jsonl`` records as TensorBoard scalars against the global step.
 
-    TAGS = {"loss": "loss", "accuracy": "validation_accuracy", "steps_per_s": "local_steps_per_s"}
+    One tag for each metric the workload declares (``metrics``; None: the
+    default workload's): its name, ``validation_<name>`` for one measured on
+    held-out data (MNIST: ``loss``, ``validation_accuracy``).
+    """
 
-    def __init__(self, folder: Path | str):
+    def __init__(self, folder: Path | str, metrics: Sequence[MetricSpec] | None = None):
         self.writer = EventWriter(folder)
+        specs = workload_metrics(None) if metrics is None else metrics
+        self.TAGS = {s.name: f"validation_{s.name}" if s.held_out else s.name for s in specs}
+        self.TAGS["steps_per_s"] = "local_steps_per_s"
 
     def write(self, point: Mapping[str, Any]) -> None:
         values = {tag: point[key] for key, tag in self.TAGS.items() if point.get(key) is not None}

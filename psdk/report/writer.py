@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from psdk.errors import PsdkError
+from psdk.plugins.metrics import MetricSpec
 from psdk.report.metrics import MetricsLog, write_json_atomic
 from psdk.report.tensorboard import EventWriter
 
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from psdk.api import WorkerSession
 
 log = logging.getLogger(__name__)
-
-CURVES = ("loss", "accuracy")
-"""The scalars ``curves.png`` draws per worker, as the built-in job names them (``accuracy``: on held-out data)."""
 
 
 class SummaryWriter:
@@ -78,6 +76,8 @@ class SummaryWriter:
         session: WorkerSession | None = None,
         *,
         test_accuracy: float | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metric_specs: Sequence[MetricSpec] = (),
         plot: bool = True,
         **extra: Any,
     ) -> dict[str, Any]:
@@ -87,12 +87,16 @@ class SummaryWriter:
         closes), ``summary.json`` holds what the built-in job's does of the
         ps's figures: global step, gradients applied and dropped, global
         steps/s, training time, sync mode, each worker's state and staleness.
-        ``test_accuracy`` and ``extra`` (``model="softmax"``, ...) are added.
-        ``curves.png`` draws each worker's ``loss`` and ``accuracy`` scalars
-        (``plot=False``: none); a figure that cannot be drawn only warns.
+        ``test_accuracy`` (MNIST's name) and ``extra`` (``model="softmax"``,
+        ...) are added. ``metrics``: the final evaluation by name, as a
+        workload's summary has it, with ``metric_specs`` saying what each is
+        (undeclared names: higher is better, the first primary).
+        ``curves.png`` draws each worker's scalars of the declared metrics
+        (none declared: the default workload's, ``loss`` and ``accuracy``;
+        ``plot=False``: no figure); a figure that cannot be drawn only warns.
         Returns the summary.
         """
-        from psdk.jobs.summary import ps_summary
+        from psdk.jobs.summary import metric_fields, ps_summary
 
         summary: dict[str, Any] = {"wall_s": time.time() - self.started}
         if session is not None:
@@ -103,6 +107,10 @@ class SummaryWriter:
             summary["rule_applied"] = dict(client.rule_json)
             summary["recoveries"] = list(client.recoveries)
         summary["test_accuracy"] = test_accuracy
+        if metrics is not None or metric_specs:
+            declared = {s.name for s in metric_specs}
+            undeclared = tuple(MetricSpec(name) for name in metrics or {} if name not in declared)
+            summary.update(metric_fields(metrics or {}, (*metric_specs, *undeclared)))
         summary.update(extra)
         self.logdir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.logdir / "summary.json", summary)
