@@ -130,6 +130,7 @@ RANGES: dict[str, Range] = {
     "placement.gpu_memory_fraction": Range(0.0, 1.0, open_low=True),
     "progress.every_s": TIMEOUT,
     "report.target_accuracy": FRACTION,
+    "report.target": _float(-FLOAT32_MAX, FLOAT32_MAX, "a value of the workload's primary metric, which may be a loss"),
     "data.validation_size": _int(0, DIM_MAX, "less than the training set"),
     "transport.heartbeat_interval_s": TIMEOUT,
     "transport.heartbeat_timeout_s": TIMEOUT,
