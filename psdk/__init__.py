@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from psdk import _moved
-from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, WorkloadRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, TrainerRecord, WorkloadRecord, hookimpl
 from psdk.plugins.metrics import MetricSpec
 
 _moved.install()
@@ -31,27 +31,42 @@ _LAZY = {
     "StepResult": "psdk.client",
     "SyncSpec": "psdk.ps.consistency",
     "Backend": "psdk.plugins.backend",
+    "Trainer": "psdk.plugins.trainer",
+    "Batch": "psdk.plugins.batches",
+    "JaggedIds": "psdk.plugins.batches",
+    "Shard": "psdk.plugins.batches",
+    "ArrayShard": "psdk.plugins.batches",
+    "Dense": "psdk.plugins.variables",
+    "Rows": "psdk.plugins.variables",
     "ModelSpec": "psdk.plugins.models",
     "init_weights": "psdk.plugins.models",
     "PsdkError": "psdk.errors",
 }
 
 __all__ = [
+    "ArrayShard",
     "Backend",
     "BackendRecord",
+    "Batch",
     "ClientOptions",
     "ClusterSpec",
     "DatasetRecord",
+    "Dense",
     "DistributedOptimizer",
+    "JaggedIds",
     "MetricSpec",
     "ModelRecord",
     "ModelSpec",
     "PsServer",
     "PsdkError",
+    "Rows",
+    "Shard",
     "StepResult",
     "SummaryWriter",
     "SyncSpec",
     "Topology",
+    "Trainer",
+    "TrainerRecord",
     "TransportOptions",
     "WorkerSession",
     "WorkloadRecord",
@@ -72,7 +87,10 @@ if TYPE_CHECKING:
     from psdk.config.options import TransportOptions
     from psdk.errors import PsdkError
     from psdk.plugins.backend import Backend
+    from psdk.plugins.batches import ArrayShard, Batch, JaggedIds, Shard
     from psdk.plugins.models import ModelSpec, init_weights
+    from psdk.plugins.trainer import Trainer
+    from psdk.plugins.variables import Dense, Rows
     from psdk.protocol.cluster import ClusterSpec, Topology
     from psdk.ps.consistency import SyncSpec
     from psdk.ps.serving import PsServer, serve

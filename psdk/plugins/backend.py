@@ -1,9 +1,12 @@
-"""The backend contract: what a framework plugin must do for a worker.
+"""The backend contract: a framework's bridge to the ps.
 
-A backend builds a :class:`~psdk.plugins.models.ModelSpec` in its framework, moves
-weights and gradients in and out as named numpy arrays in the canonical
-layout (float32, C order, dense kernels (in, out)), computes loss and
-gradients on a batch, evaluates, and places itself on a device. It also
+A backend moves a model's weights and gradients in and out as named numpy
+arrays in the canonical layout (float32, C order, dense kernels (in, out)),
+says what variables a model has and of what kind, shares psdk's buffers where
+its framework can, builds psdk's framework-neutral dense stacks
+(:class:`~psdk.plugins.models.ModelSpec`) and places itself on a device. It
+knows no loss, metric or data set: those are a workload's, written per
+framework as a :class:`~psdk.plugins.trainer.Trainer` on this bridge. It also
 recognises its framework's optimizers where they can be inspected, whose
 type and hyper-parameters select the ps's update rule; a functional
 framework's users pass the rule itself instead
@@ -14,8 +17,12 @@ A backend's identity (name, framework, aliases, options) is its plugin's
 hands the record and the job's options to the instance.
 
 Per training step a worker calls :meth:`Backend.write_weights` (the
-parameters just pulled), :meth:`Backend.forward_backward`, then
+parameters just pulled), the trainer's ``forward_backward``, then
 :meth:`Backend.read_gradients` (into the buffers that are pushed).
+
+A backend written before workloads existed defined ``forward_backward`` and
+``accuracy`` itself; :func:`psdk.plugins.load_backend` refuses one, naming
+what to move where (docs/plugins.md, "Moving a backend to a bridge").
 
 The module that defines a backend class may import its framework at the
 top: psdk imports it only when the backend is used. The module that
@@ -30,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from psdk.errors import ConfigError
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Variable, as_variables
 from psdk.ps.rules import UpdateRule
 
 if TYPE_CHECKING:
@@ -87,9 +96,9 @@ class Backend(ABC):
         packages = {record.framework, *record.modules, package_of(record.target)}
         return any(cls.__module__.split(".")[0] in packages for cls in type(obj).__mro__ if cls is not object)
 
-    @abstractmethod
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> Any:
-        """The model of ``spec`` on this backend's device, holding ``weights``."""
+        """psdk's dense stack ``spec`` on this backend's device, holding ``weights`` (for workloads that use one)."""
+        raise ConfigError("model", f"the {self.name} backend builds no dense stacks; model={spec.name} needs a builder")
 
     @abstractmethod
     def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:
@@ -102,6 +111,10 @@ class Backend(ABC):
     @abstractmethod
     def variables(self, model: Any) -> dict[str, tuple[int, ...]]:
         """Trainable variables' canonical names and shapes, in creation order."""
+
+    def variable_records(self, model: Any) -> dict[str, Variable]:
+        """Every variable of ``model`` with its kind (:mod:`psdk.plugins.variables`); dense by default."""
+        return as_variables(self.variables(model))
 
     @abstractmethod
     def read_weights(self, model: Any) -> dict[str, np.ndarray]:
@@ -126,11 +139,3 @@ class Backend(ABC):
         ``False`` (the default) to keep copying.
         """
         return False
-
-    @abstractmethod
-    def forward_backward(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
-        """Mean softmax cross-entropy on a batch; leaves fresh gradients in the model."""
-
-    @abstractmethod
-    def accuracy(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
-        """Fraction of ``x`` classified as ``y``."""

@@ -1,6 +1,6 @@
 """psdk's plugin hooks. Plugins implement them with ``@psdk.hookimpl``.
 
-Hooks only *register* things: backends, update rules, models, datasets and workloads, as
+Hooks only *register* things: backends, update rules, models, datasets, workloads and trainers, as
 small records (or, for rules, the numpy-only rule classes themselves); the
 behaviour lives in what the records point to (see :class:`psdk.plugins.backend.Backend`).
 psdk's own built-ins register through these same hooks. A plugin is found
@@ -78,8 +78,8 @@ class ModelRecord:
     """A model a plugin provides (``model=<name>`` in a job).
 
     ``target`` is ``"package.module:Class"`` of the model's spec: a frozen
-    dataclass whose fields are the job's ``model.*`` keys, with ``name``,
-    ``input_dim`` and ``num_classes`` among them, and the methods
+    dataclass whose fields are the job's ``model.*`` keys, ``name`` among
+    them (what else it holds is between it and its workload), and the methods
     ``variables()`` (canonical names and shapes, in order) and
     ``init_weights(seed)`` (numpy), so every backend starts from the same
     weights. It must import no framework. ``builders`` maps a backend's name
@@ -101,9 +101,10 @@ class DatasetRecord:
 
     ``target`` is ``"package.module:function"``, called as ``function(data)``
     with the job's ``data`` config node (``dir``, ``cache_dir``, ...) and
-    returning a :class:`psdk.data.mnist.Mnist`: flat uint8 images (0-255,
-    which psdk scales to [0, 1]) and int labels for training and test, which
-    psdk splits between the workers.
+    returning what the workload that reads it expects: the MNIST workload's
+    datasets return a :class:`psdk.data.mnist.Mnist` (flat uint8 images and
+    int labels); a workload's ``shard`` entry splits it between the workers
+    and its ``check`` entry refuses a model that does not fit it.
     """
 
     name: str
@@ -131,50 +132,72 @@ def psdk_register_datasets() -> list[DatasetRecord]:  # type: ignore[empty-body]
     """Datasets this plugin provides (see :class:`DatasetRecord`)."""
 
 
+GENERIC_WORKER = "psdk.jobs.worker:run_worker"
+"""psdk's training loop, every workload's ``worker`` unless it brings its own: shard, trainer, ps, score."""
+GENERIC_EVALUATE = "psdk.jobs.evaluate:run_evaluate"
+"""psdk's evaluation of saved parameters, every workload's ``evaluate`` unless it brings its own."""
+
+
 @dataclass(frozen=True)
 class WorkloadRecord:
-    """A workload a plugin provides (``workload=<name>``): what a job trains, and how each command runs it.
+    """A workload a plugin provides (``workload=<name>``): what a job trains, on which data, scored how.
 
-    A workload is the job around the parameter server: its data, its models,
-    its training loop, its evaluation. The CLI and the launchers run the one
-    chosen through these entries, each ``"package.module:function"``,
-    imported only when used (as model builders are):
+    A workload owns its data, its models, its loss, its metrics and its
+    evaluation; psdk's training loop (``worker``) and evaluation
+    (``evaluate``) run any workload through these entries, each
+    ``"package.module:function"`` imported only when used (as model builders are):
 
-    - ``worker``: ``function(cfg)``, one worker task of the job
-      (``python -m psdk worker``, and every worker ``run`` starts);
-    - ``evaluate``: ``function(cfg)``, returning a dict with the metrics of
-      the saved parameters ``cfg.weights`` (``python -m psdk evaluate``,
-      which the launcher runs for each backend the chief does not use);
+    - ``shard``: ``function(setup)`` with the worker's
+      :class:`~psdk.jobs.setup.WorkerSetup`, returning its
+      :class:`~psdk.plugins.batches.Shard` (its training batches, the
+      validation and test sets); ``setup.task`` and
+      ``setup.cluster.num_workers`` say which part is its;
+    - ``score``: ``function(predictions, batch)``, the metrics (a dict by
+      metric name) of a trainer's numpy predictions for a batch: computed
+      here once, whichever framework predicted;
+    - ``check``: ``function(cfg)``, called by the launcher before any task
+      starts: refuse (:class:`~psdk.errors.ConfigError`) a model that does
+      not fit the data; ``""`` when there is nothing to check;
+    - ``train_size``: ``function(cfg)``, the training examples of the whole
+      job, which turns ``train.epochs`` into steps; ``""`` when the
+      workload counts no epochs (give ``train.steps``);
     - ``prepare``: ``function(cfg)``, called once by the launcher before any
       task starts (a download, say), returning overrides for every task
       (``["data.dir=/where/it/went"]``); ``""`` when nothing is prepared;
     - ``data``: ``function(cfg)``, ``python -m psdk data``: fetch and check
       the data, print where it is, return an exit status; ``""`` when the
-      workload has no data to check.
+      workload has no data to check;
+    - ``worker`` and ``evaluate``: psdk's own loop and evaluation
+      (:data:`GENERIC_WORKER`, :data:`GENERIC_EVALUATE`) unless the workload
+      brings its own, ``function(cfg)``.
 
-    ``trainers`` maps a framework (a backend record's ``framework``) to what
-    trains the workload on it, ``"package.module:Name"``; the key ``"*"``
-    stands for every framework, for a trainer written on the
-    :class:`psdk.plugins.backend.Backend` contract alone. ``options`` are the
-    workload's own config keys with their defaults, the ``workload.*`` keys
-    a job overrides (``workload.<key>=...``). ``metrics`` are the
-    :class:`~psdk.plugins.metrics.MetricSpec` s the workload reports, which
-    progress lines, ``summary.json``, curves, TensorBoard, comparisons and
+    ``trainers`` maps a framework (a backend record's ``framework``) to the
+    :class:`~psdk.plugins.trainer.Trainer` that trains the workload on it,
+    ``"package.module:Name"``; a framework plugin may add one for its
+    framework with a :class:`TrainerRecord`. ``options`` are the workload's
+    own config keys with their defaults (``workload.<key>=...``), handed to
+    its trainers and entries. ``metrics`` are the
+    :class:`~psdk.plugins.metrics.MetricSpec` s it reports, which progress
+    lines, ``summary.json``, curves, TensorBoard, comparisons and
     ``report.target`` show (its ``primary`` one is what a target judges).
     """
 
     name: str
     description: str
-    trainers: Mapping[str, str]
-    worker: str
-    evaluate: str
+    trainers: Mapping[str, str] = field(default_factory=dict)
+    shard: str = ""
+    score: str = ""
+    check: str = ""
+    train_size: str = ""
     prepare: str = ""
     data: str = ""
+    worker: str = GENERIC_WORKER
+    evaluate: str = GENERIC_EVALUATE
     options: Mapping[str, Any] = field(default_factory=dict)
     metrics: tuple[MetricSpec, ...] = ()
 
     def __post_init__(self) -> None:
-        """Refuse metrics no report could read: a name twice, two primaries, something not a MetricSpec."""
+        """Refuse a record no job could run, and metrics no report could read."""
         metrics = tuple(self.metrics)
         object.__setattr__(self, "metrics", metrics)  # a list given is kept as the tuple a frozen record holds
         names = [getattr(m, "name", None) for m in metrics]
@@ -189,6 +212,13 @@ class WorkloadRecord:
         )
         if problem is not None:
             raise PluginError(f"workload {self.name!r} {problem}: metrics={list(metrics)!r}")
+        generic = [e for e in ("worker", "evaluate") if getattr(self, e) in (GENERIC_WORKER, GENERIC_EVALUATE)]
+        missing = [entry for entry in ("shard", "score") if generic and not getattr(self, entry)]
+        if missing:
+            raise PluginError(
+                f"workload {self.name!r} runs on psdk's {' and '.join(generic)} but names no "
+                f"{' or '.join(missing)} entry: psdk's loop reads the data of its shard and scores through its score"
+            )
 
     def trainer(self, framework: str) -> str | None:
         """The trainer's target for ``framework`` (its own, else the one for every framework), None if none."""
@@ -198,3 +228,24 @@ class WorkloadRecord:
 @hookspec
 def psdk_register_workloads() -> list[WorkloadRecord]:  # type: ignore[empty-body]
     """Workloads this plugin provides (see :class:`WorkloadRecord`)."""
+
+
+@dataclass(frozen=True)
+class TrainerRecord:
+    """A trainer a plugin gives a workload it does not own, for one framework.
+
+    How a framework plugin makes an existing workload (psdk's MNIST, or
+    another plugin's) train on its framework, without the workload naming
+    it: ``target`` is ``"package.module:Name"`` of a
+    :class:`~psdk.plugins.trainer.Trainer`. A workload's own ``trainers``
+    entry for the same framework wins.
+    """
+
+    workload: str
+    framework: str
+    target: str
+
+
+@hookspec
+def psdk_register_trainers() -> list[TrainerRecord]:  # type: ignore[empty-body]
+    """Trainers this plugin gives other workloads (see :class:`TrainerRecord`)."""

@@ -92,10 +92,34 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
         raise PluginError(f"{exc}. Is {record.framework} installed in this environment?{how}") from exc.__cause__
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise PluginError(f"backend {record.name!r} points at {record.target}, which is not a Backend")
+    refuse_old_contract(cls, record.name, record.target)
     backend: Backend = cls()
     backend.record = record
     backend.options = merged_options(record, options)
     return backend
+
+
+OLD_CONTRACT = ("forward_backward", "accuracy")
+"""What a backend did before workloads: MNIST's loss and metric, which are a trainer's now."""
+
+
+def refuse_old_contract(cls: type, name: str, target: str) -> None:
+    """Refuse a backend written against the contract before workloads, saying what to move where.
+
+    Its ``forward_backward(model, x, y)`` and ``accuracy`` would never be
+    called (a workload's trainer trains now), so a job would fail later and
+    less clearly; the message names the methods and the guide's section.
+    """
+    old = [method for method in OLD_CONTRACT if any(method in vars(k) for k in cls.__mro__ if k is not Backend)]
+    if old:
+        raise PluginError(
+            f"backend {name!r} ({target}) defines {' and '.join(old)}, which a backend no longer has: a backend is "
+            "now a framework bridge (variables, weights, gradients, rules, devices) and a workload's Trainer holds "
+            "the loss and the predictions. Move forward_backward(model, x, y) to Trainer.forward_backward(model, "
+            "batch) and accuracy to Trainer.predict (returning the logits), register it with "
+            "psdk_register_trainers -> TrainerRecord('mnist', <framework>, 'pkg.mod:Class'), and delete both "
+            "from the backend: docs/plugins.md, 'Moving a backend to a bridge'"
+        )
 
 
 def backend_for(obj: object) -> Backend:
@@ -119,7 +143,7 @@ def backend_for(obj: object) -> Backend:
 DEFAULT_WORKLOAD = "mnist"
 """The workload of a config that names none: one saved before workloads were a config group."""
 
-ENTRIES = ("worker", "evaluate", "prepare", "data")
+ENTRIES = ("worker", "evaluate", "prepare", "data", "check", "train_size")
 """The entries of a :class:`~psdk.plugins.hookspecs.WorkloadRecord` that the commands run."""
 
 

@@ -26,7 +26,7 @@ import pluggy
 from psdk._moved import MOVED
 from psdk.errors import ConfigError, PluginError, UnknownBackendError
 from psdk.plugins import hookspecs
-from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, WorkloadRecord
+from psdk.plugins.hookspecs import BackendRecord, DatasetRecord, ModelRecord, TrainerRecord, WorkloadRecord
 from psdk.ps.rules import UpdateRule
 
 ENTRY_POINT_GROUP = "psdk"
@@ -289,9 +289,25 @@ def installed_datasets() -> dict[str, DatasetRecord]:
 
 
 def installed_workloads() -> dict[str, WorkloadRecord]:
-    """Every registered workload by name (``workload=<name>``)."""
+    """Every registered workload by name (``workload=<name>``), with the trainers other plugins give it."""
     records = _collected("psdk_register_workloads", lambda r: isinstance(r, WorkloadRecord), "WorkloadRecord")
-    return _unique(records, lambda r: r.name, lambda r: f"{r.worker} ({distribution_of(r.worker)})", "workload")
+    workloads = _unique(records, lambda r: r.name, lambda r: f"{r.worker} ({distribution_of(r.worker)})", "workload")
+    given = _collected("psdk_register_trainers", lambda r: isinstance(r, TrainerRecord), "TrainerRecord")
+    added: dict[str, dict[str, str]] = {}
+    for trainer in given:
+        if trainer.workload not in workloads:
+            continue  # a trainer for a workload that is not installed here: nothing to train
+        mine = added.setdefault(trainer.workload, {})
+        if trainer.framework in mine and mine[trainer.framework] != trainer.target:
+            raise PluginError(
+                f"two plugins give workload {trainer.workload!r} a {trainer.framework} trainer: "
+                f"{mine[trainer.framework]} and {trainer.target}"
+            )
+        mine[trainer.framework] = trainer.target
+    for name, trainers in added.items():
+        record = workloads[name]
+        workloads[name] = dataclasses.replace(record, trainers={**trainers, **record.trainers})
+    return workloads
 
 
 def load_target(target: str, what: str) -> Any:

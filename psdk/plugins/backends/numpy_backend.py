@@ -1,7 +1,8 @@
-"""The numpy reference backend: the dense models by hand, forward and backward.
+"""The numpy reference backend: the dense stacks by hand, forward and backward.
 
-It serves the core's tests (no framework needed) and shows the backend
-contract at its plainest. Its "framework optimizer" is a psdk update rule
+It serves the core's tests (no framework needed) and shows the bridge
+contract at its plainest; the loss is a workload's trainer's (MNIST's numpy
+trainer is :mod:`psdk.workloads.mnist.trainers`). Its "framework optimizer" is a psdk update rule
 (:mod:`psdk.ps.rules`), which is also what the ps runs.
 """
 
@@ -14,7 +15,6 @@ import numpy as np
 
 from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
-from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
 from psdk.protocol.sharding import flat_size, layout, views
 from psdk.ps.rules import UpdateRule
@@ -45,16 +45,8 @@ class NumpyModel:
                 h = np.maximum(h, 0.0)
         return h, inputs
 
-    def forward_backward(self, x: np.ndarray, y: np.ndarray) -> float:
-        logits, inputs = self.logits(x)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        exp = np.exp(shifted)
-        total = exp.sum(axis=1, keepdims=True)
-        rows = np.arange(len(y))
-        loss = float(np.mean(np.log(total[:, 0]) - shifted[rows, y]))
-        dz = exp / total
-        dz[rows, y] -= 1.0
-        dz /= np.float32(len(y))
+    def backward(self, dz: np.ndarray, inputs: list[np.ndarray]) -> None:
+        """Gradients of every variable, given the loss's gradient ``dz`` at the logits and :meth:`logits`'s inputs."""
         layers = self.spec.layers()
         for i in range(len(layers) - 1, -1, -1):
             name = layers[i][0]
@@ -63,7 +55,6 @@ class NumpyModel:
             np.sum(dz, axis=0, out=self.grads[f"{name}/bias"])
             if i:
                 dz = (dz @ self.params[f"{name}/kernel"].T) * (h > 0)
-        return loss
 
 
 class NumpyBackend(Backend):
@@ -94,9 +85,3 @@ class NumpyBackend(Backend):
     def read_gradients(self, model: NumpyModel, out: Mapping[str, np.ndarray]) -> None:
         for name, view in out.items():
             np.copyto(view, model.grads[name])
-
-    def forward_backward(self, model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
-        return model.forward_backward(x, y)
-
-    def accuracy(self, model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
-        return kit.batched_accuracy(lambda batch: np.argmax(model.logits(batch)[0], axis=1), x, y)
