@@ -22,7 +22,7 @@ parameters just pulled), the trainer's ``forward_backward``, then
 
 A backend written before workloads existed defined ``forward_backward`` and
 ``accuracy`` itself; :func:`psdk.plugins.load_backend` refuses one, naming
-what to move where (docs/plugins.md, "Moving a backend to a bridge").
+what to move where (docs/writing-a-backend.md, 'Moving a backend to a bridge').
 
 The module that defines a backend class may import its framework at the
 top: psdk imports it only when the backend is used. The module that

@@ -118,7 +118,7 @@ def refuse_old_contract(cls: type, name: str, target: str) -> None:
             "the loss and the predictions. Move forward_backward(model, x, y) to Trainer.forward_backward(model, "
             "batch) and accuracy to Trainer.predict (returning the logits), register it with "
             "psdk_register_trainers -> TrainerRecord('mnist', <framework>, 'pkg.mod:Class'), and delete both "
-            "from the backend: docs/plugins.md, 'Moving a backend to a bridge'"
+            "from the backend: docs/writing-a-backend.md, 'Moving a backend to a bridge'"
         )
 
 
