@@ -61,6 +61,8 @@ def psdk_register_workloads() -> list[WorkloadRecord]:
             trainers={"*": "psdk.workloads.mnist.job:WorkerJob"},
             worker="psdk.workloads.mnist.job:run_worker",
             evaluate="psdk.workloads.mnist.evaluate:run_evaluate",
+            check="psdk.workloads.mnist.checks:check",
+            train_size="psdk.workloads.mnist.checks:train_size",
             prepare="psdk.workloads.mnist.data:prepare",
             data="psdk.workloads.mnist.data:check_data",
             metrics=MNIST_METRICS,

@@ -17,11 +17,11 @@ from psdk.client import checkpoint
 from psdk.config import build
 from psdk.config.options import options_from
 from psdk.data import mnist
-from psdk.data.datasets import check_fits, load_dataset
 from psdk.errors import ConfigError
 from psdk.plugins.loading import load_backend
 from psdk.plugins.models import build_model
 from psdk.report.metrics import write_json_atomic
+from psdk.workloads.mnist.checks import load_fitting
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,7 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
     backend = load_backend(str(cfg.backend), build.backend_options(cfg, str(cfg.backend)))
     options = options_from(cfg)
     backend.setup("cpu", options.train.threads, options.placement.gpu_memory_fraction)
-    data = load_dataset(cfg.data)
-    check_fits(data, spec, str(cfg.data.get("name", "mnist")))
+    data = load_fitting(cfg.data, spec)
     model = build_model(backend, spec, weights)
     accuracy = backend.accuracy(model, mnist.to_float(data.test_x), data.test_y)
     result = {"weights": str(cfg.weights), "backend": backend.name, "model": spec.name, "test_accuracy": accuracy}

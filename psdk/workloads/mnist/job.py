@@ -29,7 +29,6 @@ from psdk.client import StepResult, checkpoint
 from psdk.config import build
 from psdk.config.options import PlacementOptions
 from psdk.data import mnist
-from psdk.data.datasets import check_fits, load_dataset
 from psdk.errors import TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
@@ -49,6 +48,7 @@ from psdk.report.tensorboard import TensorBoardSink
 from psdk.runtime.disks import WriteError, is_write_failure
 from psdk.runtime.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.runtime.liveness import beat
+from psdk.workloads.mnist.checks import load_fitting
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ class WorkerReport:
 
 def load_split(setup: WorkerSetup) -> mnist.Split:
     """This worker's part of the job's dataset (``data.name``), once the model is known to fit it."""
-    data = load_dataset(setup.data)
-    check_fits(data, setup.model, str(setup.data.get("name", "mnist")))
+    data = load_fitting(setup.data, setup.model)
     return mnist.split(data, setup.task, setup.cluster.num_workers, setup.validation_size)
 
 
