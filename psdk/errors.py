@@ -125,7 +125,7 @@ class BindError(PsdkError):
 
 
 class DataError(PsdkError):
-    """MNIST is missing, corrupt, or could not be downloaded."""
+    """A workload's data set is missing, corrupt, could not be downloaded, or is not what the workload reads."""
 
 
 class ProtocolError(PsdkError):

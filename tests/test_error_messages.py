@@ -179,6 +179,25 @@ def test_more_replicas_to_aggregate_than_workers(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["data.validation_size=60000"], ["data.validation_size: must be in [0, 60000), got 60000"]),
+        (
+            ["train.batch_size=40000"],
+            ["train.batch_size: 40000 is more than a worker's shard of the training set (27500 images", "=100"],
+        ),
+        (["model.input_dim=100"], ["model.input_dim: is 100, but the mnist images have 784 pixels; must be 784"]),
+    ],
+)
+def test_the_workload_refuses_a_model_or_split_that_does_not_fit_its_data_before_any_task_starts(
+    tmp_path: Path, args: list[str], fragments: list[str]
+) -> None:
+    """MNIST's ``check`` entry, run by the launcher: no task is started, let alone restarted."""
+    fails_with(tmp_path, ["run", "backend=numpy", *args], fragments)
+    assert not list((tmp_path / "run" / "tasks").glob("*.pid"))
+
+
 def test_resume_from_nothing_or_from_a_file_that_is_no_checkpoint(tmp_path: Path) -> None:
     what = "resume= takes a checkpoint the chief wrote"
     fails_with(tmp_path, ["run", "backend=numpy", f"resume={tmp_path / 'nothing'}"], ["no checkpoint at", what])

@@ -23,6 +23,7 @@ from psdk.errors import ConfigError, DataError
 from psdk.plugins import registry
 from psdk.plugins.hookspecs import DatasetRecord
 from psdk.plugins.models import ModelSpec
+from psdk.workloads.mnist import checks
 
 from .jobs import FAST_FLAGS
 
@@ -160,11 +161,11 @@ def test_any_folder_of_idx_files_is_a_dataset_without_code(tmp_path: Path) -> No
     folder = fashion_like(tmp_path / "fashion")
     data = datasets.idx_folder({"dir": str(folder)})
     assert data.train_x.shape == (2000, 64) and data.test_y.shape == (300,) and data.train_x.dtype == np.uint8
-    datasets.check_fits(data, ModelSpec(hidden=(16,), input_dim=64, num_classes=3), "idx")
+    checks.check_fits(data, ModelSpec(hidden=(16,), input_dim=64, num_classes=3), "idx")
     with pytest.raises(ConfigError, match=r"model\.input_dim: is 784, but the idx images have 64 pixels"):
-        datasets.check_fits(data, ModelSpec(), "idx")
+        checks.check_fits(data, ModelSpec(), "idx")
     with pytest.raises(ConfigError, match=r"model\.num_classes: is 2, but the idx labels go up to 2"):
-        datasets.check_fits(data, ModelSpec(input_dim=64, num_classes=2), "idx")
+        checks.check_fits(data, ModelSpec(input_dim=64, num_classes=2), "idx")
     with pytest.raises(ConfigError, match=r"data\.dir"):
         datasets.idx_folder({"dir": None})
     (folder / "t10k-labels-idx1-ubyte.gz").unlink()
@@ -187,7 +188,7 @@ def test_a_job_on_an_idx_folder(tmp_path: Path) -> None:
 
 def test_an_unknown_dataset_lists_the_installed_ones() -> None:
     with pytest.raises(ConfigError, match=r"data\.name: no installed plugin provides a dataset called 'cifar'"):
-        datasets.load_dataset({"name": "cifar"})
+        checks.load_images({"name": "cifar"})
 
 
 MISBEHAVING = """
@@ -236,7 +237,7 @@ def test_a_dataset_of_float_images_is_refused_not_scaled_twice(monkeypatch: pyte
         registry, "installed_datasets", lambda: {"floaty": DatasetRecord("floaty", f"{__name__}:floaty")}
     )
     with pytest.raises(DataError, match=r"gave train_x as float32\[20, 4\]; psdk takes flat uint8 images"):
-        datasets.load_dataset({"name": "floaty"})
+        checks.load_images({"name": "floaty"})
 
 
 def test_an_unknown_dataset_is_refused_before_any_task_starts(tmp_path: Path) -> None:

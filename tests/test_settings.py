@@ -25,10 +25,10 @@ from psdk.config.build import model_spec, update_rule
 from psdk.config.options import options_from
 from psdk.config.ranges import RANGES, SEED_MAX, THREADS_MAX, check_ranges, check_value, numeric_leaves
 from psdk.config.readers import refuse_ignored
-from psdk.data.datasets import check_shape, known_shape
 from psdk.errors import USAGE_EXIT, ConfigError
 from psdk.plugins.models import ModelSpec
 from psdk.protocol.sharding import largest_message_bytes, shard_sizes
+from psdk.workloads.mnist.checks import check_shape, known_shape
 
 from .conftest import free_port
 from .jobs import psdk

@@ -113,6 +113,11 @@ def topology(cfg: DictConfig) -> Topology:
     return cast(Topology, instantiate_node(cfg, "topology"))
 
 
+def num_workers(cfg: DictConfig) -> int:
+    """The job's workers: the launcher's ``topology.num_workers``, or a task's ``worker_hosts``."""
+    return topology(cfg).num_workers if cfg.job_name is None else cluster_from(cfg).num_workers
+
+
 def model_spec(cfg: DictConfig) -> ModelSpec:
     """The job's model spec: a :class:`ModelSpec`, or the spec class of the plugin that provides the model."""
     return cast(ModelSpec, instantiate_node(cfg, "model"))
@@ -133,14 +138,14 @@ def sync_spec(cfg: DictConfig) -> SyncSpec:
     return cast(SyncSpec, instantiate_node(cfg, "sync"))
 
 
-def check_training(cfg: DictConfig, options: TaskOptions, sync: SyncSpec, num_workers: int, warn: bool = True) -> None:
+def check_training(cfg: DictConfig, options: TaskOptions, sync: SyncSpec, warn: bool = True) -> None:
     """The training loop's settings, refused before any task starts when they cannot work together.
 
     Each group's own values were checked when ``options`` and ``sync`` were built; these checks span groups.
     ``warn``: also warn about settings that work but may train badly (once per job: the launcher).
+    What depends on the data (a batch against a worker's shard of it) is the workload's ``check``
+    entry, run by :func:`psdk.config.capacity.check_job`.
     """
-    from psdk.data.mnist import TRAIN_SIZE
-
     train = options.train
     if train.overlap and not sync.allows_overlap:
         raise ConfigError(
@@ -156,17 +161,6 @@ def check_training(cfg: DictConfig, options: TaskOptions, sync: SyncSpec, num_wo
             "train.overlap adds a step of staleness, which acts like extra momentum: with "
             "optimizer.momentum=%g training may oscillate; lower it (e.g. optimizer=sgd)",
             momentum,
-        )
-    held_out = int(cfg.data.validation_size)
-    if not 0 <= held_out < TRAIN_SIZE:
-        raise ConfigError("data.validation_size", f"must be in [0, {TRAIN_SIZE}), got {held_out}")
-    shard = (TRAIN_SIZE - held_out) // num_workers
-    if train.batch_size > shard:
-        raise ConfigError(
-            "train.batch_size",
-            f"{train.batch_size} is more than a worker's shard of the training set ({shard} images: "
-            f"{TRAIN_SIZE - held_out} split over {num_workers} workers); use train.batch_size={min(shard, 100)} "
-            "or fewer workers",
         )
 
 

@@ -1,10 +1,11 @@
 """Settings checked against the job they run: its model, its workers, its data set and this host.
 
 Each key's own range is in :mod:`psdk.config.ranges`; a value inside it can
-still not fit the job. A message limit below the chief's first message left
-the job waiting for an init the ps had dropped; a model that does not fit
-in memory, or an address the host does not have, failed only once the
-tasks had started. The launcher checks all of this before it starts a
+still not fit the job, and a model not fit the workload's data (the
+workload's ``check`` entry says, :func:`check_data_fits`). A message limit
+below the chief's first message left the job waiting for an init the ps
+had dropped; a model that does not fit in memory, or an address the host
+does not have, failed only once the tasks had started. The launcher checks all of this before it starts a
 task (:func:`check_job`, and :func:`check_host` for the tasks it starts on
 this host), and a ps or worker started by hand checks its own share
 (:func:`check_task`); each refusal names the key and what it must be.
@@ -23,9 +24,9 @@ from omegaconf import DictConfig
 from psdk.config import build
 from psdk.config.options import TaskOptions, options_from
 from psdk.config.ranges import MESSAGE_MAX, check_ranges
-from psdk.data.datasets import check_shape, known_shape
 from psdk.errors import ConfigError
 from psdk.launch import LAUNCHED_ENV
+from psdk.plugins.loading import run_entry
 from psdk.protocol.cluster import parse_hosts
 from psdk.protocol.sharding import largest_message_bytes, shard_sizes
 
@@ -117,10 +118,13 @@ def check_memory(cfg: DictConfig, num_ps_here: list[int], workers_here: int, num
 
 
 def check_data_fits(cfg: DictConfig) -> None:
-    """The model's input and classes against the data set's, known before any worker reads it."""
-    shape = known_shape(cfg.data)
-    if shape is not None:
-        check_shape(shape, build.model_spec(cfg), str(cfg.data.get("name", "mnist")))
+    """The model against the data, by the workload's ``check`` entry: whatever fitting means to it.
+
+    A model's input and output against the data set's shape, a batch
+    against a worker's shard of it, known before any worker reads the data;
+    a workload without a ``check`` entry has nothing checked here.
+    """
+    run_entry(cfg, "check")
 
 
 def check_job(cfg: DictConfig, options: TaskOptions, num_ps: int, num_workers: int) -> None:

@@ -168,8 +168,8 @@ class ModelConfig:
     _target_: str = "psdk.plugins.models:ModelSpec"
     name: str = MISSING
     hidden: list[int] = field(default_factory=list)
-    input_dim: int = 784
-    num_classes: int = 10
+    input_dim: int = MISSING  # the data's features and classes: each model file (conf/model/) gives its own
+    num_classes: int = MISSING
     init: str = "glorot_uniform"  # how the kernels are drawn (psdk.plugins.models.INITIALIZERS)
     init_stddev: float | None = None  # normal, truncated_normal: their stddev (null: 1.0)
 
@@ -205,17 +205,15 @@ class RayLauncherConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "mnist"
+    """``data.*``: the workload's data set. ``name`` null is the workload's own (its ``check`` and
+    ``shard`` entries say which), ``mirrors`` empty are the data set's own download mirrors."""
+
+    name: str | None = None
     dir: Any = None
     cache_dir: Any = None
     download: bool = True
     validation_size: int = 5000
-    mirrors: list[str] = field(
-        default_factory=lambda: [
-            "https://ossci-datasets.s3.amazonaws.com/mnist/",
-            "https://storage.googleapis.com/cvdf-datasets/mnist/",
-        ]
-    )
+    mirrors: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -291,8 +291,10 @@ def resolve_dir(
     """The folder holding all four files, downloading into the cache if needed.
 
     ``data_dir`` defaults to ``$PSDK_DATA_DIR``, so scripts on the public API
-    find the files the same way the CLI does.
+    find the files the same way the CLI does; no ``mirrors`` (``data.mirrors``
+    left empty) are :data:`MIRRORS`.
     """
+    mirrors = list(mirrors) or list(MIRRORS)
     data_dir = data_dir or os.environ.get("PSDK_DATA_DIR") or None
     if data_dir:
         folder = Path(data_dir).expanduser()

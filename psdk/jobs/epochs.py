@@ -1,8 +1,8 @@
 """What an epoch is in psdk, and the arithmetic between epochs, batches and global steps.
 
 An epoch is one pass over the training set by the job as a whole: every
-worker once through its own shard (the workers split the training set,
-:func:`psdk.data.mnist.split`), so every training image is used once. That
+worker once through its own shard (the workers split the training set, each
+workload's ``shard`` entry), so every training example is used once. That
 is what an epoch means to Keras and PyTorch, and it does not change with the
 number of workers: 3 epochs train on as many images with 2 workers as with 8.
 TensorFlow 1.x's ps/worker programs counted otherwise, each worker looping
@@ -11,7 +11,8 @@ over the whole set N times; with W workers that is ``train.epochs=N*W`` here
 
 A pass over a shard cuts ``shard // batch_size`` batches (the rest wait,
 reshuffled, for the next pass), so an epoch is the sum of those over the
-workers: 549 batches of 100 for 55,000 images on 3 workers. A global step
+workers: 549 batches of 100 for 55,000 examples on 3 workers. The size of
+the training set is the workload's to say (its ``train_size`` entry). A global step
 uses one batch in async and ssp modes, and ``replicas_to_aggregate`` batches
 in sync mode (the mean of that many gradients is one update; a backup
 worker's dropped gradient uses none). ``train.epochs`` sets ``train.steps``
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def shard_sizes(train_size: int, num_workers: int) -> list[int]:
-    """Each worker's share of ``train_size`` training images, as :func:`numpy.array_split` cuts them."""
+    """Each worker's share of ``train_size`` training examples, as :func:`numpy.array_split` cuts them."""
     base, extra = divmod(train_size, num_workers)
     return [base + (1 if i < extra else 0) for i in range(num_workers)]
 
@@ -46,14 +47,14 @@ class EpochCount:
 
     @classmethod
     def of_job(cls, train_size: int, num_workers: int, batch_size: int, batches_per_step: int = 1) -> EpochCount:
-        """The count for ``train_size`` images split over ``num_workers`` workers cutting ``batch_size`` batches."""
+        """The count for ``train_size`` examples split over ``num_workers`` workers cutting ``batch_size`` batches."""
         if num_workers < 1 or batch_size < 1 or batches_per_step < 1:
             raise ValueError(f"workers {num_workers}, batch {batch_size}, batches per step {batches_per_step}")
         per_epoch = sum(size // batch_size for size in shard_sizes(train_size, num_workers))
         if per_epoch < 1:
             raise ConfigError(
                 "train.batch_size",
-                f"{batch_size} leaves no whole batch in a worker's shard of {train_size} images over {num_workers} "
+                f"{batch_size} leaves no whole batch in a worker's shard of {train_size} examples over {num_workers} "
                 "workers, so an epoch would use none",
             )
         return cls(per_epoch, batches_per_step)
@@ -81,6 +82,23 @@ def count_of(cfg: Any, num_workers: int, train_size: int) -> EpochCount:
     return EpochCount.of_job(train_size, num_workers, int(cfg.train.batch_size), per_step)
 
 
+def workload_train_size(cfg: Any) -> int:
+    """The training examples of the whole job, as the workload counts them (its ``train_size`` entry).
+
+    A workload without one counts no epochs: ``train.epochs`` is refused, naming ``train.steps``.
+    """
+    from psdk.plugins.loading import run_entry, workload_of
+
+    size = run_entry(cfg, "train_size")
+    if size is None:
+        raise ConfigError(
+            "train.epochs",
+            f"the workload {workload_of(cfg).name!r} does not say how big its training set is (it has no "
+            "train_size entry), so it counts no epochs; give train.steps instead",
+        )
+    return int(size)
+
+
 def resolve_steps(cfg: Any) -> int | None:
     """Set ``train.steps`` from ``train.epochs`` (when given) in ``cfg`` itself; the steps set, else None.
 
@@ -94,10 +112,9 @@ def resolve_steps(cfg: Any) -> int | None:
     if epochs is None:
         return None
     from psdk.config import build
-    from psdk.data.datasets import train_size
 
-    num_workers = build.topology(cfg).num_workers if cfg.job_name is None else build.cluster_from(cfg).num_workers
-    count = count_of(cfg, num_workers, train_size(cfg.data))
+    num_workers = build.num_workers(cfg)
+    count = count_of(cfg, num_workers, workload_train_size(cfg))
     steps = count.steps_for(float(epochs))
     cfg.train.steps = steps
     log.info(

@@ -78,7 +78,7 @@ def worker_setup(cfg: DictConfig) -> WorkerSetup:
     cluster = build.cluster_from(cfg)
     cluster.check_task("worker", task)
     sync = build.sync_spec(cfg)
-    build.check_training(cfg, options, sync, cluster.num_workers, warn=LAUNCHED_ENV not in os.environ)
+    build.check_training(cfg, options, sync, warn=LAUNCHED_ENV not in os.environ)
     backend = build.topology(cfg).backend_of(task, str(cfg.backend))
     check_framework(backend)  # a framework not installed is named before anything is built with it
     return WorkerSetup(

@@ -29,7 +29,6 @@ from omegaconf import DictConfig
 from psdk.client import checkpoint
 from psdk.config import build, capacity
 from psdk.config.options import TaskOptions, options_from
-from psdk.data.datasets import check_dataset_name
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
 from psdk.launch import LAUNCHED_ENV, announce, handoff
 from psdk.launch.curves import CurvesInBackground
@@ -104,10 +103,9 @@ class LocalLauncher:
             merged_options(installed[name].record, build.backend_options(cfg, name))
         sync = build.sync_spec(cfg)
         sync.resolved(topology.num_workers)
-        check_dataset_name(cfg.data)
         check_supported(str(build.model_spec(cfg).name), backends)
         build.update_rule(cfg)
-        build.check_training(cfg, self.options, sync, topology.num_workers)
+        build.check_training(cfg, self.options, sync)
         build.run_id(cfg)
         build.check_liveness(self.options)
         if self.starts_tasks_here:

@@ -60,6 +60,8 @@ def psdk_register_workloads() -> list[WorkloadRecord]:
             trainers={"psdk": "psdk.workloads.mnist.trainers:NumpyClassifier"},
             shard="psdk.workloads.mnist.workload:shard",
             score="psdk.workloads.mnist.workload:score",
+            check="psdk.workloads.mnist.checks:check",
+            train_size="psdk.workloads.mnist.checks:train_size",
             prepare="psdk.workloads.mnist.data:prepare",
             data="psdk.workloads.mnist.data:check_data",
             metrics=MNIST_METRICS,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from psdk.data import mnist
+from psdk.workloads.mnist.checks import DATASET, dataset_name
 
 
 def _folder(data: Any) -> str:
@@ -19,7 +20,7 @@ def _folder(data: Any) -> str:
 
 def prepare(cfg: Any) -> list[str]:
     """Fetch MNIST once, here, when the job trains on it; the override that points every task at it."""
-    if str(cfg.data.get("name", "mnist")) != "mnist":
+    if dataset_name(cfg.data) != DATASET:
         return []  # another dataset: each worker loads its own
     return [f"data.dir={_folder(cfg.data)}"]
 

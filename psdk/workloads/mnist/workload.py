@@ -13,8 +13,8 @@ from functools import cached_property
 import numpy as np
 
 from psdk.data import mnist
-from psdk.data.datasets import check_fits, load_dataset
 from psdk.plugins.batches import Batch, Shard, ShardRequest
+from psdk.workloads.mnist.checks import load_fitting
 from psdk.workloads.mnist.trainers import IMAGE
 
 
@@ -56,8 +56,7 @@ class MnistShard(Shard):
 
 def shard(request: ShardRequest) -> MnistShard:
     """This worker's part of the job's dataset (``data.name``), once the model is known to fit it."""
-    data = load_dataset(request.data)
-    check_fits(data, request.model, str(request.data.get("name", "mnist")))
+    data = load_fitting(request.data, request.model)
     held_out = int(request.data.get("validation_size", 0) or 0)
     split = mnist.split(data, request.task, request.num_workers, held_out)
     return MnistShard(split, request.num_workers)
