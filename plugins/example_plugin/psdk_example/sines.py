@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from psdk import ArrayShard, Batch, MetricSpec
+from psdk import ArrayShard, Batch, MetricSpec, ShardRequest
 from psdk.errors import ConfigError
+from psdk_example.regressor import RegressorSpec
 
 INPUTS = "x"
 """The one input of every batch: float32 [n, input_dim]."""
@@ -146,17 +147,37 @@ def options_of(cfg: Any) -> SinesOptions:
     return SinesOptions.of(cfg.workload)
 
 
-# ----------------------------------------------------------------------------- the record's entries
-def shard(setup: Any) -> ArrayShard:
-    """This worker's slice of the training set, and the validation and test sets every worker shares."""
-    options = options_of(setup.config)
-    num_workers = setup.cluster.num_workers
-    if options.examples < num_workers:
+def check_model(model: Any, options: SinesOptions) -> None:
+    """Refuse a model (a spec, or the config's ``model`` node) that does not take ``input_dim`` inputs to one output."""
+    name, input_dim, outputs = (getattr(model, key, None) for key in ("name", "input_dim", "outputs"))
+    if outputs is None:
+        fix = "" if options.input_dim == RegressorSpec.input_dim else f" model.input_dim={options.input_dim}"
         raise ConfigError(
-            "workload.examples", f"is {options.examples}, fewer than the {num_workers} workers: each needs some"
+            "model",
+            f"model={name} is no regression model (it has no model.outputs); workload=sines predicts one "
+            f"number from {options.input_dim} inputs: use model=regressor{fix}",
+        )
+    if int(outputs) != 1:
+        raise ConfigError("model.outputs", f"is {outputs}, but workload=sines predicts one number: use 1")
+    if input_dim is None or int(input_dim) != options.input_dim:
+        raise ConfigError(
+            "model.input_dim",
+            f"is {input_dim}, but workload.input_dim={options.input_dim}: give "
+            f"model.input_dim={options.input_dim} (or workload.input_dim={input_dim})",
+        )
+
+
+# ----------------------------------------------------------------------------- the record's entries
+def shard(request: ShardRequest) -> ArrayShard:
+    """This worker's slice of the training set, and the validation and test sets every worker shares."""
+    options = SinesOptions.of(request.options)
+    check_model(request.model, options)  # a worker started by hand was not checked by a launcher
+    if options.examples < request.num_workers:
+        raise ConfigError(
+            "workload.examples", f"is {options.examples}, fewer than the {request.num_workers} workers: each needs some"
         )
     train, validation, test = generate(options)
-    part = worker_part(train, setup.task, num_workers)
+    part = worker_part(train, request.task, request.num_workers)
     return ArrayShard(part, test, validation=validation, train_size=len(train))
 
 
@@ -175,21 +196,5 @@ def train_size(cfg: Any) -> int:
 
 
 def check(cfg: Any) -> None:
-    """Refuse, before any task starts, a model that does not take ``input_dim`` inputs to one output."""
-    options = options_of(cfg)
-    model = cfg.model
-    name = model.get("name")
-    if "outputs" not in model:
-        raise ConfigError(
-            "model",
-            f"model={name} is no regression model (it has no model.outputs); workload=sines predicts one "
-            f"number from {options.input_dim} inputs: use model=regressor model.input_dim={options.input_dim}",
-        )
-    if int(model.outputs) != 1:
-        raise ConfigError("model.outputs", f"is {model.outputs}, but workload=sines predicts one number: use 1")
-    if int(model.get("input_dim", -1)) != options.input_dim:
-        raise ConfigError(
-            "model.input_dim",
-            f"is {model.get('input_dim')}, but workload.input_dim={options.input_dim}: give "
-            f"model.input_dim={options.input_dim} (or workload.input_dim={model.get('input_dim')})",
-        )
+    """Refuse, before any task starts, options no data can come from and a model that does not fit the data."""
+    check_model(cfg.model, options_of(cfg))
