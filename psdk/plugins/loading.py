@@ -214,7 +214,8 @@ def listing() -> list[tuple[str, str, str, str]]:
     for name, workload in sorted(installed_workloads().items()):
         trainers = ", ".join(sorted(workload.trainers)).replace("*", "every backend")
         description = f"{workload.description} (trains on: {trainers})"
-        rows.append(("workload", name, distribution_of(workload.worker), description))
+        provider = distribution_of(workload.shard or workload.worker)  # its own entry: the worker may be psdk's loop
+        rows.append(("workload", name, provider, description))
     return rows
 
 
