@@ -28,9 +28,10 @@ from psdk_example.sines import INPUTS
 
 def build(backend: Any, spec: RegressorSpec, weights: Mapping[str, np.ndarray]) -> DenseStack:
     """The regressor on the backend's device: a DenseStack of its layers (typed for psdk's ModelSpec)."""
+    stack: Any = spec  # DenseStack takes any spec with layers() and variables(); it is typed for ModelSpec
     return DenseStack(
-        spec, weights, backend.device_handle(), jit=bool(backend.option("jit")), precision=backend.precision()
-    )  # type: ignore[arg-type]
+        stack, weights, backend.device_handle(), jit=bool(backend.option("jit")), precision=backend.precision()
+    )
 
 
 def outputs(params: Mapping[str, Any], x: Any, layers: tuple[str, ...], precision: str | None) -> Any:

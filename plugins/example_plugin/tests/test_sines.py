@@ -120,16 +120,16 @@ def test_a_model_that_does_not_fit_is_refused_before_a_task_starts() -> None:
     prepare_hydra()  # the schemas and the plugins' choices, as a task has them
     checker = OverrideChecker(config_dir())
     sines.check(checker.composed(["workload=sines", "model=regressor"]))
-    with pytest.raises(ConfigError, match="model=mlp is no regression model.*use model=regressor") as caught:
+    with pytest.raises(ConfigError, match=r"model=mlp is no regression model.*use model=regressor") as caught:
         sines.check(checker.composed(["workload=sines"]))
     assert caught.value.key == "model"
-    with pytest.raises(ConfigError, match="give model.input_dim=16") as caught:
+    with pytest.raises(ConfigError, match=r"give model\.input_dim=16") as caught:
         sines.check(checker.composed(["workload=sines", "model=regressor", "workload.input_dim=16"]))
     assert caught.value.key == "model.input_dim"
     with pytest.raises(ConfigError, match="predicts one number") as caught:
         sines.check(checker.composed(["workload=sines", "model=regressor", "model.outputs=2"]))
     assert caught.value.key == "model.outputs"
-    with pytest.raises(ConfigError, match="model.input_dim"):  # and by each worker, started by hand or not
+    with pytest.raises(ConfigError, match=r"model\.input_dim"):  # and by each worker, started by hand or not
         sines.shard(request(model=RegressorSpec(input_dim=4)))
     with pytest.raises(ConfigError, match="fewer than the 3 workers"):
         sines.shard(request(num_workers=3, examples=2))

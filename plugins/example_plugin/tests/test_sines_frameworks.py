@@ -74,7 +74,7 @@ def run_step(backend: str) -> dict[str, object]:
 def test_the_numpy_reference_runs_through_the_same_code() -> None:
     """The subprocess's code, here on the numpy backend: what the frameworks are compared with."""
     namespace: dict[str, object] = {"SPEC": SPEC, "OPTIONS": OPTIONS}
-    exec(STEP, namespace)  # noqa: S102 - the same code the subprocesses run
+    exec(STEP, namespace)  # the same code the subprocesses run
     result = namespace["step"]("numpy")  # type: ignore[operator]
     assert result["variables"] and result["dtype"] == "float32" and len(result["predictions"]) == 700
 
