@@ -213,7 +213,8 @@ def listing() -> list[tuple[str, str, str, str]]:
         rows.append(("dataset", name, distribution_of(dataset.target), dataset.description))
     for name, workload in sorted(installed_workloads().items()):
         description = f"{workload.description} (trains on: {', '.join(_trained_on(workload)) or 'no backend'})"
-        rows.append(("workload", name, distribution_of(workload.worker), description))
+        provider = distribution_of(workload.shard or workload.worker)  # its own entry: the worker may be psdk's loop
+        rows.append(("workload", name, provider, description))
     return rows
 
 
