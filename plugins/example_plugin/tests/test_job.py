@@ -33,20 +33,22 @@ def needs(*backends: str) -> None:
 
 @pytest.mark.parametrize("backend", sorted(FRAMEWORKS))
 def test_the_builder_computes_the_specs_network(backend: str, tmp_path: Path) -> None:
-    """Built through psdk for ``backend``, the model's loss and weights are the spec's numpy network's."""
+    """Built through MNIST's trainer for ``backend``, the model's loss and weights are the spec's numpy network's."""
     needs(backend)
     code = f"""
 import json, numpy as np
-from psdk.plugins.models import build_model
-from psdk.plugins import load_backend
+from psdk import Batch
+from psdk.plugins import installed_workloads, load_backend
+from psdk.plugins.registry import load_target
 from psdk_example.resmlp import ResMlpSpec
 spec = ResMlpSpec(width=24, blocks=2, input_dim=20)
 backend = load_backend({backend!r}); backend.setup("cpu", threads=1)
+trainer = load_target(installed_workloads()["mnist"].trainer(backend.record.framework), "trainer")(backend)
 weights = {{k: v + np.float32(0.01) for k, v in spec.init_weights(5).items()}}  # non-zero biases too
-model = build_model(backend, spec, weights)
+model = trainer.build_model(spec, weights)
 rng = np.random.default_rng(0)
 x, y = rng.random((32, 20), dtype=np.float32), rng.integers(0, 10, 32)
-loss = backend.forward_backward(model, x, y)
+loss = trainer.forward_backward(model, Batch({{"image": x}}, y))
 logits = spec.forward(weights, x).astype(np.float64)
 shifted = logits - logits.max(axis=1, keepdims=True)
 expected = float(np.mean(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(32), y]))
