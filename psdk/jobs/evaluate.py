@@ -19,7 +19,7 @@ from psdk.client import checkpoint
 from psdk.config import build
 from psdk.config.options import options_from
 from psdk.errors import ConfigError
-from psdk.jobs.worker import Workload, workload_options
+from psdk.jobs.workload import Workload, workload_options
 from psdk.plugins.batches import ShardRequest
 from psdk.plugins.loading import load_backend, workload_of
 from psdk.report.metrics import write_json_atomic
@@ -41,8 +41,8 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
     options = options_from(cfg)
     backend.setup("cpu", options.train.threads, options.placement.gpu_memory_fraction)
     record = workload_of(cfg)
-    workload = Workload(record, backend, workload_options(cfg))
     options_of_workload = workload_options(cfg)
+    workload = Workload(record, backend, options_of_workload)
     request = ShardRequest(0, 1, cfg.data, spec, options_of_workload, int(cfg.get("seed") or 0))
     test = workload.shard(request).test  # every worker's test set is the same: asked for as the only worker
     model = workload.trainer.build_model(spec, weights)
@@ -60,10 +60,6 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
     folder = Path(cfg.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / "evaluation.json", result)
-    specs = {m.name: m for m in record.metrics}
-    shown = ", ".join(
-        f"test {specs[n].words if n in specs else n} {specs[n].show(v) if n in specs else format(v, '.4f')}"
-        for n, v in metrics.items()
-    )
+    shown = workload.shown("test", metrics)
     print(f"{shown} (backend {backend.name}, {len(test)} examples, {cfg.weights})")
     return result

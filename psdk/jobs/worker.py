@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,12 @@ from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
 from psdk.client import StepResult, checkpoint
 from psdk.config import build
 from psdk.config.options import PlacementOptions
-from psdk.errors import PluginError, TrainingResumed
+from psdk.errors import TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
 from psdk.jobs.setup import WorkerSetup, worker_setup
 from psdk.jobs.summary import build_summary, save_params
+from psdk.jobs.workload import Workload, workload_options
 from psdk.launch import LAUNCHED_ENV
 from psdk.launch.placement import (
     RankPlacement,
@@ -43,12 +43,8 @@ from psdk.launch.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins.backend import Backend
-from psdk.plugins.batches import Batch, Shard, ShardRequest
-from psdk.plugins.hookspecs import WorkloadRecord
-from psdk.plugins.loading import check_trainer, load_backend, load_target, workload_of
-from psdk.plugins.metrics import MetricSpec, primary
-from psdk.plugins.trainer import Trainer
+from psdk.plugins.batches import Shard, ShardRequest
+from psdk.plugins.loading import load_backend, workload_of
 from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
 from psdk.runtime.disks import WriteError, is_write_failure
@@ -112,47 +108,6 @@ class WorkerReport:
             # The primary metric under its own key too (MNIST's "test_accuracy", which scripts read).
             **{f"test_{name}": value for name, value in self.test_metrics.items()},
         }
-
-
-class Workload:
-    """The chosen workload as one worker runs it: its record, its trainer on this framework, its scoring."""
-
-    def __init__(self, record: WorkloadRecord, backend: Backend, options: Mapping[str, Any]):
-        self.record = record
-        self.trainer = make_trainer(record, backend, options)
-        self._score = load_target(record.score, f"the score entry of workload {record.name!r}")
-        self.primary: MetricSpec | None = primary(record.metrics)
-        self.held_out = [m for m in record.metrics if m.held_out]
-
-    def shard(self, request: ShardRequest) -> Shard:
-        """This worker's part of the data, from the workload's ``shard`` entry (checked to be a Shard)."""
-        made = load_target(self.record.shard, f"the shard entry of workload {self.record.name!r}")(request)
-        if not isinstance(made, Shard):
-            raise PluginError(
-                f"workload {self.record.name!r}'s shard entry {self.record.shard} returned {type(made).__name__}, "
-                "not a psdk.plugins.batches.Shard (psdk.ArrayShard holds data that fits in memory)"
-            )
-        return made
-
-    def score(self, model: Any, batch: Batch) -> dict[str, float]:
-        """The workload's held-out metrics of ``model`` on ``batch``: the trainer predicts, the workload scores."""
-        scored = self._score(self.trainer.predictions(model, batch), batch)
-        return {name: float(value) for name, value in dict(scored).items()}
-
-
-def make_trainer(record: WorkloadRecord, backend: Backend, options: Mapping[str, Any]) -> Trainer:
-    """The workload's trainer for ``backend``'s framework, on that bridge."""
-    target = check_trainer(record, backend.name)
-    cls = load_target(target, f"the {backend.record.framework} trainer of workload {record.name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise PluginError(f"workload {record.name!r}'s trainer {target} is not a psdk.plugins.trainer.Trainer")
-    return cls(backend, options)
-
-
-def workload_options(cfg: DictConfig) -> dict[str, Any]:
-    """The ``workload.*`` keys the job sets (its name aside): what the workload's trainer and entries read."""
-    node = cfg.get("workload") or {}
-    return {str(k): v for k, v in build.plain(node).items() if k != "name"}
 
 
 def run_worker(cfg: DictConfig) -> None:
@@ -309,19 +264,9 @@ class WorkerJob:
         log.info(
             "worker %d: %s of the parameters it pulled last (global step %d)",
             self.task,
-            self._shown("test", self.report.test_metrics),
+            self.workload.shown("test", self.report.test_metrics),
             self.session.global_step,
         )
-
-    def _shown(self, where: str, values: Mapping[str, float]) -> str:
-        """``test accuracy 0.9812``: each held-out metric as its spec shows it."""
-        specs = {m.name: m for m in self.workload.record.metrics}
-        parts = [
-            f"{where} {specs[name].words if name in specs else name} "
-            f"{specs[name].show(value) if name in specs else format(value, '.4f')}"
-            for name, value in values.items()
-        ]
-        return ", ".join(parts)
 
     def train(self) -> None:
         train = self.train_options
@@ -435,7 +380,7 @@ class WorkerJob:
             result.global_step,
             self.report.local_steps,
             loss,
-            f", {self._shown('validation', scored)}" if scored else "",
+            f", {self.workload.shown('validation', scored)}" if scored else "",
             rate,
         )
 
@@ -508,7 +453,7 @@ class WorkerJob:
         write_json_atomic(out / "summary.json", summary)
         log.info(
             "worker 0: %s of the final parameters (global step %d)",
-            self._shown("test", tested),
+            self.workload.shown("test", tested),
             summary["global_step"],
         )
         if not os.environ.get(LAUNCHED_ENV):  # the launcher prints the job's last line itself
