@@ -36,17 +36,19 @@ def main() -> None:
 
     import torch
     from psdk_torch.backend import TorchBackend
+    from psdk_torch.mnist import TorchClassifier
 
     from psdk.data import mnist
     from psdk.plugins.models import ModelSpec, init_weights
     from psdk.protocol.sharding import flat_size, layout, views
-    from psdk.workloads.mnist.job import Batches
+    from psdk.workloads.mnist.workload import MnistShard
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     data = mnist.load(mnist.resolve_dir(None))
     first_half = mnist.split(data, 0, 2, validation_size=0, with_test=False)  # 30,000 training images
     backend = TorchBackend()
+    trainer = TorchClassifier(backend)
     spec = ModelSpec()
     model = backend.build_model(spec, init_weights(spec, seed=0))
     specs = layout(spec.variables())
@@ -57,7 +59,7 @@ def main() -> None:
         param_views[name][...] = value
     if not backend.share_buffers(model, param_views, grad_views):
         raise SystemExit("the torch backend did not take psdk's buffers")
-    batches = iter(Batches(first_half, 100, seed=1))
+    batches = iter(MnistShard(first_half, 2).batches(100, seed=1))
     buffers = [np.ones(params.size, np.float32) for _ in range(8)]
     sweep = np.ones(8_000_000, np.float32)
 
@@ -78,10 +80,10 @@ def main() -> None:
     def measure(between: Callable[[], None]) -> float:
         cpu = 0.0
         for _ in range(args.steps):
-            x, y = next(batches)
+            batch = next(batches)
             between()
             started = time.thread_time()
-            backend.forward_backward(model, x, y)
+            trainer.forward_backward(model, batch)
             cpu += time.thread_time() - started
             np.subtract(params, 0.1 * grads, out=params)  # train, as the ps would: real values
         return 1000.0 * cpu / args.steps

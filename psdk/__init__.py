@@ -35,6 +35,7 @@ _LAZY = {
     "Batch": "psdk.plugins.batches",
     "JaggedIds": "psdk.plugins.batches",
     "Shard": "psdk.plugins.batches",
+    "ShardRequest": "psdk.plugins.batches",
     "ArrayShard": "psdk.plugins.batches",
     "Dense": "psdk.plugins.variables",
     "Rows": "psdk.plugins.variables",
@@ -61,6 +62,7 @@ __all__ = [
     "PsdkError",
     "Rows",
     "Shard",
+    "ShardRequest",
     "StepResult",
     "SummaryWriter",
     "SyncSpec",
@@ -87,7 +89,7 @@ if TYPE_CHECKING:
     from psdk.config.options import TransportOptions
     from psdk.errors import PsdkError
     from psdk.plugins.backend import Backend
-    from psdk.plugins.batches import ArrayShard, Batch, JaggedIds, Shard
+    from psdk.plugins.batches import ArrayShard, Batch, JaggedIds, Shard, ShardRequest
     from psdk.plugins.models import ModelSpec, init_weights
     from psdk.plugins.trainer import Trainer
     from psdk.plugins.variables import Dense, Rows

@@ -63,7 +63,7 @@ def test_the_ps_and_launcher_import_no_ml_framework() -> None:
     import sys
 
     code = (
-        "import sys, psdk.launch.cli, psdk.ps.main, psdk.launch.local, psdk.workloads.mnist.job; "
+        "import sys, psdk.launch.cli, psdk.ps.main, psdk.launch.local, psdk.jobs.worker; "
         "print(sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

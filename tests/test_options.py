@@ -19,14 +19,15 @@ from hydra import compose
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
+import psdk.jobs.worker as mnist_job
 import psdk.ps.main as ps_main
-import psdk.workloads.mnist.job as mnist_job
 from psdk.api import WorkerSession
 from psdk.client import ClientOptions, ParameterClient, checkpoint
 from psdk.config import build, schema
 from psdk.config.options import GROUPS, TaskOptions, TransportOptions, options_from
 from psdk.errors import ConfigError, PeerTimeoutError, PsdkError
 from psdk.jobs.setup import worker_setup
+from psdk.jobs.worker import run_worker
 from psdk.plugins.models import init_weights
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import SyncSpec
@@ -35,7 +36,6 @@ from psdk.ps.rules import SGD, Adam, NoOp
 from psdk.ps.server import ServerOptions
 from psdk.transport.lending import ATTACHED, REFUSED
 from psdk.transport.zeromq import ZmqOptions, ZmqServer, ZmqTransport
-from psdk.workloads.mnist.job import run_worker
 
 from .conftest import MNIST_DIR, PsCluster, running_ps
 from .helpers import FAST

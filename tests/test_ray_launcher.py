@@ -31,7 +31,7 @@ def test_without_ray_the_launcher_says_how_to_install_it(monkeypatch: pytest.Mon
 def test_the_core_and_the_launchers_never_import_ray() -> None:
     code = (
         "import sys, psdk, psdk.launch.cli, psdk.launch.local, psdk.launch.ray, psdk.ps.main, "
-        "psdk.workloads.mnist.job; "
+        "psdk.jobs.worker; "
         "psdk.launch.ray.RayLauncher(); print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -66,7 +66,8 @@ def test_the_mnist_workload_is_built_in_and_its_entries_load() -> None:
     assert mnist in builtins.psdk_register_workloads()
     for entry in ("worker", "evaluate", "prepare", "data"):
         assert callable(locate(getattr(mnist, entry))), entry
-    assert mnist.trainer("torch") == mnist.trainer("tensorflow") == "psdk.workloads.mnist.job:WorkerJob"
+    assert mnist.trainer("psdk") == "psdk.workloads.mnist.trainers:NumpyClassifier"  # the numpy bridge's
+    assert mnist.trainer("no-such-framework") is None  # no trainer for every framework: each names its own
     assert plugins.distribution_of(mnist.worker).startswith("psdk")
 
 
@@ -139,8 +140,8 @@ def test_the_workload_import_check_can_fail(tmp_path: Path) -> None:
     from tests.test_structure import _imports
 
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from psdk.workloads.mnist import job\n")
-    assert _imports(module, {"psdk.workloads.mnist.job"}) == {"psdk.workloads.mnist.job"}
+    module.write_text("def f():\n    from psdk.workloads.mnist import workload\n")
+    assert _imports(module, {"psdk.workloads.mnist.workload"}) == {"psdk.workloads.mnist.workload"}
 
 
 @pytest.mark.timeout(300)

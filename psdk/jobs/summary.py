@@ -70,10 +70,18 @@ def build_summary(
     """The run's figures, from shard 0's statistics (it keeps the global step), and what the config says.
 
     ``metrics``: the workload's final evaluation by metric name, as its
-    record declares them (:func:`metric_fields`).
+    record declares them (:func:`metric_fields`). The primary one is also
+    ``test_<name>``, and by backend ``test_<name>_by_backend`` (which the
+    launcher fills for each backend of a mixed job): MNIST's ``test_accuracy``
+    and ``test_accuracy_by_backend``, the names scripts and benchmarks read.
     """
-    summary = ps_summary(shards, workers, None, wall_s, backend)
+    summary = ps_summary(shards, workers, wall_s, backend)
     summary.update(metric_fields(metrics, workload_of(cfg).metrics))
+    head = summary["primary_metric"]
+    if head is not None:
+        value = metrics.get(head)
+        summary[f"test_{head}"] = value
+        summary[f"test_{head}_by_backend"] = {backend: value} if value is not None else {}
     summary.update(
         {
             "model": str(cfg.model.name),
@@ -100,16 +108,12 @@ def metric_fields(metrics: Mapping[str, float | None], specs: Sequence[MetricSpe
 def ps_summary(
     shards: list[dict[str, Any]],
     workers: Mapping[str, Mapping[str, str]],
-    test_accuracy: float | None,
     wall_s: float,
     backend: str | None,
 ) -> dict[str, Any]:
     """The figures of ``summary.json`` the ps statistics hold: the built-in job's and a script's alike.
 
-    ``test_accuracy`` (and ``test_accuracy_by_backend``) are MNIST's final
-    metric under the names its summaries have always had, kept for the
-    scripts and benchmarks that read them; a workload's metrics are in
-    ``metrics`` (:func:`metric_fields`).
+    A workload's final metrics are added by the caller (:func:`metric_fields`).
 
     ``shards``: every ps's statistics (:meth:`ParameterClient.stats`);
     ``workers``: each worker's state, as the chief's ``finish()`` returns it.
@@ -133,8 +137,6 @@ def ps_summary(
         "num_ps": len(shards),
         "num_workers": len(workers),
         "steps": job.get("steps"),
-        "test_accuracy": test_accuracy,
-        "test_accuracy_by_backend": {backend: test_accuracy} if backend and test_accuracy is not None else {},
         "global_step": int(head["version"]),
         "gradients_applied": stats["applied"],
         "gradients_dropped": stats["dropped"],

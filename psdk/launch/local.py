@@ -172,8 +172,8 @@ class LocalLauncher:
         others = sorted(
             {topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)} - {chief_backend}
         )
-        accuracies = {name: self._evaluate(name, out, common) for name in others}
-        return self._final_summary(out, start, accuracies)
+        scores = {name: self._evaluate(name, out, common) for name in others}
+        return self._final_summary(out, start, scores)
 
     def _monitor(self, cfg: DictConfig, num_workers: int, num_ps: int, out: Path) -> ProgressMonitor | None:
         """The progress display ``progress.mode`` asks for (None: off, or tasks that run elsewhere)."""
@@ -247,8 +247,8 @@ class LocalLauncher:
     def _collect(self, out: Path) -> None:
         """Bring the chief's results into ``out`` (here they are there already)."""
 
-    def _evaluate(self, backend: str, out: Path, common: list[str]) -> float:
-        """Test accuracy of the final parameters computed by ``backend`` (mixed-framework jobs)."""
+    def _evaluate(self, backend: str, out: Path, common: list[str]) -> float | None:
+        """The workload's primary test metric of the final parameters computed by ``backend`` (mixed jobs)."""
         folder = out / "tasks" / f"evaluate-{backend}"
         command = [
             sys.executable,
@@ -271,7 +271,10 @@ class LocalLauncher:
             raise JobFailedError(
                 f"evaluating the final parameters with the {backend} backend failed" + (f": {reason}" if reason else "")
             )
-        return float(json.loads((folder / "evaluation.json").read_text())["test_accuracy"])
+        evaluation = json.loads((folder / "evaluation.json").read_text())
+        head = evaluation.get("primary_metric")
+        value = evaluation.get("metrics", {}).get(head) if head else None
+        return float(value) if value is not None else None
 
     def _start(self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> None:
         name = f"{job}{index}"
@@ -460,18 +463,26 @@ class LocalLauncher:
                 task.process.kill()
                 task.process.wait(timeout=10)
 
-    def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
+    def _final_summary(self, out: Path, start: float, scores: dict[str, float | None]) -> dict[str, Any]:
+        """The chief's summary with what the launcher adds: each backend's score, restarts, the whole wall time.
+
+        ``scores``: the primary metric of the final parameters on each backend
+        the chief did not use, into ``test_<primary>_by_backend``.
+        """
         path = out / "summary.json"
         if not path.exists():
             raise JobFailedError(f"the chief finished but wrote no {path}")
         summary: dict[str, Any] = json.loads(path.read_text())
-        summary["test_accuracy_by_backend"].update(accuracies)
-        summary["restarts"] = dict(self.restarts)
-        if accuracies:
+        head = summary.get("primary_metric")
+        if head and scores:
+            by_backend = summary.setdefault(f"test_{head}_by_backend", {})
+            by_backend.update({b: v for b, v in scores.items() if v is not None})
             log.info(
-                "launcher: test accuracy of the final parameters by backend: %s",
-                ", ".join(f"{b} {a:.4f}" for b, a in sorted(summary["test_accuracy_by_backend"].items())),
+                "launcher: test %s of the final parameters by backend: %s",
+                head,
+                ", ".join(f"{b} {v:.4f}" for b, v in sorted(by_backend.items())),
             )
+        summary["restarts"] = dict(self.restarts)
         summary["chief_wall_s"] = summary.get("wall_s")
         summary["wall_s"] = time.time() - start
         write_json_atomic(path, summary)

@@ -385,9 +385,9 @@ class RayLauncher(LocalLauncher):
         lines = task.process.last_lines() if isinstance(task.process, RemoteProcess) else []
         return f"\n--- last lines of {task.name} ---\n" + "\n".join(lines) if lines else ""
 
-    def _final_summary(self, out: Path, start: float, accuracies: dict[str, float]) -> dict[str, Any]:
+    def _final_summary(self, out: Path, start: float, scores: dict[str, float | None]) -> dict[str, Any]:
         self._disconnect()  # first, so that no task's forwarded log line comes after the summary line
-        return super()._final_summary(out, start, accuracies)
+        return super()._final_summary(out, start, scores)
 
     def _collect(self, out: Path) -> None:
         """Fetch the chief's results when it ran on another machine than this launcher."""

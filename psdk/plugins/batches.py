@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,25 @@ class Batch:
             self.targets[start:stop],
             {table: ids.take(start, min(stop, ids.rows)) for table, ids in self.ids.items()},
         )
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """What a workload's ``shard`` entry is asked for: which part of the data, and the settings it may read.
+
+    Worker ``task`` of ``num_workers`` takes its part of the training set
+    (``python -m psdk evaluate`` asks as the only worker, for the test set);
+    ``data`` is the job's ``data`` group (``data.dir``, ``data.validation_size``,
+    ...), ``model`` the model spec (to check it fits the data), ``options``
+    the workload's own ``workload.*`` keys, ``seed`` the job's.
+    """
+
+    task: int
+    num_workers: int
+    data: Any
+    model: Any
+    options: Mapping[str, Any]
+    seed: int = 0
 
 
 class Shard(ABC):

@@ -51,16 +51,15 @@ def psdk_register_datasets() -> list[DatasetRecord]:
 
 @hookimpl
 def psdk_register_workloads() -> list[WorkloadRecord]:
-    # One trainer for every framework ("*"): the MNIST training loop is written on the Backend
-    # contract, whose forward_backward (softmax cross-entropy) and accuracy are MNIST's loss and
-    # metric, so each backend plugin already is this workload's trainer on its framework.
+    # MNIST's own trainer is the numpy reference's; the torch, TensorFlow and JAX plugins give it
+    # theirs (psdk_register_trainers), as any framework plugin would, so psdk names none of them.
     return [
         WorkloadRecord(
             "mnist",
             "the distributed MNIST job: classify 28x28 digits, test accuracy at the end",
-            trainers={"*": "psdk.workloads.mnist.job:WorkerJob"},
-            worker="psdk.workloads.mnist.job:run_worker",
-            evaluate="psdk.workloads.mnist.evaluate:run_evaluate",
+            trainers={"psdk": "psdk.workloads.mnist.trainers:NumpyClassifier"},
+            shard="psdk.workloads.mnist.workload:shard",
+            score="psdk.workloads.mnist.workload:score",
             prepare="psdk.workloads.mnist.data:prepare",
             data="psdk.workloads.mnist.data:check_data",
             metrics=MNIST_METRICS,

@@ -147,11 +147,11 @@ class WorkloadRecord:
     (``evaluate``) run any workload through these entries, each
     ``"package.module:function"`` imported only when used (as model builders are):
 
-    - ``shard``: ``function(setup)`` with the worker's
-      :class:`~psdk.jobs.setup.WorkerSetup`, returning its
-      :class:`~psdk.plugins.batches.Shard` (its training batches, the
-      validation and test sets); ``setup.task`` and
-      ``setup.cluster.num_workers`` say which part is its;
+    - ``shard``: ``function(request)`` with a
+      :class:`~psdk.plugins.batches.ShardRequest` (which worker of how many,
+      the ``data`` group, the model spec, the workload's options, the seed),
+      returning that worker's :class:`~psdk.plugins.batches.Shard` (its
+      training batches, the validation and test sets);
     - ``score``: ``function(predictions, batch)``, the metrics (a dict by
       metric name) of a trainer's numpy predictions for a batch: computed
       here once, whichever framework predicted;

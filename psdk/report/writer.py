@@ -102,7 +102,7 @@ class SummaryWriter:
         if session is not None:
             client = session.client
             stats = client.wrapping_up(client.stats, "reading the ps statistics")
-            summary = ps_summary(stats, stats[0]["workers"], test_accuracy, summary["wall_s"], None)
+            summary = ps_summary(stats, stats[0]["workers"], summary["wall_s"], None)
             summary["run_id"] = session.run_id
             summary["rule_applied"] = dict(client.rule_json)
             summary["recoveries"] = list(client.recoveries)

@@ -1,13 +1,17 @@
-"""The distributed MNIST job, one worker task of it, written on the public API.
+"""psdk's training loop: one worker task of any workload, written on the public API.
 
-Each worker reads its own shard of the training set, trains with
+The workload gives the data and the scoring, the framework plugin the
+bridge, and the workload's trainer for that framework the loss and the
+predictions (:mod:`psdk.plugins.trainer`); this loop joins them to the ps.
+Each worker reads its own shard (the workload's ``shard`` entry), trains with
 :class:`~psdk.api.DistributedOptimizer` until the ps says the target global
 step is reached, and logs lines a TensorFlow user knows (worker, epoch,
-global step, local step, loss, validation accuracy); an epoch is the job's
-pass over the training set, counted from the global step (:mod:`psdk.jobs.epochs`).
-The chief also resumes from a checkpoint when asked, writes checkpoints, and
-at the end waits for the others, evaluates the final parameters of the ps on the test set and writes
-``summary.json``, ``params.npz`` and a final checkpoint.
+global step, local step, loss, the workload's validation metrics); an epoch
+is the job's pass over the training set, counted from the global step
+(:mod:`psdk.jobs.epochs`). The chief also resumes from a checkpoint when
+asked, writes checkpoints, and at the end waits for the others, scores the
+final parameters of the ps on the test set and writes ``summary.json``,
+``params.npz`` and a final checkpoint.
 """
 
 from __future__ import annotations
@@ -16,21 +20,18 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
 from psdk.client import StepResult, checkpoint
 from psdk.config import build
 from psdk.config.options import PlacementOptions
-from psdk.data import mnist
-from psdk.data.datasets import check_fits, load_dataset
-from psdk.errors import TrainingResumed
+from psdk.errors import PluginError, TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
 from psdk.jobs.setup import WorkerSetup, worker_setup
@@ -42,8 +43,12 @@ from psdk.launch.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins.loading import load_backend, workload_of
-from psdk.plugins.models import build_model
+from psdk.plugins.backend import Backend
+from psdk.plugins.batches import Batch, Shard, ShardRequest
+from psdk.plugins.hookspecs import WorkloadRecord
+from psdk.plugins.loading import check_trainer, load_backend, load_target, workload_of
+from psdk.plugins.metrics import MetricSpec, primary
+from psdk.plugins.trainer import Trainer
 from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
 from psdk.runtime.disks import WriteError, is_write_failure
@@ -51,26 +56,6 @@ from psdk.runtime.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.runtime.liveness import beat
 
 log = logging.getLogger(__name__)
-
-
-class Batches:
-    """Shuffled mini-batches of one worker's shard, pass after pass, scaled as they are cut."""
-
-    def __init__(self, data: mnist.Split, batch_size: int, seed: int):
-        if len(data.train_images) < batch_size:
-            raise ValueError(f"a shard of {len(data.train_images)} images cannot fill a batch of {batch_size}")
-        self.data, self.batch_size = data, batch_size
-        self.rng = np.random.default_rng(seed)
-        self.passes = 0  # over this shard: not the job's epochs (psdk.jobs.epochs), which count passes by all workers
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        size = len(self.data.train_images)
-        per_pass = size // self.batch_size
-        while True:
-            self.passes += 1
-            order = self.rng.permutation(size)
-            for i in range(per_pass):
-                yield self.data.batch(order[i * self.batch_size : (i + 1) * self.batch_size])
 
 
 @dataclass
@@ -82,7 +67,7 @@ class WorkerReport:
     local_steps: int = 0
     pushed: int = 0
     last_loss: float | None = None
-    last_val_accuracy: float | None = None
+    last_validation: dict[str, float] = field(default_factory=dict)
     train_time_s: float = 0.0
     shard_passes: int = 0
     recoveries: list[dict[str, Any]] = field(default_factory=list)
@@ -91,7 +76,7 @@ class WorkerReport:
     compute_s: float = 0.0
     compute_cpu_s: float = 0.0
     wait_s: float = 0.0
-    test_accuracy: float | None = None
+    test_metrics: dict[str, float] = field(default_factory=dict)
 
     def time_per_step(self) -> dict[str, float | None]:
         """Where a step's time goes: computing the gradient (wall and this thread's CPU), waiting for the ps.
@@ -119,19 +104,55 @@ class WorkerReport:
             "local_steps": self.local_steps,
             "gradients_pushed": self.pushed,
             "last_loss": self.last_loss,
-            "last_val_accuracy": self.last_val_accuracy,
+            "last_validation": self.last_validation,
             "train_time_s": round(self.train_time_s, 3),
             "shard_passes": self.shard_passes,
-            "test_accuracy": self.test_accuracy,
+            "test_metrics": self.test_metrics,
             "time_per_step": self.time_per_step(),
+            # The primary metric under its own key too (MNIST's "test_accuracy", which scripts read).
+            **{f"test_{name}": value for name, value in self.test_metrics.items()},
         }
 
 
-def load_split(setup: WorkerSetup) -> mnist.Split:
-    """This worker's part of the job's dataset (``data.name``), once the model is known to fit it."""
-    data = load_dataset(setup.data)
-    check_fits(data, setup.model, str(setup.data.get("name", "mnist")))
-    return mnist.split(data, setup.task, setup.cluster.num_workers, setup.validation_size)
+class Workload:
+    """The chosen workload as one worker runs it: its record, its trainer on this framework, its scoring."""
+
+    def __init__(self, record: WorkloadRecord, backend: Backend, options: Mapping[str, Any]):
+        self.record = record
+        self.trainer = make_trainer(record, backend, options)
+        self._score = load_target(record.score, f"the score entry of workload {record.name!r}")
+        self.primary: MetricSpec | None = primary(record.metrics)
+        self.held_out = [m for m in record.metrics if m.held_out]
+
+    def shard(self, request: ShardRequest) -> Shard:
+        """This worker's part of the data, from the workload's ``shard`` entry (checked to be a Shard)."""
+        made = load_target(self.record.shard, f"the shard entry of workload {self.record.name!r}")(request)
+        if not isinstance(made, Shard):
+            raise PluginError(
+                f"workload {self.record.name!r}'s shard entry {self.record.shard} returned {type(made).__name__}, "
+                "not a psdk.plugins.batches.Shard (psdk.ArrayShard holds data that fits in memory)"
+            )
+        return made
+
+    def score(self, model: Any, batch: Batch) -> dict[str, float]:
+        """The workload's held-out metrics of ``model`` on ``batch``: the trainer predicts, the workload scores."""
+        scored = self._score(self.trainer.predictions(model, batch), batch)
+        return {name: float(value) for name, value in dict(scored).items()}
+
+
+def make_trainer(record: WorkloadRecord, backend: Backend, options: Mapping[str, Any]) -> Trainer:
+    """The workload's trainer for ``backend``'s framework, on that bridge."""
+    target = check_trainer(record, backend.name)
+    cls = load_target(target, f"the {backend.record.framework} trainer of workload {record.name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise PluginError(f"workload {record.name!r}'s trainer {target} is not a psdk.plugins.trainer.Trainer")
+    return cls(backend, options)
+
+
+def workload_options(cfg: DictConfig) -> dict[str, Any]:
+    """The ``workload.*`` keys the job sets (its name aside): what the workload's trainer and entries read."""
+    node = cfg.get("workload") or {}
+    return {str(k): v for k, v in build.plain(node).items() if k != "name"}
 
 
 def run_worker(cfg: DictConfig) -> None:
@@ -150,8 +171,9 @@ def run_worker(cfg: DictConfig) -> None:
 
     resume = checkpoint.load(setup.resume) if setup.resume else None
     spec = setup.model
-    data = load_split(setup)
-    model = build_model(backend, spec, spec.init_weights(setup.seed))
+    workload = Workload(workload_of(cfg), backend, workload_options(cfg))
+    data = workload.shard(ShardRequest(task, cluster.num_workers, setup.data, spec, workload_options(cfg), setup.seed))
+    model = workload.trainer.build_model(spec, spec.init_weights(setup.seed))
     beat()  # the data and the model too
     metrics = MetricsLog(setup.output_dir / "metrics.jsonl", record_sinks(setup))
     unwritten: Exception | None = None  # a result the disk refused at the end
@@ -175,7 +197,7 @@ def run_worker(cfg: DictConfig) -> None:
             optimizer.broadcast_parameters(resume)
             if optimizer.restored_step is not None:
                 log.info("worker 0: resumed from %s at global step %d", setup.resume, optimizer.restored_step)
-            job = WorkerJob(setup, session, optimizer, data, metrics)
+            job = WorkerJob(setup, session, optimizer, workload, data, metrics)
             workers = job.train_to_the_end(options.train.final_wait_s)
             if session.is_chief:
                 failpoint(TRAINED)
@@ -217,7 +239,8 @@ class WorkerJob:
         setup: WorkerSetup,
         session: WorkerSession,
         optimizer: DistributedOptimizer,
-        data: mnist.Split,
+        workload: Workload,
+        data: Shard,
         metrics: MetricsLog,
     ):
         self.setup, self.session, self.optimizer, self.data, self.metrics = (
@@ -227,13 +250,14 @@ class WorkerJob:
             data,
             metrics,
         )
+        self.workload, self.trainer = workload, workload.trainer
         options = setup.options
         self.train_options, self.checkpoints = options.train, options.checkpoint
         self.backend, self.model = optimizer.backend, optimizer.model
         self.report = WorkerReport(self.backend.name, self.backend.device)
         self.task = session.task_index
         num_workers = session.job.num_workers
-        train_size = data.train_size or len(data.train_images) * num_workers
+        train_size = data.train_size
         per_step = batches_per_step(setup.sync, num_workers)
         self.epochs = EpochCount.of_job(train_size, num_workers, options.train.batch_size, per_step)
         self.divergence = DivergenceWatch(
@@ -275,29 +299,38 @@ class WorkerJob:
                 log.warning("worker %d: %s", self.task, resumed)
 
     def evaluate_last_pulled(self) -> None:
-        """A worker's test accuracy of the parameters it pulled last, as each TensorFlow 1.x worker printed it.
+        """A worker's test metrics of the parameters it pulled last, as each TensorFlow 1.x worker printed them.
 
         The parameters of its last step are within a few steps of the final
         ones; evaluating them here costs no round trip (tens of milliseconds
-        on the 10,000 test images), and the figure goes into its report.
+        on MNIST's 10,000 test images), and the figures go into its report.
         """
-        accuracy = self.backend.accuracy(self.model, self.data.test_x, self.data.test_y)
-        self.report.test_accuracy = accuracy
+        self.report.test_metrics = self.workload.score(self.model, self.data.test)
         log.info(
-            "worker %d: test accuracy %.4f of the parameters it pulled last (global step %d)",
+            "worker %d: %s of the parameters it pulled last (global step %d)",
             self.task,
-            accuracy,
+            self._shown("test", self.report.test_metrics),
             self.session.global_step,
         )
 
+    def _shown(self, where: str, values: Mapping[str, float]) -> str:
+        """``test accuracy 0.9812``: each held-out metric as its spec shows it."""
+        specs = {m.name: m for m in self.workload.record.metrics}
+        parts = [
+            f"{where} {specs[name].words if name in specs else name} "
+            f"{specs[name].show(value) if name in specs else format(value, '.4f')}"
+            for name, value in values.items()
+        ]
+        return ", ".join(parts)
+
     def train(self) -> None:
         train = self.train_options
-        batches = Batches(self.data, train.batch_size, self.setup.seed * 1000 + self.task)
+        batches = self.data.batches(train.batch_size, self.setup.seed * 1000 + self.task)
         log_every, validate_every = train.log_every, train.validate_every
         began = window_start = time.time()
         window_steps = 0
         upcoming = iter(batches)
-        x, y = next(upcoming)
+        batch = next(upcoming)
         overlap = train.overlap
         client = self.session.client
         in_flight: PendingStep | None = None
@@ -306,7 +339,7 @@ class WorkerJob:
             beat()  # a step: the launcher takes a worker whose steps and waits stop for hung (psdk.runtime.liveness)
             failpoint(WORKER_STEP)
             started, cpu_started = clock(), cpu_clock()
-            loss = self.backend.forward_backward(self.model, x, y)
+            loss = self.trainer.forward_backward(self.model, batch)
             if not math.isfinite(loss):  # its gradient is no use to anyone: said, and the job ends
                 self._diverged(self.divergence.observe(loss, client.global_step))
                 if in_flight is not None:
@@ -321,14 +354,14 @@ class WorkerJob:
                 basis = client.basis()
                 if in_flight is None:
                     in_flight = self.optimizer.start_step(overlap=True, basis=basis)
-                    x, y = next(upcoming)
+                    batch = next(upcoming)
                     continue
                 waited = clock()
                 result = in_flight.wait()
                 in_flight = None
             else:
                 pending = self.optimizer.start_step()
-                x, y = next(upcoming)  # the next batch is cut while the ps works on this push
+                batch = next(upcoming)  # the next batch is cut while the ps works on this push
                 waited = clock()
                 result = pending.wait()
             self.report.wait_s += clock() - waited
@@ -353,9 +386,9 @@ class WorkerJob:
             if overlap:
                 if client.epoch == basis.epoch:  # else the job was restored meanwhile: compute it again
                     in_flight = self.optimizer.start_step(overlap=True, basis=basis)
-                x, y = next(upcoming)
+                batch = next(upcoming)
         self.report.train_time_s = time.time() - began
-        self.report.shard_passes = batches.passes
+        self.report.shard_passes = self.data.passes
         self.report.recoveries = list(self.session.client.recoveries)
         log.info(
             "worker %d: training time %.2f s, %d local steps (%.0f steps/s)",
@@ -376,9 +409,10 @@ class WorkerJob:
     def _log_point(self, result: StepResult, loss: float, validate: bool, rate: float, elapsed: float) -> None:
         epoch = self.epochs.at_step(result.global_step)  # the job's epochs, from the global step (psdk.jobs.epochs)
         target = self.train_options.epochs
-        accuracy = self.backend.accuracy(self.model, self.data.val_x, self.data.val_y) if validate else None
-        if accuracy is not None:
-            self.report.last_val_accuracy = accuracy
+        validation = self.data.validation
+        scored = self.workload.score(self.model, validation) if validate and validation is not None else {}
+        if scored:
+            self.report.last_validation = scored
         self.metrics.write(
             {
                 "task": f"worker{self.task}",
@@ -387,7 +421,7 @@ class WorkerJob:
                 "local_step": self.report.local_steps,
                 "global_step": result.global_step,
                 "loss": round(loss, 6),
-                "accuracy": accuracy,
+                **{m.name: scored.get(m.name) for m in self.workload.held_out},
                 "time": round(time.time(), 3),
                 "wall_s": round(elapsed, 3),
                 "steps_per_s": round(rate, 1),
@@ -401,7 +435,7 @@ class WorkerJob:
             result.global_step,
             self.report.local_steps,
             loss,
-            f", validation accuracy {accuracy:.4f}" if accuracy is not None else "",
+            f", {self._shown('validation', scored)}" if scored else "",
             rate,
         )
 
@@ -455,17 +489,14 @@ class WorkerJob:
                 log.warning("worker 0: worker %s died during the job: %s", index, state["reason"])
         client = self.session.client
         client.wrapping_up(self.optimizer.pull, "pulling the final parameters")
-        test_accuracy = self.backend.accuracy(self.model, self.data.test_x, self.data.test_y)
+        tested = self.workload.score(self.model, self.data.test)
         out = self.setup.output_dir
         save_params(out / "params.npz", client.params)
         stats = client.wrapping_up(client.stats, "reading the ps statistics")
-        summary = build_summary(
-            self.setup.config, stats, workers, {"accuracy": test_accuracy}, time.time() - start, self.backend.name
+        summary = build_summary(self.setup.config, stats, workers, tested, time.time() - start, self.backend.name)
+        summary["workers"].get("0", {}).update(  # its own figures: the final parameters'
+            {"test_metrics": tested, **{f"test_{name}": value for name, value in tested.items()}}
         )
-        # MNIST's final metric under the names its summaries have always had (benchmarks and scripts read them).
-        summary["test_accuracy"] = test_accuracy
-        summary["test_accuracy_by_backend"] = {self.backend.name: test_accuracy}
-        summary["workers"].get("0", {})["test_accuracy"] = test_accuracy  # its own figure: the final parameters'
         summary["run_id"] = self.session.run_id
         summary["epochs"] = round(self.epochs.at_step(summary["global_step"]), 4)  # the job's (psdk.jobs.epochs)
         summary["batches_per_epoch"] = self.epochs.batches_per_epoch
@@ -476,8 +507,8 @@ class WorkerJob:
         summary["global_steps_lost"] = sum(int(r.get("lost_steps") or 0) for r in client.recoveries)
         write_json_atomic(out / "summary.json", summary)
         log.info(
-            "worker 0: test accuracy %.4f of the final parameters (global step %d)",
-            test_accuracy,
+            "worker 0: %s of the final parameters (global step %d)",
+            self._shown("test", tested),
             summary["global_step"],
         )
         if not os.environ.get(LAUNCHED_ENV):  # the launcher prints the job's last line itself

@@ -1,0 +1,69 @@
+"""``python -m psdk evaluate weights=PATH``: the workload's test metrics of saved parameters, on any backend.
+
+The weights are canonical (names and layouts), so parameters trained by one
+framework can be scored by another; the launcher of a mixed-framework job
+runs this once for every backend the chief does not use. The workload's
+trainer for the backend's framework predicts, and the workload scores, as
+its training loop does (:mod:`psdk.jobs.worker`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from psdk.client import checkpoint
+from psdk.config import build
+from psdk.config.options import options_from
+from psdk.errors import ConfigError
+from psdk.jobs.worker import Workload, workload_options
+from psdk.plugins.batches import ShardRequest
+from psdk.plugins.loading import load_backend, workload_of
+from psdk.report.metrics import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Score ``cfg.weights`` with ``cfg.backend``; writes ``evaluation.json`` and prints one line."""
+    if not cfg.weights:
+        raise ConfigError("weights", "evaluate needs weights=<params.npz or checkpoint>")
+    weights = checkpoint.load_weights(cfg.weights)
+    spec = build.model_spec(cfg)
+    expected = dict(spec.variables())
+    shapes = {n: tuple(v.shape) for n, v in weights.items()}
+    if shapes != expected:
+        raise ConfigError("model", f"{cfg.weights} holds {shapes}, not the variables of model={spec.name}")
+    backend = load_backend(str(cfg.backend), build.backend_options(cfg, str(cfg.backend)))
+    options = options_from(cfg)
+    backend.setup("cpu", options.train.threads, options.placement.gpu_memory_fraction)
+    record = workload_of(cfg)
+    workload = Workload(record, backend, workload_options(cfg))
+    options_of_workload = workload_options(cfg)
+    request = ShardRequest(0, 1, cfg.data, spec, options_of_workload, int(cfg.get("seed") or 0))
+    test = workload.shard(request).test  # every worker's test set is the same: asked for as the only worker
+    model = workload.trainer.build_model(spec, weights)
+    metrics = workload.score(model, test)
+    head = workload.primary.name if workload.primary is not None else None
+    result: dict[str, Any] = {
+        "weights": str(cfg.weights),
+        "backend": backend.name,
+        "model": spec.name,
+        "workload": record.name,
+        "metrics": metrics,
+        "primary_metric": head,
+        **{f"test_{name}": value for name, value in metrics.items()},
+    }
+    folder = Path(cfg.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / "evaluation.json", result)
+    specs = {m.name: m for m in record.metrics}
+    shown = ", ".join(
+        f"test {specs[n].words if n in specs else n} {specs[n].show(v) if n in specs else format(v, '.4f')}"
+        for n, v in metrics.items()
+    )
+    print(f"{shown} (backend {backend.name}, {len(test)} examples, {cfg.weights})")
+    return result
