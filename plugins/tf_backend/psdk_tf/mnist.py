@@ -14,7 +14,7 @@ This module imports TensorFlow; the plugin registers it by name
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
 from psdk.workloads.mnist.trainers import IMAGE
 from psdk_tf._tf import tf
-from psdk_tf.models import binding
+from psdk_tf.models import DenseStack, binding
 
 
 def cross_entropy(call: Callable[[Any], Any], images: Any, labels: Any) -> Any:
@@ -43,6 +43,15 @@ def images(batch: Batch) -> Any:
 
 class TfClassifier(Trainer):
     """MNIST on the tf bridge: psdk's dense stacks and Keras models alike."""
+
+    def build_model(self, spec: Any, weights: Mapping[str, np.ndarray]) -> Any:
+        """The model, with psdk's network's step and logits traced now, before any step is timed."""
+        model = super().build_model(spec, weights)
+        if isinstance(model, DenseStack):
+            image = tf.TensorSpec([None, model.spec.input_dim], tf.float32)
+            model.train_step(cross_entropy, (image, tf.TensorSpec([None], tf.int64)))
+            model.infer(logits, (image,))
+        return model
 
     def forward_backward(self, model: Any, batch: Batch) -> float:
         labels = tf.convert_to_tensor(np.asarray(batch.targets, np.int64))

@@ -92,10 +92,14 @@ class _OnFirstCall:
     def traces(self) -> int:
         return int(self._concrete is not None)
 
+    def trace(self, *batch: Any) -> None:
+        """Trace now, for batches of the specs ``batch`` (a no-op once traced)."""
+        if self._concrete is None:
+            self._concrete = _traced(self._function, *self._fixed, *batch)
+
     def __call__(self, *args: Any) -> Any:
         if self._concrete is None:
-            batch = args[len(self._fixed) :]
-            self._concrete = _traced(self._function, *self._fixed, *map(_any_batch_size, batch))
+            self.trace(*map(_any_batch_size, args[len(self._fixed) :]))
         return self._concrete(*args)
 
 
@@ -172,19 +176,25 @@ class DenseStack(tf.Module):
             np.copyto(view, value)
         self._pending = True
 
-    def train_step(self, loss: Loss) -> Callable[..., float]:
+    def train_step(self, loss: Loss, signature: Sequence[Any] = ()) -> Callable[..., float]:
         """``loss`` as this model's training step: made once per loss function and kept with the model.
 
         The step takes the batch as tensors and is one ``tf.function`` call:
         it assigns any staged write, runs the forward and backward pass and
         returns the gradients as one flat tensor, copied once into the
-        buffer :meth:`read_gradients` reads. It returns the loss.
+        buffer :meth:`read_gradients` reads. It returns the loss. It is
+        traced at its first call, or at once for batches of ``signature``'s
+        specs (a trainer does that when it builds the model, so that no
+        timed step pays for the trace).
         """
         step = self._steps.get(loss)
         if step is None:
             plain = _OnFirstCall(lambda *batch: self._gradients(loss, *batch))
             assigning = _OnFirstCall(lambda flat, *batch: self._assign_gradients(loss, flat, *batch), self._flat_spec)
             step = self._steps[loss] = partial(self._step, plain, assigning)
+        if signature:
+            for compiled in step.args:
+                compiled.trace(*signature)
         return step
 
     def _step(self, plain: _OnFirstCall, assigning: _OnFirstCall, *batch: Any) -> float:
@@ -196,11 +206,16 @@ class DenseStack(tf.Module):
         np.copyto(self._grads, grads.numpy())
         return float(loss.numpy())
 
-    def infer(self, fn: Inference) -> Callable[..., Any]:
-        """``fn`` compiled on this model, after any staged write: predictions, no gradients."""
+    def infer(self, fn: Inference, signature: Sequence[Any] = ()) -> Callable[..., Any]:
+        """``fn`` compiled on this model, run after any staged write: predictions, no gradients.
+
+        Traced at its first call, or at once for ``signature`` (as :meth:`train_step`).
+        """
         predict = self._inferences.get(fn)
         if predict is None:
             predict = self._inferences[fn] = partial(self._infer, _OnFirstCall(lambda *batch: fn(self.logits, *batch)))
+        if signature:
+            predict.args[0].trace(*signature)
         return predict
 
     def _infer(self, compiled: _OnFirstCall, *batch: Any) -> Any:
