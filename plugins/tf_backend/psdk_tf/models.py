@@ -301,7 +301,7 @@ class ForeignModel:
             compiled = self._inferences[fn] = tf.function(
                 lambda *batch: fn(partial(self._call, False), *batch), reduce_retracing=True
             )
-        return compiled  # type: ignore[no-any-return]
+        return compiled
 
     def traces(self, loss: Loss) -> int:
         """How often ``loss``'s step was traced on this model (``reduce_retracing`` keeps it to one or two)."""
