@@ -13,11 +13,29 @@ import psdk
 from psdk.client import ClientOptions
 from psdk.client.checkpoint import Checkpoint
 from psdk.config.options import TransportOptions
-from psdk.plugins.backends.numpy_backend import NumpyBackend
+from psdk.plugins.backends.numpy_backend import NumpyBackend, NumpyModel
+from psdk.plugins.batches import Batch as StepBatch
 from psdk.plugins.models import ModelSpec, init_weights
 from psdk.protocol.cluster import ClusterSpec
 from psdk.ps.rules import UpdateRule
 from psdk.transport import Transport
+from psdk.workloads.mnist.trainers import IMAGE, NumpyClassifier
+from psdk.workloads.mnist.workload import score
+
+CLASSIFIER = NumpyClassifier(NumpyBackend())
+"""MNIST's numpy trainer, the step a script on the numpy bridge takes (the bridge itself has no loss)."""
+
+
+def forward_backward(model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
+    """Cross-entropy on ``(x, y)``, leaving the gradients in ``model``."""
+    return CLASSIFIER.forward_backward(model, StepBatch({IMAGE: x}, y))
+
+
+def accuracy(model: NumpyModel, x: np.ndarray, y: np.ndarray) -> float:
+    """Fraction of ``x`` that ``model`` classifies as ``y``."""
+    batch = StepBatch({IMAGE: x}, y)
+    return score(CLASSIFIER.predictions(model, batch), batch)["accuracy"]
+
 
 Batch = tuple[np.ndarray, np.ndarray]
 FAST = ClientOptions(
@@ -73,7 +91,7 @@ def train_threads(
                 step = 0
                 saved = False
                 while not session.should_stop():
-                    backend.forward_backward(model, *batch_of(task, session.global_step if by_global_step else step))
+                    forward_backward(model, *batch_of(task, session.global_step if by_global_step else step))
                     optimizer.step()
                     step += 1
                     if task == 0 and checkpoint_at is not None and not saved and session.global_step >= checkpoint_at:

@@ -10,7 +10,7 @@ from psdk.plugins.models import ModelSpec, init_weights
 from psdk.ps.rules import SGD, Adam, UpdateRule
 
 from .conftest import running_ps
-from .helpers import train_threads
+from .helpers import forward_backward, train_threads
 
 SPEC = ModelSpec(hidden=(32,), input_dim=64, num_classes=10)
 RNG = np.random.default_rng(42)
@@ -23,7 +23,7 @@ def single_process(rule: UpdateRule, steps: int, batch: callable) -> dict[str, n
     model = backend.build_model(SPEC, init_weights(SPEC, 0))
     state = rule.new_state(model.flat.size)
     for t in range(steps):
-        backend.forward_backward(model, *batch(t))
+        forward_backward(model, *batch(t))
         rule.apply(model.flat, model.grad_flat, state)
     return backend.read_weights(model)
 

@@ -12,7 +12,7 @@ from psdk.plugins.models import ModelSpec, init_weights
 from psdk.ps.rules import SGD
 
 from .conftest import running_ps
-from .helpers import FAST
+from .helpers import FAST, forward_backward
 
 SPEC = ModelSpec(hidden=(8,), input_dim=6, num_classes=3)
 RNG = np.random.default_rng(0)
@@ -27,10 +27,10 @@ def test_overlapped_steps_carry_the_versions_they_were_computed_from() -> None:
         with psdk.connect(ps.cluster(1), 0, steps=20, options=FAST, transport=ps.transport) as session:
             opt = psdk.DistributedOptimizer(SGD(lr=0.1), model, session, backend=backend)
             opt.broadcast_parameters()
-            backend.forward_backward(model, X, Y)
+            forward_backward(model, X, Y)
             pending = opt.start_step(overlap=True, basis=session.client.basis())
             while True:
-                backend.forward_backward(model, X, Y)  # while the last push is on its way
+                forward_backward(model, X, Y)  # while the last push is on its way
                 basis = session.client.basis()
                 if pending.wait().done:
                     break
@@ -48,7 +48,7 @@ def test_overlap_is_refused_in_sync_mode() -> None:
         with psdk.connect(ps.cluster(1), 0, steps=1, sync="sync", options=FAST, transport=ps.transport) as session:
             opt = psdk.DistributedOptimizer(SGD(lr=0.1), model, session, backend=backend)
             opt.broadcast_parameters()
-            backend.forward_backward(model, X, Y)
+            forward_backward(model, X, Y)
             with pytest.raises(PsdkError, match="async and ssp mode only"):
                 opt.start_step(overlap=True)
             assert opt.step().done  # the plain step still works (and ends this one-step job)

@@ -70,4 +70,4 @@ def test_the_torch_plugin_folder_passes_its_tests_when_copied_out(tmp_path: Path
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= 40 and "error" not in summary, report
     # The tests that take MNIST from psdk's fixture ran, and did not skip.
-    assert "PASSED tests/test_backend.py::test_psdks_mlp_learns_mnist" in done.stdout, report
+    assert "PASSED tests/test_mnist.py::test_psdks_mlp_learns_mnist" in done.stdout, report

@@ -19,6 +19,8 @@ from psdk.ps.rules import SGD
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
+from .helpers import forward_backward
+
 SPEC = ModelSpec(hidden=(16,), input_dim=32, num_classes=10)
 RNG = np.random.default_rng(3)
 X, Y = RNG.random((50, 10, 32), dtype=np.float32), RNG.integers(0, 10, (50, 10))
@@ -81,7 +83,7 @@ def test_a_lost_ps_is_restored_from_the_last_checkpoint_and_training_goes_on(tmp
                 opt.broadcast_parameters()
                 step, next_checkpoint, outcomes = 0, EVERY, []
                 while not session.should_stop():
-                    backend.forward_backward(model, X[step % 50], Y[step % 50])
+                    forward_backward(model, X[step % 50], Y[step % 50])
                     result = opt.step()
                     outcomes.append(result.outcome)
                     step += 1

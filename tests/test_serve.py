@@ -24,6 +24,7 @@ from psdk.report.runs import load_run
 from psdk.report.tensorboard import EventWriter
 from psdk.transport import security
 
+from .helpers import accuracy, forward_backward
 from .test_report import check_png, events
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,17 +64,17 @@ def worker(spec: psdk.ClusterSpec, task: int, keys: Path, logdir: Path, steps: i
             opt.broadcast_parameters()
             local = 0
             while not session.should_stop():
-                loss = backend.forward_backward(model, *batch(task, local))
+                loss = forward_backward(model, *batch(task, local))
                 opt.step()
                 local += 1
                 if local % 10 == 0:
                     writer.scalar("loss", loss, session.global_step)
-                    writer.scalars({"accuracy": backend.accuracy(model, *batch(99, local))}, session.global_step)
+                    writer.scalars({"accuracy": accuracy(model, *batch(99, local))}, session.global_step)
             session.finish(wait_s=30)
             if session.is_chief:
                 opt.pull()
-                accuracy = backend.accuracy(model, *batch(7, 7))
-                out["summary"] = writer.write_summary(session, test_accuracy=accuracy, model="softmax16")
+                final = accuracy(model, *batch(7, 7))
+                out["summary"] = writer.write_summary(session, test_accuracy=final, model="softmax16")
     except BaseException as exc:
         out.setdefault("errors", []).append(repr(exc))
 

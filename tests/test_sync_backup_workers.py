@@ -31,6 +31,7 @@ from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD
 
 from .conftest import PsCluster, running_ps
+from .helpers import forward_backward
 from .jobs import FAST_FLAGS
 from .jobs import psdk as run_psdk
 
@@ -68,7 +69,7 @@ def train_script(ps: PsCluster, steps: int, checkpoint_every: int, folder: Path)
                 rows = np.random.default_rng(task)
                 while not session.should_stop():
                     batch = rows.integers(0, len(X), 16)
-                    backend.forward_backward(model, X[batch], Y[batch])
+                    forward_backward(model, X[batch], Y[batch])
                     optimizer.step()
                     local += 1
                     if session.is_chief and session.global_step >= next_checkpoint and not session.should_stop():

@@ -4,10 +4,10 @@ A stranger's requests stop at the session check, and the state machine
 (:mod:`psdk.fuzz.stateful`) checks the ps on its own; a holder of
 one of the job's worker keys gets past the session check, so what matters
 here is whether the others' job survives it. The chief and worker 1 train
-a real async job (the numpy backend, over CURVE); worker 2's key, an
-:class:`Intruder`, sends random requests on its own session (NaN, future
-versions, replays, tampered attaches, chief-only ops, another worker's id,
-undecodable frames), and every reply to it is checked. The job must reach
+a real async job (MNIST's numpy trainer on the numpy bridge, over CURVE);
+worker 2's key, an :class:`Intruder`, sends random requests on its own
+session (NaN, future versions, replays, tampered attaches, chief-only ops,
+another worker's id, undecodable frames), and every reply to it is checked. The job must reach
 its last step with every honest worker contributing, its store finite,
 and the ps must exit 0.
 """
@@ -163,8 +163,10 @@ def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s
     import psdk
     from psdk.client import ClientOptions
     from psdk.plugins.backends.numpy_backend import NumpyBackend
+    from psdk.plugins.batches import Batch
     from psdk.plugins.models import ModelSpec, init_weights
     from psdk.protocol.cluster import ClusterSpec
+    from psdk.workloads.mnist.trainers import IMAGE, NumpyClassifier
 
     tmp = tempfile.TemporaryDirectory(prefix="psdk-alongside-")
     keys_dir = security.generate(Path(tmp.name), WORKERS) if curve else None
@@ -172,6 +174,7 @@ def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s
     spec = ModelSpec(hidden=(16,), input_dim=32, num_classes=10)
     rng = np.random.default_rng(seed)
     xs, ys = rng.random((20, 16, 32), dtype=np.float32), rng.integers(0, 10, (20, 16))
+    batches = [Batch({IMAGE: x}, y) for x, y in zip(xs, ys, strict=True)]
     cluster = ClusterSpec({"ps": [ps.address.split("://", 1)[1]], "worker": ["127.0.0.1"] * WORKERS})
     options = ClientOptions(
         transport=TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, request_timeout_s=60.0)
@@ -182,6 +185,7 @@ def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s
     def train(task: int) -> None:
         try:
             backend = NumpyBackend()
+            trainer = NumpyClassifier(backend)
             model = backend.build_model(spec, init_weights(spec, seed))
             keys = security.load_worker(keys_dir, task) if keys_dir is not None else None
             with psdk.connect(cluster, task, steps=steps, options=options, keys=keys, secure=curve) as session:
@@ -189,7 +193,7 @@ def run_alongside(steps: int = 400, seed: int = 0, curve: bool = True, timeout_s
                 opt.broadcast_parameters()
                 local = 0
                 while not session.should_stop():
-                    backend.forward_backward(model, xs[local % 20], ys[local % 20])
+                    trainer.forward_backward(model, batches[local % 20])
                     opt.step()
                     local += 1
                 with lock:

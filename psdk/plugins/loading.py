@@ -212,10 +212,14 @@ def listing() -> list[tuple[str, str, str, str]]:
     for name, dataset in sorted(installed_datasets().items()):
         rows.append(("dataset", name, distribution_of(dataset.target), dataset.description))
     for name, workload in sorted(installed_workloads().items()):
-        trainers = ", ".join(sorted(workload.trainers)).replace("*", "every backend")
-        description = f"{workload.description} (trains on: {trainers})"
+        description = f"{workload.description} (trains on: {', '.join(_trained_on(workload)) or 'no backend'})"
         rows.append(("workload", name, distribution_of(workload.worker), description))
     return rows
+
+
+def _trained_on(workload: WorkloadRecord) -> list[str]:
+    """The installed backends whose framework the workload has a trainer for."""
+    return sorted(name for name, e in installed_backends().items() if workload.trainer(e.record.framework) is not None)
 
 
 def _with_defaults(rule: Callable[[], UpdateRule]) -> UpdateRule | None:

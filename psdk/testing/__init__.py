@@ -1,11 +1,16 @@
-"""Testing helpers for backend and transport authors: conformance suites and a ps to train against.
+"""Testing helpers for plugin and transport authors: conformance suites and a ps to train against.
 
-::
+A framework plugin checks its bridge and its trainers apart (:mod:`psdk.testing.conformance`)::
 
-    from psdk.testing import BackendConformance
+    from psdk.testing import BridgeConformance, TrainerConformance
 
-    class TestMyBackend(BackendConformance):
+    class TestMyBridge(BridgeConformance):
         backend_name = "mybackend"
+
+    class TestMyMnistTrainer(TrainerConformance):
+        backend_name = "mybackend"   # the MNIST trainer for its framework
+
+:class:`BackendConformance` is both at once, for a backend and psdk's MNIST trainer on it.
 
 A transport's tests subclass :class:`TransportConformance` and override its
 ``transport_factory`` fixture (see :mod:`psdk.testing.transport_conformance`).
@@ -21,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "BackendConformance": "psdk.testing.conformance",
+    "BridgeConformance": "psdk.testing.conformance",
+    "TrainerConformance": "psdk.testing.conformance",
     "TransportConformance": "psdk.testing.transport_conformance",
     "RuleAgreement": "psdk.testing.rule_agreement",
     "running_ps": "psdk.testing.ps",
@@ -30,7 +37,9 @@ _LAZY = {
 
 __all__ = [
     "BackendConformance",
+    "BridgeConformance",
     "RuleAgreement",
+    "TrainerConformance",
     "TransportConformance",
     "assert_every_worker_contributed",
     "run_job",
@@ -38,7 +47,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from psdk.testing.conformance import BackendConformance
+    from psdk.testing.conformance import BackendConformance, BridgeConformance, TrainerConformance
     from psdk.testing.jobs import assert_every_worker_contributed, run_job
     from psdk.testing.ps import running_ps
     from psdk.testing.rule_agreement import RuleAgreement

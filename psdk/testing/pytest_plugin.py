@@ -1,11 +1,11 @@
 """psdk's pytest plugin (entry point ``pytest11``): fixtures for plugin authors' tests.
 
 Loaded automatically where psdk is installed; with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``
-set, add ``-p psdk.testing.pytest_plugin``. The conformance suite itself is a
-class to subclass (:class:`psdk.testing.BackendConformance`); it does not depend
-on these fixtures. Nothing here knows where a plugin's folder is: a plugin's
-tests pass wherever the folder is copied, once psdk is installed and MNIST is
-given by ``PSDK_DATA_DIR``.
+set, add ``-p psdk.testing.pytest_plugin``. The conformance suites themselves are
+classes to subclass (:class:`psdk.testing.BridgeConformance`,
+:class:`psdk.testing.TrainerConformance`); they do not depend on these fixtures.
+Nothing here knows where a plugin's folder is: a plugin's tests pass wherever
+the folder is copied, once psdk is installed and MNIST is given by ``PSDK_DATA_DIR``.
 
 Every session of anyone who installs psdk loads this module, so it adds
 fixtures only, each named ``psdk_...`` so none shadows or is shadowed by a

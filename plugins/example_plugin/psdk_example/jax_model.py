@@ -1,9 +1,11 @@
 """``resmlp`` on the JAX backend: psdk-jax's compiled model with this network as its pure function.
 
 psdk-jax's :class:`~psdk_jax.models.DenseStack` holds the canonical params
-dict and compiles one training step around two pure functions, ``apply``
-(the logits) and ``loss``; a model with another architecture overrides
-them and inherits the rest (staging, one transfer per step, evaluation).
+dict and compiles each trainer's loss into one training step around the
+network's pure function ``apply`` (here the logits); a model with another
+architecture overrides ``apply`` and inherits the rest (staging, one transfer
+per step, the outputs). The loss is the workload's trainer's (MNIST's:
+``psdk_jax.mnist``), so this model trains under any workload whose outputs it fits.
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ class ResMlp(DenseStack):
         for i in range(self.spec.blocks):  # type: ignore[attr-defined]
             h = h + jax.nn.relu(dense(f"block{i + 1}", h))
         return dense("logits", h)
-
-    def loss(self, params: Mapping[str, Any], x: Any, y: Any) -> Any:
-        log_probs = jax.nn.log_softmax(self.apply(params, x))
-        return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
 
 
 def build(backend: Any, spec: ResMlpSpec, weights: Mapping[str, np.ndarray]) -> ResMlp:

@@ -1,10 +1,15 @@
-"""The JAX backend. This module imports JAX and optax; psdk loads it only when it is used.
+"""The JAX backend, the bridge between JAX and the ps. This module imports JAX and optax; psdk loads it only when used.
+
+It moves weights and gradients, builds psdk's dense stacks, places JAX on a
+device and maps optax to the ps's rules; it knows no loss or metric. Those
+are a workload's trainer's: MNIST's is :class:`psdk_jax.mnist.JaxClassifier`.
 
 What lives where:
 
 * :mod:`psdk_jax.models`: psdk's dense networks as a params dict of jax arrays
-  with one ``jax.jit``-compiled ``value_and_grad`` step, canonical by
-  construction;
+  with a ``jax.jit``-compiled ``value_and_grad`` step per trainer's loss,
+  canonical by construction;
+* :mod:`psdk_jax.mnist`: MNIST's trainer (its loss, its predictions);
 * :mod:`psdk_jax.optimizers`: psdk update rules as optax transformations, and
   why an optax optimizer alone cannot name the ps's rule;
 * :mod:`psdk_jax.placement`: psdk's device string and thread count to JAX's
@@ -25,7 +30,6 @@ import numpy as np
 
 from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
-from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
 from psdk.rules import UpdateRule
 from psdk_jax import optimizers, placement
@@ -80,12 +84,6 @@ class JaxBackend(Backend):
 
     def read_gradients(self, model: DenseStack, out: Mapping[str, np.ndarray]) -> None:
         model.read_gradients(out)
-
-    def forward_backward(self, model: DenseStack, x: np.ndarray, y: np.ndarray) -> float:
-        return model.forward_backward(x, y)
-
-    def accuracy(self, model: DenseStack, x: np.ndarray, y: np.ndarray) -> float:
-        return kit.batched_accuracy(model.predict, x, y)
 
     # ------------------------------------------------------------ optimizer
     def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:

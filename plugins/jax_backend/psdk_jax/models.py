@@ -1,32 +1,37 @@
-"""psdk's dense networks in JAX: a params dict of jax arrays and one compiled training step.
+"""psdk's dense networks in JAX: a params dict of jax arrays, and compiled steps around a trainer's loss.
 
 A :class:`DenseStack` is what a JAX user would hold: ``params``, a dict of
 jax arrays on the backend's device named canonically (``hidden1/kernel`` of
 shape (in, out), ``hidden1/bias``, ..., ``logits/bias``, in
-:meth:`~psdk.plugins.models.ModelSpec.variables` order), and pure functions of it
-(:meth:`DenseStack.apply` for the logits, :meth:`DenseStack.loss` for the
-mean softmax cross-entropy). Kernels are (in, out) because ``x @ kernel +
-bias`` is the forward pass, so nothing is transposed on the way to or from
-the ps.
+:meth:`~psdk.plugins.models.ModelSpec.variables` order), and the network as a
+pure function of it (:meth:`DenseStack.apply`, the outputs). Kernels are
+(in, out) because ``x @ kernel + bias`` is the forward pass, so nothing is
+transposed on the way to or from the ps.
+
+It knows no loss: that is the workload's, and its trainer hands it over
+(``psdk_jax.mnist`` gives MNIST's, the mean softmax cross-entropy). A loss
+is a pure function ``loss(model, params, *arrays)`` of this holder, the params
+and the batch's arrays, built on ``model.apply``.
 
 How a step moves data (the ps sends the whole parameter set every step):
 
 * :meth:`DenseStack.write` copies the arrays it is given into one flat
   float32 staging buffer on the host and marks it pending: the caller keeps
   its arrays and nothing is sent to the device yet;
-* :meth:`DenseStack.forward_backward` is one ``jax.jit``-compiled call: with
-  a pending write it takes the staging buffer, cuts it into the params dict
-  (kept as the model's new ``params``) and runs ``jax.value_and_grad``; the
-  gradients come back as one flat array, one device-to-host transfer, of
-  which :meth:`DenseStack.read_gradients` hands out copies;
-* anything that reads ``params`` (evaluation, :meth:`DenseStack.read`) first
-  loads a pending write with one compiled call.
+* :meth:`DenseStack.value_and_grad` is one ``jax.jit``-compiled call per loss
+  (compiled the first time that loss is given, then cached): with a pending
+  write it takes the staging buffer, cuts it into the params dict (kept as
+  the model's new ``params``) and runs ``jax.value_and_grad``; the gradients
+  come back as one flat array, one device-to-host transfer, of which
+  :meth:`DenseStack.read_gradients` (what the backend reads) hands out copies;
+* anything that reads ``params`` (:meth:`DenseStack.outputs`,
+  :meth:`DenseStack.read`) first loads a pending write with one compiled call.
 
-Another architecture is a subclass overriding :meth:`DenseStack.apply` and
-:meth:`DenseStack.loss` (its spec needs ``variables()`` and ``layers()``); the
-staging, the compiled step and the evaluation come with it. A model plugin's
-builder for ``jax`` does that (``plugins/example_plugin/psdk_example/jax_model.py``),
-built with the backend's ``device_handle()``, ``precision()`` and ``option("jit")``.
+Another architecture is a subclass overriding :meth:`DenseStack.apply` (its
+spec needs ``variables()`` and ``layers()``); the staging, the compiled steps
+and the outputs come with it. A model plugin's builder for ``jax`` does that
+(``plugins/example_plugin/psdk_example/jax_model.py``), built with the
+backend's ``device_handle()``, ``precision()`` and ``option("jit")``.
 
 JAX returns gradients instead of keeping them on the parameters (torch's
 ``.grad``), so a training script that computes its own hands them over with
@@ -48,6 +53,8 @@ from psdk.plugins.models import ModelSpec
 from psdk.protocol.sharding import flat_size, layout, views
 
 Params = dict[str, jax.Array]
+Loss = Callable[..., Any]
+"""A trainer's loss: ``loss(model, params, *arrays)``, a scalar, pure and jit-able (see the module docstring)."""
 
 
 def logits(params: Mapping[str, Any], x: Any, layers: tuple[str, ...], precision: str | None) -> Any:
@@ -57,12 +64,6 @@ def logits(params: Mapping[str, Any], x: Any, layers: tuple[str, ...], precision
         if i < len(layers) - 1:
             x = jax.nn.relu(x)
     return x
-
-
-def cross_entropy(params: Mapping[str, Any], x: Any, y: Any, layers: tuple[str, ...], precision: str | None) -> Any:
-    """Mean softmax cross-entropy of integer labels ``y``."""
-    log_probs = jax.nn.log_softmax(logits(params, x, layers, precision))
-    return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
 
 
 class DenseStack:
@@ -89,11 +90,10 @@ class DenseStack:
         self._pending = False
         self._grads = np.zeros_like(self._staged)
         self._grad_views = views(self._grads, self.specs)
-        compiled: Callable[[Callable[..., Any]], Callable[..., Any]] = jax.jit if jit else (lambda f: f)
-        self._step = compiled(self._gradients)
-        self._load_step = compiled(self._load_and_gradients)
-        self._load = compiled(self._unflatten)
-        self._predict = compiled(self._classes)
+        self._jit: Callable[[Callable[..., Any]], Callable[..., Any]] = jax.jit if jit else (lambda f: f)
+        self._steps: dict[Loss, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self._load = self._jit(self._unflatten)
+        self._outputs = self._jit(self.apply)
         self._params: Params = {}
         _check_tree(weights, self.shapes, "weights")
         self.write(weights)
@@ -101,27 +101,27 @@ class DenseStack:
 
     # ------------------------------------------------------ pure functions
     def apply(self, params: Mapping[str, Any], x: Any) -> Any:
-        """Logits of ``x`` under ``params`` (differentiable, jit-able)."""
+        """The network's outputs for ``x`` under ``params``, here the logits (differentiable, jit-able)."""
         return logits(params, x, self.layers, self.precision)
-
-    def loss(self, params: Mapping[str, Any], x: Any, y: Any) -> Any:
-        """Mean softmax cross-entropy of ``x`` labelled ``y`` under ``params``."""
-        return cross_entropy(params, x, y, self.layers, self.precision)
 
     def _unflatten(self, flat: Any) -> Params:
         return {s.name: flat[s.offset : s.offset + s.size].reshape(s.shape) for s in self.specs}
 
-    def _gradients(self, params: Params, x: Any, y: Any) -> Any:
-        """The gradients as one flat array, with the loss appended: a single transfer to the host."""
-        loss, grads = jax.value_and_grad(self.loss)(params, x, y)
-        return jnp.concatenate([*(jnp.ravel(grads[name]) for name in self.names), loss[None]])
+    def _compile(self, loss: Loss) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``loss``'s training step, from the params and from a staged write, compiled once per model."""
 
-    def _load_and_gradients(self, flat: Any, x: Any, y: Any) -> tuple[Any, Params]:
-        params = self._unflatten(flat)
-        return self._gradients(params, x, y), params
+        def gradients(params: Params, *arrays: Any) -> Any:
+            """The gradients as one flat array, with the loss appended: a single transfer to the host."""
+            value, grads = jax.value_and_grad(lambda p: loss(self, p, *arrays))(params)
+            return jnp.concatenate([*(jnp.ravel(grads[name]) for name in self.names), jnp.reshape(value, (1,))])
 
-    def _classes(self, params: Params, x: Any) -> Any:
-        return jnp.argmax(self.apply(params, x), axis=1)
+        def load_and_gradients(flat: Any, *arrays: Any) -> tuple[Any, Params]:
+            params = self._unflatten(flat)
+            return gradients(params, *arrays), params
+
+        steps = self._jit(gradients), self._jit(load_and_gradients)
+        self._steps[loss] = steps
+        return steps
 
     # -------------------------------------------------------- the interface
     @property
@@ -164,13 +164,18 @@ class DenseStack:
             np.copyto(self._staged_views[name], value)
         self._pending = True
 
-    def forward_backward(self, x: np.ndarray, y: np.ndarray) -> float:
-        xb, yb = batch_arrays(x, y)
+    def value_and_grad(self, loss: Loss, *arrays: Any) -> float:
+        """``loss`` on the batch ``arrays`` (numpy, as the compiled step takes them), leaving its gradients here.
+
+        ``loss`` is compiled the first time it is given, so pass the same
+        function every step (a module's function, not a new lambda).
+        """
+        step, load_step = self._steps.get(loss) or self._compile(loss)
         if self._pending:
-            out, self._params = self._load_step(jax.device_put(self._staged, self.device), xb, yb)
+            out, self._params = load_step(jax.device_put(self._staged, self.device), *arrays)
             self._pending = False
         else:
-            out = self._step(self._params, xb, yb)
+            out = step(self._params, *arrays)
         host = np.asarray(out)  # waits for the step: the staging buffer is free again
         np.copyto(self._grads, host[:-1])
         return float(host[-1])
@@ -185,14 +190,9 @@ class DenseStack:
         for name, view in out.items():
             np.copyto(view, self._grad_views[name])
 
-    def predict(self, x: np.ndarray) -> Any:
-        """Predicted class of each row of ``x``."""
-        return self._predict(self.params, np.asarray(x, np.float32))
-
-
-def batch_arrays(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The batch as the compiled step takes it: float32 images, int32 labels (JAX's default integer)."""
-    return np.asarray(x, np.float32), np.asarray(y, np.int32)
+    def outputs(self, x: Any) -> np.ndarray:
+        """:meth:`apply` on the current params, compiled, as float32 numpy (no gradients)."""
+        return np.asarray(self._outputs(self.params, x), np.float32)
 
 
 def _check_tree(tree: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
@@ -207,10 +207,10 @@ def _check_tree(tree: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], 
 
 
 def record_gradients(model: DenseStack, gradients: Mapping[str, Any]) -> None:
-    """Hand a script's own gradients (``jax.grad(model.loss)(model.params, x, y)``) to ``opt.step()``."""
+    """Hand a script's own gradients (``jax.grad(loss)(model.params, x, y)``) to ``opt.step()``."""
     if not isinstance(model, DenseStack):
         raise PsdkError(f"record_gradients takes a psdk_jax DenseStack, got {type(model).__name__}")
     model.record(gradients)
 
 
-__all__ = ["DenseStack", "batch_arrays", "cross_entropy", "logits", "record_gradients"]
+__all__ = ["DenseStack", "Loss", "logits", "record_gradients"]

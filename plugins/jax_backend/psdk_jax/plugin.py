@@ -1,10 +1,10 @@
-"""psdk's entry point for this plugin: registers the backend without importing JAX or optax."""
+"""psdk's entry point for this plugin: registers the backend and MNIST's trainer without importing JAX or optax."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from psdk.plugins.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, TrainerRecord, hookimpl
 
 OPTIONS: dict[str, Any] = {
     "jit": True,
@@ -40,3 +40,9 @@ def psdk_register_backends() -> list[BackendRecord]:
             options=OPTIONS,
         )
     ]
+
+
+@hookimpl
+def psdk_register_trainers() -> list[TrainerRecord]:
+    """MNIST on JAX (its loss and predictions on this backend's bridge), imported only when a job uses it."""
+    return [TrainerRecord("mnist", "jax", "psdk_jax.mnist:JaxClassifier")]

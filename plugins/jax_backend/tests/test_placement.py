@@ -107,12 +107,15 @@ def test_the_compilation_cache_option_fills_the_folder(tmp_path: pytest.TempPath
     code = (
         "import json, os, numpy as np\n"
         "from psdk import plugins\n"
+        "from psdk.plugins.batches import Batch\n"
         "from psdk.plugins.models import ModelSpec, init_weights\n"
+        "from psdk_jax.mnist import JaxClassifier\n"
         f"backend = plugins.load_backend('jax', options={{'compilation_cache_dir': {str(tmp_path)!r}}})\n"
         "backend.setup('cpu', threads=1)\n"
         "spec = ModelSpec(hidden=(8,), input_dim=5, num_classes=3)\n"
         "model = backend.build_model(spec, init_weights(spec, 0))\n"
-        "backend.forward_backward(model, np.ones((4, 5), np.float32), np.zeros(4, np.int64))\n"
+        "batch = Batch({'image': np.ones((4, 5), np.float32)}, np.zeros(4, np.int64))\n"
+        "JaxClassifier(backend).forward_backward(model, batch)\n"
         f"print(json.dumps({{'files': len(os.listdir({str(tmp_path)!r}))}}))\n"
     )
     assert int(str(_fresh(code)["files"])) >= 2  # the weight load and the training step, at least

@@ -1,4 +1,4 @@
-"""psdk's backend conformance suite, run against the TensorFlow backend."""
+"""psdk's conformance suites, run against the TensorFlow bridge and psdk's MNIST trainer on TensorFlow."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import Any
 
 import keras
 
-from psdk.testing import BackendConformance
+from psdk.testing import BridgeConformance, TrainerConformance
 
 
-class TestTfBackendConformance(BackendConformance):
+class TestTfBridgeConformance(BridgeConformance):
     backend_name = "tf"
 
     def refused_optimizers(self, model: Any) -> dict[str, Any]:
@@ -24,3 +24,7 @@ class TestTfBackendConformance(BackendConformance):
             "use_ema": keras.optimizers.SGD(use_ema=True),
             "staircase": keras.optimizers.SGD(staircase),
         }
+
+
+class TestTfMnistTrainerConformance(TrainerConformance):
+    backend_name = "tf"

@@ -1,6 +1,8 @@
-"""The PyTorch backend. This module imports torch; psdk loads it only when a job uses it.
+"""The PyTorch backend: torch's bridge to the ps. This module imports torch; psdk loads it only when a job uses it.
 
-Thin on purpose; what lives where:
+It moves variables, weights and gradients and knows no loss or metric: those
+are a workload's, written on this bridge as a trainer (MNIST's is
+:class:`psdk_torch.mnist.TorchClassifier`). Thin on purpose; what lives where:
 
 * :mod:`psdk_torch.models`: psdk's network (canonical by construction) and the
   view of any ``nn.Module``'s parameters, shared with psdk's buffers on the CPU;
@@ -15,11 +17,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from psdk.plugins.backend import Backend
-from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
 from psdk.rules import UpdateRule
 from psdk_torch import models, optimizers, placement
@@ -54,21 +54,6 @@ class TorchBackend(Backend):
     ) -> bool:
         """On the CPU, point every parameter and its gradient at psdk's buffers (no copies per step)."""
         return models.parameters(model).share(params, grads)
-
-    def forward_backward(self, model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-        xt = torch.from_numpy(x).to(self.torch_device, non_blocking=True)
-        yt = torch.from_numpy(y).to(self.torch_device, non_blocking=True)
-        model.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(model(xt), yt)
-        loss.backward()
-        return float(loss.item())
-
-    @torch.no_grad()
-    def accuracy(self, model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-        def predict(batch: np.ndarray) -> np.ndarray:
-            return model(torch.from_numpy(batch).to(self.torch_device)).argmax(dim=1).cpu().numpy()
-
-        return kit.batched_accuracy(predict, x, y)
 
     # ------------------------------------------------------------ optimizer
     def make_optimizer(self, model: nn.Module, rule: UpdateRule) -> torch.optim.Optimizer:

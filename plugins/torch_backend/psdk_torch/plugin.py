@@ -1,8 +1,8 @@
-"""psdk's entry point for this plugin: registers the backend without importing torch."""
+"""psdk's entry point for this plugin: registers the backend and MNIST's torch trainer without importing torch."""
 
 from __future__ import annotations
 
-from psdk.plugins.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, TrainerRecord, hookimpl
 
 
 @hookimpl
@@ -18,3 +18,9 @@ def psdk_register_backends() -> list[BackendRecord]:
             "or `make setup` in a psdk checkout",
         )
     ]
+
+
+@hookimpl
+def psdk_register_trainers() -> list[TrainerRecord]:
+    """psdk's MNIST workload names no framework: its torch trainer is this plugin's."""
+    return [TrainerRecord("mnist", "torch", "psdk_torch.mnist:TorchClassifier")]

@@ -11,16 +11,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from psdk_torch.backend import TorchBackend
+from psdk_torch.mnist import TorchClassifier
 
 from psdk import plugins
+from psdk.plugins.batches import Batch
 from psdk.plugins.models import ModelSpec
-from psdk.testing.conformance import random_batch
+from psdk.workloads.mnist.trainers import IMAGE
 
 SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)
 
 
-def batch(size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    return random_batch(SPEC, size, seed)
+def batch(size: int = 64, seed: int = 0) -> Batch:
+    """An MNIST-shaped batch of ``SPEC``'s size: random images in [0, 1] and labels, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    images = rng.random((size, SPEC.input_dim), dtype=np.float32)
+    return Batch({IMAGE: images}, rng.integers(0, SPEC.num_classes, size))
 
 
 @pytest.fixture
@@ -29,3 +34,9 @@ def backend() -> TorchBackend:
     made = plugins.load_backend("torch")
     assert isinstance(made, TorchBackend)
     return made
+
+
+@pytest.fixture
+def trainer(backend: TorchBackend) -> TorchClassifier:
+    """MNIST's torch trainer on that backend."""
+    return TorchClassifier(backend)

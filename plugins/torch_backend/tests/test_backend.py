@@ -1,4 +1,4 @@
-"""The torch backend beyond the conformance suite: its registration, any nn.Module, psdk's buffers, MNIST."""
+"""The torch backend beyond the conformance suite: its registration, any nn.Module, psdk's buffers."""
 
 from __future__ import annotations
 
@@ -6,18 +6,17 @@ import gc
 import subprocess
 import sys
 import weakref
-from pathlib import Path
 
 import numpy as np
 import torch
 from psdk_torch.backend import TorchBackend
+from psdk_torch.mnist import TorchClassifier
 
 import psdk
 from psdk import plugins
-from psdk.data import mnist
-from psdk.plugins.models import ModelSpec, init_weights
-from psdk.rules import SGD
+from psdk.plugins.models import init_weights
 from psdk.testing.ps import RunningPs
+from psdk.workloads.mnist.trainers import IMAGE
 
 from .conftest import SPEC, batch
 
@@ -51,14 +50,17 @@ def test_the_backends_view_of_a_model_does_not_keep_it_alive(backend: TorchBacke
     assert alive() is None
 
 
-def test_shared_buffers_survive_a_zero_grad_that_drops_the_gradients(backend: TorchBackend) -> None:
+def test_shared_buffers_survive_a_zero_grad_that_drops_the_gradients(
+    backend: TorchBackend, trainer: TorchClassifier
+) -> None:
     """After zero_grad(set_to_none=True) the next backward makes new tensors: copied once, then aliased again."""
     model = backend.build_model(SPEC, init_weights(SPEC, 0))
     params = {name: np.array(value) for name, value in backend.read_weights(model).items()}
     grads = {name: np.zeros_like(value) for name, value in params.items()}
     assert backend.share_buffers(model, params, grads)
-    x, y = batch()
-    backend.forward_backward(model, x, y)
+    b = batch()
+    x, y = b.inputs[IMAGE], b.targets
+    trainer.forward_backward(model, b)
     first = {name: value.copy() for name, value in grads.items()}  # backward wrote straight into psdk's buffers
     assert any(value.any() for value in first.values())
     model.zero_grad(set_to_none=True)
@@ -72,26 +74,13 @@ def test_shared_buffers_survive_a_zero_grad_that_drops_the_gradients(backend: To
     assert kernel.grad is not None and kernel.grad.data_ptr() == grads["hidden1/kernel"].ctypes.data
 
 
-def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TorchBackend, psdk_mnist_dir: Path) -> None:
-    """Real data, in this process: the backend's network with its own torch optimizer, 300 steps of 100."""
-    data = mnist.split(mnist.load(psdk_mnist_dir), 0, 1)
-    spec = ModelSpec(hidden=(100,))
-    model = backend.build_model(spec, init_weights(spec, 0))
-    optimizer = backend.make_optimizer(model, SGD(lr=0.1, momentum=0.9))
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        rows = rng.integers(0, len(data.train_x), 100)
-        backend.forward_backward(model, data.train_x[rows], data.train_y[rows])
-        optimizer.step()
-    assert backend.accuracy(model, data.test_x, data.test_y) > 0.9
-
-
 def test_a_plain_nn_module_trains_through_the_public_api(psdk_ps: RunningPs) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(50, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
     reference = torch.nn.Sequential(torch.nn.Linear(50, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
     reference.load_state_dict(model.state_dict())
-    x, y = (torch.from_numpy(a) for a in batch(seed=5))
+    b = batch(seed=5)
+    x, y = torch.from_numpy(b.inputs[IMAGE]), torch.from_numpy(b.targets)
     with psdk.connect(psdk_ps.cluster(1), 0, steps=5, transport=psdk_ps.transport) as session:
         opt = psdk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, session)
         opt.broadcast_parameters()

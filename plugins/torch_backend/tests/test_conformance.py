@@ -1,4 +1,4 @@
-"""psdk's backend conformance suite, run against the torch backend."""
+"""psdk's conformance suites, run against the torch bridge and psdk's MNIST trainer on torch."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from psdk.testing import BackendConformance
+from psdk.testing import BridgeConformance, TrainerConformance
 
 
-class TestTorchBackendConformance(BackendConformance):
+class TestTorchBridgeConformance(BridgeConformance):
     backend_name = "torch"
 
     def refused_optimizers(self, model: Any) -> dict[str, Any]:
@@ -24,3 +24,7 @@ class TestTorchBackendConformance(BackendConformance):
             "torch.optim.AdamW": torch.optim.AdamW(params),
             "torch.optim.Adadelta": torch.optim.Adadelta(params),
         }
+
+
+class TestTorchMnistTrainerConformance(TrainerConformance):
+    backend_name = "torch"

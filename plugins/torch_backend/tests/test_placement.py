@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 from psdk_torch.backend import TorchBackend
+from psdk_torch.mnist import TorchClassifier
 
 from psdk.errors import ConfigError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import init_weights
+from psdk.workloads.mnist.trainers import NumpyClassifier
 
 from .conftest import SPEC, batch
 
@@ -49,19 +51,25 @@ def test_setup_pins_torchs_threads(backend: TorchBackend, threads_restored: None
 
 
 @needs_gpu
-def test_on_a_gpu_the_model_trains_there_and_keeps_its_own_buffers(backend: TorchBackend) -> None:
-    """cuda:0 is used as asked; gradients match numpy; psdk's CPU buffers are not shared with GPU tensors."""
+def test_on_a_gpu_the_model_trains_there_and_keeps_its_own_buffers(
+    backend: TorchBackend, trainer: TorchClassifier
+) -> None:
+    """cuda:0 is used as asked; MNIST's loss, gradients and predictions match numpy's; psdk's CPU buffers stay apart."""
     backend.setup("cuda:0", threads=1, gpu_memory_fraction=0.5)
     assert backend.device == "cuda:0"
-    weights = init_weights(SPEC, 0)
-    model, ref = backend.build_model(SPEC, weights), NumpyBackend().build_model(SPEC, weights)
+    weights, data = init_weights(SPEC, 0), batch()
+    bridge = NumpyBackend()
+    reference, ref = NumpyClassifier(bridge), bridge.build_model(SPEC, weights)
+    model = trainer.build_model(SPEC, weights)
     assert next(model.parameters()).device.type == "cuda"
-    x, y = batch()
-    loss = backend.forward_backward(model, x, y)
-    assert loss == pytest.approx(ref.forward_backward(x, y), rel=1e-4, abs=1e-5)
+    loss = trainer.forward_backward(model, data)
+    assert loss == pytest.approx(reference.forward_backward(ref, data), rel=1e-4, abs=1e-5)
     out = {name: np.zeros(shape, np.float32) for name, shape in SPEC.variables()}
     assert not backend.share_buffers(model, backend.read_weights(model), out)
     backend.read_gradients(model, out)
     for name, grad in out.items():
         np.testing.assert_allclose(grad, ref.grads[name], rtol=1e-3, atol=1e-5, err_msg=name)
-    assert backend.accuracy(model, x, y) == NumpyBackend().accuracy(ref, x, y)
+    logits, expected = trainer.predictions(model, data), reference.predictions(ref, data)
+    assert logits.dtype == np.float32
+    np.testing.assert_allclose(logits, expected, rtol=1e-3, atol=1e-4)
+    assert np.mean(logits.argmax(axis=1) == data.targets) == np.mean(expected.argmax(axis=1) == data.targets)
