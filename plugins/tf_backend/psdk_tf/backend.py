@@ -1,11 +1,14 @@
-"""The TensorFlow backend. This module imports TensorFlow; psdk loads it only when it is used.
+"""The TensorFlow bridge. This module imports TensorFlow; psdk loads it only when it is used.
 
-TensorFlow 2, eager, with each model's training step compiled once by
-``tf.function``. What lives where:
+TensorFlow 2, eager. The bridge knows variables, weights, gradients,
+optimizers and devices; a workload's trainer brings the loss (MNIST's is
+:mod:`psdk_tf.mnist`), which each model compiles once into a
+``tf.function`` step. What lives where:
 
 * :mod:`psdk_tf.models`: psdk's own network (canonical by construction, the
   fast path) and Keras models from training scripts (named from their Keras
-  variable paths), with their weights and gradients as numpy arrays;
+  variable paths), with their weights and gradients as numpy arrays, and
+  each trainer's compiled steps;
 * :mod:`psdk_tf.optimizers`: Keras optimizers to and from psdk update rules;
 * :mod:`psdk_tf.placement`: psdk's device string to TensorFlow's device setup.
 """
@@ -19,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from psdk.plugins.backend import Backend
-from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
 from psdk.rules import UpdateRule
 from psdk_tf import optimizers, placement
@@ -63,12 +65,6 @@ class TfBackend(Backend):
 
     def read_gradients(self, model: Any, out: Mapping[str, np.ndarray]) -> None:
         binding(model).read_gradients(out)
-
-    def forward_backward(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
-        return binding(model).forward_backward(x, y)
-
-    def accuracy(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
-        return kit.batched_accuracy(binding(model).predict, x, y)
 
     # ------------------------------------------------------------ optimizer
     def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:

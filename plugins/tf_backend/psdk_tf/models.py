@@ -16,6 +16,15 @@ Two kinds of model, behind one small interface (:class:`DenseStack` and
   variables are named by :func:`canonical_names` and kept in Keras's own
   layout, which for ``Dense`` kernels is already (in, out).
 
+The loss is not the bridge's: a workload's trainer (MNIST's is
+:mod:`psdk_tf.mnist`) hands a binding its loss as graph code,
+``loss(call, *tensors) -> scalar`` where ``call(x)`` is the model's forward
+pass in training mode, and gets back from :meth:`DenseStack.train_step` (or
+:meth:`ForeignModel.train_step`) that loss compiled into one step, traced at
+its first use and kept with the model. The step leaves its gradients in the
+binding, where :meth:`~psdk_tf.backend.TfBackend.read_gradients` reads them.
+Predictions are the same, without gradients (``infer``).
+
 TensorFlow 2 keeps no gradients on variables (torch keeps ``.grad``), so a
 training script hands its gradients over with :func:`record_gradients`
 where torch's ``loss.backward()`` would leave them; ``opt.step()`` then
@@ -28,6 +37,7 @@ import re
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,12 +50,11 @@ from psdk_tf._tf import keras, tf
 _OUTPUT_INDEX = re.compile(r":\d+$")
 
 
-def _cross_entropy(logits: Any, y: Any) -> Any:
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+Loss = Callable[..., Any]
+"""A trainer's loss as graph code: ``loss(call, *tensors)``, a scalar, where ``call(x)`` runs the model to train."""
 
-
-def _predicted(logits: Any) -> Any:
-    return tf.argmax(logits, axis=1)
+Inference = Callable[..., Any]
+"""A trainer's prediction as graph code: ``fn(call, *tensors)``, where ``call(x)`` runs the model to predict."""
 
 
 def _traced(function: Callable[..., Any], *signature: Any) -> Any:
@@ -53,9 +62,45 @@ def _traced(function: Callable[..., Any], *signature: Any) -> Any:
     return tf.function(function, input_signature=list(signature)).get_concrete_function()
 
 
-def batch_arrays(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
-    """The batch as the compiled steps take it (float32 images, int64 labels), copied only if needed."""
-    return tf.convert_to_tensor(np.asarray(x, np.float32)), tf.convert_to_tensor(np.asarray(y, np.int64))
+def _any_batch_size(tensor: Any) -> Any:
+    """``tensor``'s spec with the batch dimension left free: what one trace serves every batch size with."""
+    shape = tensor.shape
+    return tf.TensorSpec([None, *shape[1:]] if shape.rank else [], tensor.dtype)
+
+
+def _flat(gradients: Sequence[Any], variables: Sequence[Any]) -> Any:
+    """The gradients as one flat tensor in variable order; a variable the loss did not use gets zeros."""
+    parts = [
+        tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(gradients, variables, strict=True)
+    ]
+    return tf.concat([tf.reshape(g, [-1]) for g in parts], axis=0)
+
+
+class _OnFirstCall:
+    """A graph function traced at its first call, the batch dimension left free, then only called.
+
+    One trace serves every batch size (the last batch of a pass is smaller);
+    ``fixed`` are the specs of leading arguments that are no batch.
+    """
+
+    def __init__(self, function: Callable[..., Any], *fixed: Any):
+        self._function = function
+        self._fixed = fixed
+        self._concrete: Any = None
+
+    @property
+    def traces(self) -> int:
+        return int(self._concrete is not None)
+
+    def trace(self, *batch: Any) -> None:
+        """Trace now, for batches of the specs ``batch`` (a no-op once traced)."""
+        if self._concrete is None:
+            self._concrete = _traced(self._function, *self._fixed, *batch)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._concrete is None:
+            self.trace(*map(_any_batch_size, args[len(self._fixed) :]))
+        return self._concrete(*args)
 
 
 class DenseStack(tf.Module):
@@ -75,14 +120,11 @@ class DenseStack(tf.Module):
         self._pending = False
         self._grads = np.zeros_like(self._staged)
         self._grad_views = views(self._grads, self.specs)
-        x = tf.TensorSpec([None, spec.input_dim], tf.float32)
-        y = tf.TensorSpec([None], tf.int64)
-        flat = tf.TensorSpec([self._staged.size], tf.float32)
-        # Traced once here, with fixed dtypes and a free batch size: no retracing later.
-        self._step = _traced(self._gradients, x, y)
-        self._assign_step = _traced(self._assign_gradients, flat, x, y)
-        self._assign = _traced(self._assign_flat, flat)
-        self._predict = _traced(self._classes, x)
+        self._flat_spec = tf.TensorSpec([self._staged.size], tf.float32)
+        self._assign = _traced(self._assign_flat, self._flat_spec)
+        # Per trainer's loss (or prediction): its compiled step, traced at first use, kept with the model.
+        self._steps: dict[Loss, partial[float]] = {}
+        self._inferences: dict[Inference, partial[Any]] = {}
 
     @property
     def trainable_variables(self) -> tuple[Any, ...]:
@@ -98,22 +140,18 @@ class DenseStack(tf.Module):
                 x = tf.nn.relu(x)
         return x
 
-    def _gradients(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def _gradients(self, loss: Loss, *batch: Any) -> tuple[Any, Any]:
         with tf.GradientTape() as tape:
-            loss = _cross_entropy(self.logits(x), y)
-        grads = tape.gradient(loss, self._variables)
-        return loss, tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
+            value = loss(self.logits, *batch)
+        return value, _flat(tape.gradient(value, self._variables), self._variables)
 
     def _assign_flat(self, flat: Any) -> None:
         for var, part in zip(self._variables, tf.split(flat, self._sizes), strict=True):
             var.assign(tf.reshape(part, var.shape))
 
-    def _assign_gradients(self, flat: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    def _assign_gradients(self, loss: Loss, flat: Any, *batch: Any) -> tuple[Any, Any]:
         self._assign_flat(flat)  # tf.function orders it before the reads below
-        return self._gradients(x, y)
-
-    def _classes(self, x: Any) -> Any:
-        return _predicted(self.logits(x))
+        return self._gradients(loss, *batch)
 
     # -------------------------------------------------------- the interface
     def __call__(self, x: Any) -> Any:
@@ -138,15 +176,56 @@ class DenseStack(tf.Module):
             np.copyto(view, value)
         self._pending = True
 
-    def forward_backward(self, x: np.ndarray, y: np.ndarray) -> float:
-        xt, yt = batch_arrays(x, y)
+    def train_step(self, loss: Loss, signature: Sequence[Any] = ()) -> Callable[..., float]:
+        """``loss`` as this model's training step: made once per loss function and kept with the model.
+
+        The step takes the batch as tensors and is one ``tf.function`` call:
+        it assigns any staged write, runs the forward and backward pass and
+        returns the gradients as one flat tensor, copied once into the
+        buffer :meth:`read_gradients` reads. It returns the loss. It is
+        traced at its first call, or at once for batches of ``signature``'s
+        specs (a trainer does that when it builds the model, so that no
+        timed step pays for the trace).
+        """
+        step = self._steps.get(loss)
+        if step is None:
+            plain = _OnFirstCall(lambda *batch: self._gradients(loss, *batch))
+            assigning = _OnFirstCall(lambda flat, *batch: self._assign_gradients(loss, flat, *batch), self._flat_spec)
+            step = self._steps[loss] = partial(self._step, plain, assigning)
+        if signature:
+            for compiled in step.args:
+                compiled.trace(*signature)
+        return step
+
+    def _step(self, plain: _OnFirstCall, assigning: _OnFirstCall, *batch: Any) -> float:
         if self._pending:
-            loss, grads = self._assign_step(tf.convert_to_tensor(self._staged), xt, yt)
+            loss, grads = assigning(tf.convert_to_tensor(self._staged), *batch)
             self._pending = False
         else:
-            loss, grads = self._step(xt, yt)
+            loss, grads = plain(*batch)
         np.copyto(self._grads, grads.numpy())
         return float(loss.numpy())
+
+    def infer(self, fn: Inference, signature: Sequence[Any] = ()) -> Callable[..., Any]:
+        """``fn`` compiled on this model, run after any staged write: predictions, no gradients.
+
+        Traced at its first call, or at once for ``signature`` (as :meth:`train_step`).
+        """
+        predict = self._inferences.get(fn)
+        if predict is None:
+            predict = self._inferences[fn] = partial(self._infer, _OnFirstCall(lambda *batch: fn(self.logits, *batch)))
+        if signature:
+            predict.args[0].trace(*signature)
+        return predict
+
+    def _infer(self, compiled: _OnFirstCall, *batch: Any) -> Any:
+        self.flush()
+        return compiled(*batch)
+
+    def traces(self, loss: Loss) -> int:
+        """How often ``loss``'s step was traced on this model (at most twice: with and without a staged write)."""
+        step = self._steps.get(loss)
+        return 0 if step is None else sum(compiled.traces for compiled in step.args)
 
     def record(self, gradients: Sequence[Any]) -> None:
         _check_count(gradients, self.named)
@@ -156,11 +235,6 @@ class DenseStack(tf.Module):
     def read_gradients(self, out: Mapping[str, np.ndarray]) -> None:
         for name, view in out.items():
             np.copyto(view, self._grad_views[name])
-
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        """The class each image is given (for :func:`psdk.plugins.backends.kit.batched_accuracy`)."""
-        self.flush()
-        return self._predict(tf.convert_to_tensor(np.asarray(x, np.float32))).numpy()
 
 
 class ForeignModel:
@@ -173,25 +247,22 @@ class ForeignModel:
         self._variables = [v for _, v in self.named]
         self._index = {name: i for i, (name, _) in enumerate(self.named)}
         self.gradients: list[Any] | None = None
-        # A model from outside may take any input shape: let tf.function generalise it.
-        self._step = tf.function(self._gradients, reduce_retracing=True)
-        self._predict = tf.function(self._classes, reduce_retracing=True)
+        # A model from outside may take any input shape: its steps are tf.functions that generalise it.
+        self._steps: dict[Loss, partial[float]] = {}
+        self._inferences: dict[Inference, Any] = {}
 
-    def _call(self, x: Any, training: bool) -> Any:
+    def _call(self, training: bool, *inputs: Any) -> Any:
         model = self._model()
         if model is None:
             raise PsdkError("the model this backend was bound to no longer exists")
         if isinstance(model, keras.layers.Layer):
-            return model(x, training=training)
-        return model(x)
+            return model(*inputs, training=training)
+        return model(*inputs)
 
-    def _gradients(self, x: Any, y: Any) -> tuple[Any, list[Any]]:
+    def _gradients(self, loss: Loss, *batch: Any) -> tuple[Any, list[Any]]:
         with tf.GradientTape() as tape:
-            loss = _cross_entropy(self._call(x, True), y)
-        return loss, tape.gradient(loss, self._variables)
-
-    def _classes(self, x: Any) -> Any:
-        return _predicted(self._call(x, False))
+            value = loss(partial(self._call, True), *batch)
+        return value, tape.gradient(value, self._variables)
 
     def flush(self) -> None:
         """Writes reach the variables at once: a script calls the model itself."""
@@ -210,10 +281,32 @@ class ForeignModel:
                 raise PsdkError(f"{name}: cannot write shape {np.shape(value)} into a variable of {shape}")
             var.assign(np.asarray(value, np.float32))
 
-    def forward_backward(self, x: np.ndarray, y: np.ndarray) -> float:
-        loss, grads = self._step(*batch_arrays(x, y))
+    def train_step(self, loss: Loss) -> Callable[..., float]:
+        """``loss`` as this model's training step (see :meth:`DenseStack.train_step`); the gradients stay tensors."""
+        step = self._steps.get(loss)
+        if step is None:
+            compiled = tf.function(lambda *batch: self._gradients(loss, *batch), reduce_retracing=True)
+            step = self._steps[loss] = partial(self._step, compiled)
+        return step
+
+    def _step(self, compiled: Any, *batch: Any) -> float:
+        loss, grads = compiled(*batch)
         self.gradients = list(grads)
         return float(loss.numpy())
+
+    def infer(self, fn: Inference) -> Callable[..., Any]:
+        """``fn`` compiled on this model, in inference mode: predictions, no gradients."""
+        compiled = self._inferences.get(fn)
+        if compiled is None:
+            compiled = self._inferences[fn] = tf.function(
+                lambda *batch: fn(partial(self._call, False), *batch), reduce_retracing=True
+            )
+        return compiled
+
+    def traces(self, loss: Loss) -> int:
+        """How often ``loss``'s step was traced on this model (``reduce_retracing`` keeps it to one or two)."""
+        step = self._steps.get(loss)
+        return 0 if step is None else int(step.args[0].experimental_get_tracing_count())
 
     def record(self, gradients: Sequence[Any]) -> None:
         _check_count(gradients, self.named)
@@ -227,9 +320,6 @@ class ForeignModel:
             )
         for name, view in out.items():
             _copy_gradient(view, self.gradients[self._index[name]])
-
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        return self._predict(tf.convert_to_tensor(np.asarray(x, np.float32))).numpy()
 
 
 Binding = DenseStack | ForeignModel

@@ -1,8 +1,10 @@
-"""psdk's entry point for this plugin: registers the backend without importing TensorFlow."""
+"""psdk's entry point for this plugin: registers the backend and MNIST's trainer without importing TensorFlow."""
 
 from __future__ import annotations
 
-from psdk.plugins.hookspecs import BackendRecord, hookimpl
+from psdk.plugins.hookspecs import BackendRecord, TrainerRecord, hookimpl
+
+FRAMEWORK = "tensorflow"
 
 
 @hookimpl
@@ -11,7 +13,7 @@ def psdk_register_backends() -> list[BackendRecord]:
         BackendRecord(
             name="tf",
             target="psdk_tf.backend:TfBackend",
-            framework="tensorflow",
+            framework=FRAMEWORK,
             description="TensorFlow 2 with Keras 3 optimizers (CPU or GPU)",
             modules=("keras",),
             aliases=("tensorflow", "tensorflow2", "keras"),
@@ -19,3 +21,9 @@ def psdk_register_backends() -> list[BackendRecord]:
             "([gpu] for tensorflow[and-cuda]), or pip install tensorflow-cpu",
         )
     ]
+
+
+@hookimpl
+def psdk_register_trainers() -> list[TrainerRecord]:
+    """MNIST, psdk's own workload, trains on TensorFlow with this plugin's trainer."""
+    return [TrainerRecord("mnist", FRAMEWORK, "psdk_tf.mnist:TfClassifier")]

@@ -8,6 +8,7 @@ is installed.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 from psdk_tf.backend import TfBackend
@@ -21,6 +22,24 @@ SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)
 
 def batch(size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return random_batch(SPEC, size, seed)
+
+
+def zeros() -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, np.float32) for name, shape in SPEC.variables()}
+
+
+def keras_mlp(name: str = "net") -> keras.Model:
+    """psdk's MLP written as a Keras user would, with the layers named as psdk names them."""
+    model = keras.Sequential(
+        [
+            keras.layers.Dense(32, activation="relu", name="hidden1"),
+            keras.layers.Dense(16, activation="relu", name="hidden2"),
+            keras.layers.Dense(10, name="logits"),
+        ],
+        name=name,
+    )
+    model.build((None, 50))
+    return model
 
 
 @pytest.fixture

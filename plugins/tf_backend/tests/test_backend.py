@@ -1,17 +1,15 @@
-"""The tf backend beyond the conformance suite: its registration, Keras models, recorded gradients, the public API.
+"""The tf bridge beyond the conformance suite: its registration, Keras models, recorded gradients, the public API.
 
 psdk's own network is canonical by construction (``hidden1/kernel`` (in, out),
 ...); a Keras model from a training script is named from its variables'
 paths and kept in Keras's layout, which for ``Dense`` is already (in, out).
+MNIST's trainer on this bridge is test_mnist.py's.
 """
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
-import weakref
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -19,36 +17,16 @@ import psdk_tf
 import pytest
 import tensorflow as tf
 from psdk_tf.backend import TfBackend
-from psdk_tf.models import DenseStack, binding, canonical_names, record_gradients
+from psdk_tf.models import canonical_names, record_gradients
 
 import psdk
 from psdk import plugins
-from psdk.data import mnist
 from psdk.errors import PsdkError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
-from psdk.plugins.models import ModelSpec, init_weights
-from psdk.rules import SGD
+from psdk.plugins.models import init_weights
 from psdk.testing.ps import RunningPs
 
-from .conftest import SPEC, batch
-
-
-def zeros() -> dict[str, np.ndarray]:
-    return {name: np.zeros(shape, np.float32) for name, shape in SPEC.variables()}
-
-
-def keras_mlp(name: str = "net") -> keras.Model:
-    """psdk's MLP written as a Keras user would, with the layers named as psdk names them."""
-    model = keras.Sequential(
-        [
-            keras.layers.Dense(32, activation="relu", name="hidden1"),
-            keras.layers.Dense(16, activation="relu", name="hidden2"),
-            keras.layers.Dense(10, name="logits"),
-        ],
-        name=name,
-    )
-    model.build((None, 50))
-    return model
+from .conftest import SPEC, batch, keras_mlp, zeros
 
 
 # ------------------------------------------------------------ registration
@@ -56,6 +34,11 @@ def test_the_backend_is_registered_by_its_distribution() -> None:
     entry = plugins.installed_backends()["tf"]
     assert entry.distribution.startswith("psdk-tf") and entry.record.framework == "tensorflow"
     assert plugins.resolve_backend_name("keras") == "tf"
+
+
+def test_the_backend_is_a_bridge_without_the_old_mnist_methods() -> None:
+    """load_backend refuses a backend that still has them (the fixture loads this one)."""
+    assert not hasattr(TfBackend, "forward_backward") and not hasattr(TfBackend, "accuracy")
 
 
 def test_psdk_plugins_lists_tf() -> None:
@@ -126,24 +109,6 @@ def test_models_that_cannot_be_named_are_refused_clearly() -> None:
         canonical_names(type("M", (), {"trainable_variables": [tf.Variable(1.0), tf.Variable(2.0)]})())
 
 
-def test_a_keras_model_matches_the_numpy_reference(backend: TfBackend) -> None:
-    """Keras Dense kernels are (in, out) already: psdk's weights go in unchanged."""
-    reference = NumpyBackend()
-    weights = init_weights(SPEC, 3)
-    model, ref = keras_mlp(), reference.build_model(SPEC, weights)
-    backend.write_weights(model, weights)
-    assert list(backend.variables(model).items()) == SPEC.variables()
-    x, y = batch()
-    expected_loss = reference.forward_backward(ref, x, y)
-    assert backend.forward_backward(model, x, y) == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
-    grads, expected = zeros(), zeros()
-    backend.read_gradients(model, grads)
-    reference.read_gradients(ref, expected)
-    for name in expected:
-        np.testing.assert_allclose(grads[name], expected[name], rtol=1e-4, atol=1e-6, err_msg=name)
-    assert backend.accuracy(model, x, y) == reference.accuracy(ref, x, y)
-
-
 def test_recorded_gradients_are_what_a_step_pushes(backend: TfBackend) -> None:
     model = keras_mlp()
     out = zeros()
@@ -168,43 +133,6 @@ def test_record_gradients_works_for_psdk_models_too(backend: TfBackend) -> None:
     out = zeros()
     backend.read_gradients(model, out)
     assert [float(v.mean()) for v in out.values()] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-
-
-def test_batches_of_other_sizes_and_label_dtypes_do_not_retrace(backend: TfBackend) -> None:
-    model = keras_mlp("retrace")
-    for size, dtype in ((64, np.int64), (100, np.int32), (7, np.uint8), (64, np.int64)):
-        x, y = batch(size)
-        backend.forward_backward(model, x, y.astype(dtype))
-    assert binding(model)._step.experimental_get_tracing_count() <= 2  # reduce_retracing generalises
-    stack = backend.build_model(SPEC, init_weights(SPEC, 0))
-    assert isinstance(stack, DenseStack)
-    for size in (64, 100, 7):
-        backend.forward_backward(stack, *batch(size))  # traced once, at build, for any batch size
-
-
-def test_binding_a_keras_model_does_not_keep_it_alive(backend: TfBackend) -> None:
-    model = keras_mlp("transient")
-    backend.forward_backward(model, *batch(4))
-    model_ref = weakref.ref(model)
-    del model
-    gc.collect()
-    assert model_ref() is None
-
-
-def test_psdks_mlp_learns_mnist_in_a_few_hundred_steps(backend: TfBackend, psdk_mnist_dir: Path) -> None:
-    """Real data, in this process: the backend's network with its own Keras optimizer, 300 steps of 100."""
-    data = mnist.split(mnist.load(psdk_mnist_dir), 0, 1)
-    spec = ModelSpec(hidden=(100,))
-    model = backend.build_model(spec, init_weights(spec, 0))
-    optimizer = backend.make_optimizer(model, SGD(lr=0.1, momentum=0.9))
-    grads = {name: np.zeros(shape, np.float32) for name, shape in spec.variables()}
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        rows = rng.integers(0, len(data.train_x), 100)
-        backend.forward_backward(model, data.train_x[rows], data.train_y[rows])
-        backend.read_gradients(model, grads)
-        optimizer.apply_gradients(zip(map(tf.constant, grads.values()), model.trainable_variables, strict=True))
-    assert backend.accuracy(model, data.test_x, data.test_y) > 0.9
 
 
 # ------------------------------------------------------------- public API
