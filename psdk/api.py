@@ -40,6 +40,7 @@ from psdk.errors import (
 )
 from psdk.plugins.backend import Backend
 from psdk.plugins.loading import backend_for
+from psdk.plugins.variables import dense_shapes
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec, check_run_id
 from psdk.ps.consistency import SyncSpec
@@ -327,6 +328,8 @@ class DistributedOptimizer:
         already be past the checkpoint's (see ``restored_step``).
         """
         client = self.session.client
+        where = f"worker {self.session.task_index}'s model"
+        dense_shapes(self.backend.variable_records(self.model), where)  # a table is refused before the ps holds any
         if self.session.is_chief:
             own = self.session.latest_checkpoint()
             # A new epoch, later than any an earlier chief of this run made (they count up from 0): the workers

@@ -26,19 +26,6 @@ def test_device_strings_parse_and_a_missing_gpu_falls_back_with_a_warning(caplog
     assert "mylib sees 2 GPU(s), so there is no cuda:2" in caplog.text and "mylib sees no GPU" in caplog.text
 
 
-def test_batched_accuracy_counts_across_batches() -> None:
-    x = np.arange(12, dtype=np.float32).reshape(12, 1)
-    y = np.array([0, 1] * 6)
-    seen: list[int] = []
-
-    def predict(batch: np.ndarray) -> np.ndarray:
-        seen.append(len(batch))
-        return (batch[:, 0] % 2).astype(int) * (batch[:, 0] < 10)  # wrong for 10 and 11 only: 11 is odd
-
-    assert kit.batched_accuracy(predict, x, y, batch=5) == 11 / 12
-    assert seen == [5, 5, 2] and kit.batched_accuracy(predict, x[:0], y[:0]) == 0.0
-
-
 def test_options_the_ps_cannot_run_are_refused_by_name() -> None:
     kit.refuse_options(
         "SGD", {"dampening": 0, "maximize": False, "weight_decay": 0.0}, {"dampening": 0, "maximize": False}

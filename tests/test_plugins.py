@@ -122,3 +122,38 @@ def test_a_users_own_model_class_finds_its_backend_through_its_base_classes() ->
     spec = ModelSpec(hidden=(4,), input_dim=3, num_classes=2)
     model = ScriptModel(spec, init_weights(spec, 0))
     assert type(model).__module__.split(".")[0] != "psdk" and plugins.backend_for(model).name == "numpy"
+
+
+class OldStyleBackend(NumpyBackend):
+    """A backend written before workloads: MNIST's loss and metric on the backend itself."""
+
+    def forward_backward(self, model: NumpyModel, x: object, y: object) -> float:
+        return 0.0
+
+    def accuracy(self, model: NumpyModel, x: object, y: object) -> float:
+        return 0.0
+
+
+def test_a_backend_of_the_old_contract_is_refused_naming_what_to_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = f"{__name__}:OldStyleBackend"
+    pm = fake_manager([BackendRecord("oldstyle", target, "psdk")])
+    monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
+    with pytest.raises(PluginError) as info:
+        plugins.load_backend("oldstyle")
+    text = str(info.value)
+    assert "defines forward_backward and accuracy" in text and "Trainer.forward_backward(model, batch)" in text
+    assert "TrainerRecord('mnist'" in text and "docs/writing-a-backend.md, 'Moving a backend to a bridge'" in text
+
+
+def test_finding_an_objects_backend_passes_over_one_that_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outdated plugin for a framework imported alongside (Keras imports JAX) must not break the others."""
+    pm = fake_manager(
+        [
+            BackendRecord("aaold", f"{__name__}:OldStyleBackend", "psdk"),  # asked first: refused, passed over
+            BackendRecord("fine", "psdk.plugins.backends.numpy_backend:NumpyBackend", "psdk"),
+        ]
+    )
+    monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
+    assert plugins.backend_for(SGD(lr=0.1)).name == "fine"
+    with pytest.raises(PluginError, match="no backend that loads owns otherlib.*defines forward_backward"):
+        plugins.backend_for(type("SGD", (), {"__module__": "otherlib.optim"})())

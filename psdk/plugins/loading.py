@@ -127,16 +127,26 @@ def backend_for(obj: object) -> Backend:
 
     Only backends whose framework (or one of its ``modules``) is already
     imported are asked: an object of a framework means that framework is
-    loaded, so finding its backend never imports another.
+    loaded, so finding its backend never imports another. A backend that
+    cannot be loaded (an outdated plugin for a framework imported alongside:
+    Keras imports JAX) is passed over, and named only if none owns ``obj``.
     """
     backends = installed_backends()
+    unloadable: list[str] = []
     for name, entry in backends.items():
         record = entry.record
         if any(package in sys.modules for package in (record.framework, *record.modules)):
-            backend = load_backend(name)
+            try:
+                backend = load_backend(name)
+            except PluginError as exc:
+                unloadable.append(str(exc))
+                continue
             if backend.owns(obj):
                 return backend
-    raise UnknownBackendError(f"<one for {type(obj).__module__} objects like {type(obj).__name__}>", backends, {})
+    what = f"{type(obj).__module__} objects like {type(obj).__name__}"
+    if unloadable:
+        raise PluginError(f"no backend that loads owns {what}; these could not be loaded: {'; '.join(unloadable)}")
+    raise UnknownBackendError(f"<one for {what}>", backends, {})
 
 
 # ------------------------------------------------------------- workloads

@@ -1,7 +1,7 @@
-"""What every backend needs and none should write again: device strings, accuracy, optimizer mapping.
+"""What every backend needs and none should write again: device strings, optimizer mapping.
 
 Every backend maps its framework's optimizers to the ps's update rules, refuses
-the options the ps cannot run, evaluates in batches and falls back to the CPU
+the options the ps cannot run and falls back to the CPU
 when the GPU it was given is not there. The torch, TensorFlow and JAX plugins
 all do these the same way, through this module, so the messages a user reads
 and the corner cases (float32 rounding of hyper-parameters, an optimizer
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +24,6 @@ from psdk.ps.rules import UpdateRule
 log = logging.getLogger(__name__)
 
 DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
-EVAL_BATCH = 5000
-"""Examples per forward pass when evaluating: big enough to be fast, small enough for any GPU."""
 
 
 # ------------------------------------------------------------------ devices
@@ -57,18 +55,6 @@ def fall_back_to_cpu(device: str, gpus: int, framework: str) -> str:
         log.warning("%s sees %d GPU(s), so there is no %s; falling back to the CPU", framework, gpus, device)
         return "cpu"
     return f"cuda:{index}"
-
-
-# ----------------------------------------------------------------- accuracy
-def batched_accuracy(
-    predict: Callable[[np.ndarray], Any], x: np.ndarray, y: np.ndarray, batch: int = EVAL_BATCH
-) -> float:
-    """Fraction of ``x`` that ``predict`` (a batch of inputs -> predicted class indices) gets right."""
-    correct = 0
-    for start in range(0, len(x), batch):
-        predicted = np.asarray(predict(x[start : start + batch]))
-        correct += int(np.count_nonzero(predicted == y[start : start + batch]))
-    return correct / max(1, len(x))
 
 
 # -------------------------------------------------------- optimizer mapping
