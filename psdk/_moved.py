@@ -5,7 +5,8 @@ architecture (``docs/architecture.md``): the ps side in :mod:`psdk.ps`, the
 worker side in :mod:`psdk.client`, the shared contracts in
 :mod:`psdk.protocol` and :mod:`psdk.config`, the plugin system in
 :mod:`psdk.plugins`, the launchers and the CLI in :mod:`psdk.launch`. The MNIST
-job has since moved into its workload's package, :mod:`psdk.workloads.mnist`.
+job has since become psdk's training loop for every workload (:mod:`psdk.jobs.worker`)
+and MNIST's own package (:mod:`psdk.workloads.mnist`).
 
 A finder first on ``sys.meta_path`` answers for the old paths alone (a
 dict lookup; any other name passes on). First, because an old package's

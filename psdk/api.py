@@ -15,7 +15,7 @@
             opt.pull()          # the final parameters of the ps, into the model
     # leaving the block, the chief shuts the ps tasks down
 
-The MNIST job (:mod:`psdk.workloads.mnist.job`) is written on this same API.
+psdk's training loop (:mod:`psdk.jobs.worker`), which runs every workload, is written on this same API.
 """
 
 from __future__ import annotations
