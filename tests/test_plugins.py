@@ -155,5 +155,5 @@ def test_finding_an_objects_backend_passes_over_one_that_cannot_load(monkeypatch
     )
     monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     assert plugins.backend_for(SGD(lr=0.1)).name == "fine"
-    with pytest.raises(PluginError, match="no backend that loads owns otherlib.*defines forward_backward"):
+    with pytest.raises(PluginError, match=r"no backend that loads owns otherlib.*defines forward_backward"):
         plugins.backend_for(type("SGD", (), {"__module__": "otherlib.optim"})())
