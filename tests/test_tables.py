@@ -146,7 +146,7 @@ def test_eviction_keeps_the_counts_so_an_admitted_row_comes_straight_back() -> N
     assert table.admitted(ids(4, 9)).tolist() == [True, False]
 
 
-@settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=2000, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(0, 10**6), min_size=1, max_size=300), st.sampled_from([1, 2, 8, 64]))
 def test_the_sketch_never_counts_under(stream: list[int], width: int) -> None:
     sketch = CountMinSketch(depth=3, width=width)
@@ -292,7 +292,9 @@ class Reference:
         assert len(gone) == max(0, len(self.rows) + len(new) - self.capacity)
         assert not gone & touched
         if gone:  # any oldest rows, ties as the table chose
-            assert max(self.used[i] for i in gone) <= min(self.used[i] for i in set(self.rows) - gone)
+            assert max(self.used[i] for i in gone) <= min(
+                (self.used[i] for i in set(self.rows) - gone), default=self.clock
+            )
         for i in gone:
             del self.rows[i], self.used[i]
         for i in new:
@@ -302,7 +304,7 @@ class Reference:
         return np.array([self.rows.get(i, np.zeros(table.dim, np.float32)) for i in batch])
 
 
-@settings(max_examples=30, deadline=3000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=3000, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.integers(1, 6),
     st.sampled_from([0, 2]),
