@@ -94,21 +94,26 @@ class RowIndex:
         return pos, slot
 
     def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Write absent, distinct ``ids`` -> ``slots``; of ids racing for a position one wins, the rest probe on."""
+        """Write absent, distinct ``ids`` -> ``slots``; of ids racing for a position one wins, the rest probe on.
+
+        The racers all write their slot and read back which one stayed: no sort
+        needed to pick a winner, and whichever numpy lets win, each position
+        ends up holding exactly one of them.
+        """
         positions, mask = self._positions, len(self._positions) - 1
         pos = (hash_ids(ids) & np.uint64(mask)).astype(np.intp)
         pending = np.arange(len(ids))
         while pending.size:
-            entry = positions[pos[pending]]
+            where = pos[pending]
+            entry = positions[where]
             free = entry < 0
-            candidates = pending[free]
-            _, first = np.unique(pos[candidates], return_index=True)
-            winners = candidates[first]
-            self._tombstones -= int(np.count_nonzero(positions[pos[winners]] == TOMBSTONE))
-            positions[pos[winners]] = slots[winners]
-            won = np.zeros(len(ids), bool)
-            won[winners] = True
-            pending = pending[~won[pending]]
+            racing, at = pending[free], where[free]
+            positions[at] = slots[racing]
+            won = positions[at] == slots[racing]
+            self._tombstones -= int(np.count_nonzero(entry[free][won] == TOMBSTONE))
+            lost = np.ones(len(pending), bool)
+            lost[np.flatnonzero(free)[won]] = False
+            pending = pending[lost]
             pos[pending] = (pos[pending] + 1) & mask
 
     def _rebuild(self, live_after: int) -> None:
@@ -131,17 +136,22 @@ class RowIndex:
         unique, inverse = np.unique(check_ids(ids), return_inverse=True)
         slots = self._probe(unique)[1]
         new = np.flatnonzero(slots < 0)
-        if len(new) > self.room:
-            raise ValueError(f"{len(new)} new ids do not fit: the index has room for {self.room} of {self.capacity}")
-        if len(new):
-            if 2 * (self._live + self._tombstones + len(new)) > len(self._positions):
-                self._rebuild(self._live + len(new))
-            fresh = self._take_slots(len(new))
-            self.slot_ids[fresh] = unique[new]
-            self._place(unique[new], fresh)
-            self._live += len(new)
-            slots[new] = fresh
+        slots[new] = self.insert_absent(unique[new])
         return slots[inverse]
+
+    def insert_absent(self, ids: np.ndarray) -> np.ndarray:
+        """Slots for ``ids`` known to be distinct and absent (the caller has just probed them)."""
+        if len(ids) > self.room:
+            raise ValueError(f"{len(ids)} new ids do not fit: the index has room for {self.room} of {self.capacity}")
+        if len(ids) == 0:
+            return np.zeros(0, np.int32)
+        if 2 * (self._live + self._tombstones + len(ids)) > len(self._positions):
+            self._rebuild(self._live + len(ids))
+        fresh = self._take_slots(len(ids))
+        self.slot_ids[fresh] = ids
+        self._place(ids, fresh)
+        self._live += len(ids)
+        return fresh
 
     def _take_slots(self, count: int) -> np.ndarray:
         reused = min(count, self._n_free)

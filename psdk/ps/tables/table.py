@@ -160,7 +160,7 @@ class RowTable:
             oldest = self._oldest(short)
             self.index.remove_slots(oldest)
             self.evicted += len(oldest)
-        slots = self.index.insert(ids)
+        slots = self.index.insert_absent(ids)
         self.rows[slots] = initial_rows(ids, self.dim, self._key, self.initializer, self.init_scale)
         for values in self.slots.values():
             values[slots] = 0.0
