@@ -203,6 +203,19 @@ def test_the_state_round_trips_whole_and_in_chunks(admit_after: int) -> None:
     assert copy.evicted == table.evicted
 
 
+def test_chunks_of_a_table_below_its_cap_hold_only_its_rows() -> None:
+    table = RowTable(2, 100, slot_names=("m",), admit_after=1, sketch_width=8)
+    table.lookup(ids(42, 7, 42))
+    chunks = list(table.export_chunks(256))
+    assert sorted(np.concatenate([c["ids"] for c in chunks if "ids" in c]).tolist()) == [7, 42]
+    copy = RowTable(2, 100, slot_names=("m",), admit_after=1, sketch_width=8)
+    restore = copy.restore()
+    for chunk in chunks:
+        restore.add(chunk)
+    restore.commit()
+    same(table, copy)
+
+
 def test_an_unfinished_or_refused_restore_leaves_the_table_as_it_was() -> None:
     table, source = filled(), filled()
     before = table.state()

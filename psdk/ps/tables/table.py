@@ -233,8 +233,9 @@ class RowTable:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
         yield self._header()
-        for start in range(0, self.index.next_slot, chunk_rows):
-            block = start + np.flatnonzero(self.index.slot_ids[start : start + chunk_rows] >= 0)
+        end = self.index.next_slot  # slot_ids past it were never handed out, and read 0
+        for start in range(0, end, chunk_rows):
+            block = start + np.flatnonzero(self.index.slot_ids[start : min(start + chunk_rows, end)] >= 0)
             if len(block):
                 yield self._row_chunk(block)
         if self.sketch is not None:
