@@ -6,6 +6,8 @@ the protocol and the store build on later (docs/tables.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,7 @@ from psdk.ps.tables.index import RowIndex
 from psdk.ps.tables.table import RowTable
 
 pytestmark = pytest.mark.timeout(30)
-TOL = {"rtol": 1e-6, "atol": 1e-7}
+RTOL, ATOL = 1e-6, 1e-7
 
 
 def ids(*values: int) -> np.ndarray:
@@ -27,11 +29,11 @@ def test_a_lookup_creates_rows_that_read_back_and_a_block_round_trips() -> None:
     table = RowTable(3, 16, slot_names=("m",), seed=7)
     first = table.lookup(ids(10, 4, 99))
     assert first.shape == (3, 3) and len(table) == 3 and table.created == 3
-    np.testing.assert_allclose(table.lookup(ids(99, 10), create=False), first[[2, 0]], **TOL)
+    np.testing.assert_allclose(table.lookup(ids(99, 10), create=False), first[[2, 0]], rtol=RTOL, atol=ATOL)
     rows, slots = table.gather(ids(4, 99))
     table.scatter(ids(4, 99), rows + 1.0, {"m": slots["m"] + 2.0})
-    np.testing.assert_allclose(table.lookup(ids(4), create=False), first[[1]] + 1.0, **TOL)
-    np.testing.assert_allclose(table.gather(ids(99))[1]["m"], np.full((1, 3), 2.0), **TOL)
+    np.testing.assert_allclose(table.lookup(ids(4), create=False), first[[1]] + 1.0, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(table.gather(ids(99))[1]["m"], np.full((1, 3), 2.0), rtol=RTOL, atol=ATOL)
     assert table.lookup(ids(12345), create=False).tolist() == [[0.0, 0.0, 0.0]] and len(table) == 3
 
 
@@ -259,11 +261,11 @@ def test_export_gives_ids_and_rows_by_increasing_id() -> None:
         (np.zeros((2, 2), np.int64), "one-dimensional"),
     ],
 )
-def test_ids_that_are_not_non_negative_int64_are_refused(bad: object, message: str) -> None:
+def test_ids_that_are_not_non_negative_int64_are_refused(bad: Any, message: str) -> None:
     table = RowTable(2, 8)
     for call in (table.lookup, table.admitted, table.gather, RowIndex(4).insert):
         with pytest.raises(ValueError, match=message):
-            call(bad)  # type: ignore[operator]
+            call(bad)
     assert len(table) == 0
 
 
@@ -335,7 +337,7 @@ def test_the_table_behaves_as_a_dict_of_rows_with_lru_and_counts(
         if len(set(batch)) > capacity:
             continue
         got = table.lookup(np.array(batch, np.int64))
-        np.testing.assert_allclose(got, model.lookup(batch, table), **TOL)
+        np.testing.assert_allclose(got, model.lookup(batch, table), rtol=RTOL, atol=ATOL)
         target = batch[0]
         if target in model.rows:
             delta = np.float32(deltas[step % len(deltas)])
@@ -345,4 +347,4 @@ def test_the_table_behaves_as_a_dict_of_rows_with_lru_and_counts(
     exported_ids, exported_rows = table.export()
     assert exported_ids.tolist() == sorted(model.rows)
     for i, row in zip(exported_ids.tolist(), exported_rows, strict=True):
-        np.testing.assert_allclose(row, model.rows[i], **TOL)
+        np.testing.assert_allclose(row, model.rows[i], rtol=RTOL, atol=ATOL)
