@@ -348,3 +348,18 @@ def test_the_table_behaves_as_a_dict_of_rows_with_lru_and_counts(
     assert exported_ids.tolist() == sorted(model.rows)
     for i, row in zip(exported_ids.tolist(), exported_rows, strict=True):
         np.testing.assert_allclose(row, model.rows[i], rtol=RTOL, atol=ATOL)
+
+
+def resident() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_a_table_costs_memory_only_for_the_rows_handed_out() -> None:
+    """Building the table writes none of its per-slot arrays (why ``np.empty``: ``psdk/ps/tables/table.py``)."""
+    before = resident()
+    table = RowTable(16, 1_000_000, slot_names=("m",))  # 2 x 64 MB of rows and slots, 16 MB of index
+    assert resident() - before < 2**20
+    table.lookup(np.arange(10_000, dtype=np.int64) * 1_000_003)
+    assert resident() - before < 12 * 2**20
+    assert table.bytes_per_row() < 16 * 4 * 2 + 4 + 40

@@ -55,8 +55,10 @@ class RowIndex:
         if capacity < 1 or capacity >= 2**31:
             raise ValueError(f"a row index holds 1 to 2**31-1 rows, not {capacity}")
         self.capacity = capacity
-        self.slot_ids = np.zeros(capacity, np.int64)  # lazily mapped: touched in slot order
-        self._free = np.zeros(capacity, np.int32)
+        # np.empty, not np.zeros: allocated to the cap, never written until used (see RowTable), and
+        # read only below next_slot (slot_ids) or _n_free (the free list).
+        self.slot_ids = np.empty(capacity, np.int64)
+        self._free = np.empty(capacity, np.int32)
         self._n_free = 0
         self._free_high = 0
         self.next_slot = 0

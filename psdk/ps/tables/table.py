@@ -1,12 +1,15 @@
 """``RowTable``: one ps shard's rows of an embedding table, created on first touch, capped, LRU-evicted.
 
 Layout (docs/tables.md): ``rows`` and one array per update-rule slot, each
-``capacity x dim`` float32 allocated up front with ``np.zeros``, which Linux
-maps lazily, so only the pages of rows handed out cost memory, and nothing is
-ever copied as the table grows; a ``RowIndex`` (id -> slot); ``last_used``,
-one uint32 stamp per slot from a clock that ticks once per creating lookup;
-and, with ``admit_after``, a fixed-size count-min sketch of how often each id
-was looked up.
+``capacity x dim`` float32; ``last_used``, one uint32 stamp per slot from a
+clock that ticks once per creating lookup; a ``RowIndex`` (id -> slot); and,
+with ``admit_after``, a fixed-size count-min sketch of how often each id was
+looked up. The per-slot arrays are allocated to the cap up front and never
+copied as the table grows. They are ``np.empty``, not ``np.zeros``: Linux maps
+a large allocation's pages on first write, so only the rows handed out cost
+memory, whereas ``calloc`` clears (and so maps) whatever memory the allocator
+reuses, which after a large free can be all of it. Every row, slot and stamp
+is written when its slot is handed out, before anything reads it.
 
 Semantics:
 
@@ -69,9 +72,9 @@ class RowTable:
         self.initializer, self.init_scale, self.seed = initializer, init_scale, seed
         self._sketch_shape = (sketch_depth, sketch_width)
         self.index = RowIndex(capacity)
-        self.rows = np.zeros((capacity, dim), np.float32)
-        self.slots = {slot: np.zeros((capacity, dim), np.float32) for slot in slot_names}
-        self.last_used = np.zeros(capacity, np.uint32)
+        self.rows = np.empty((capacity, dim), np.float32)
+        self.slots = {slot: np.empty((capacity, dim), np.float32) for slot in slot_names}
+        self.last_used = np.empty(capacity, np.uint32)
         self.sketch = CountMinSketch(sketch_depth, sketch_width) if admit_after else None
         self.clock = self.evicted = self.created = 0
         self._key = table_key(seed, name)
