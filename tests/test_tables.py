@@ -98,9 +98,12 @@ def test_eviction_takes_the_least_recently_used_first_and_counts() -> None:
     assert sorted(table.export()[0].tolist()) == [1, 3, 4, 5] and table.evicted == 1
     table.lookup(ids(6, 7, 5))  # 3 and 4 are older than 1 and 5; 5 is in this lookup
     assert sorted(table.export()[0].tolist()) == [1, 5, 6, 7] and table.evicted == 3
-    with pytest.raises(ValueError, match="5 distinct ids cannot fit a table capped at 4"):
+    before = table.state()
+    with pytest.raises(ValueError, match="5 distinct ids with rows cannot fit a table capped at 4"):
         table.lookup(ids(1, 2, 3, 4, 5))
-    assert sorted(table.export()[0].tolist()) == [1, 5, 6, 7]
+    for key, value in table.state().items():  # a refused lookup changed nothing: no stamp, no clock tick
+        np.testing.assert_array_equal(value, before[key])
+    assert len(table.lookup(np.zeros(0, np.int64))) == 0
 
 
 def test_a_row_evicted_and_looked_up_again_starts_over() -> None:

@@ -96,20 +96,36 @@ class RowTable:
         unique, inverse = np.unique(check_ids(ids), return_inverse=True)
         slots = self.index.find(unique)
         if create:
-            self._tick()
-            present = slots >= 0
-            self.last_used[slots[present]] = self.clock
-            wanted = ~present
-            if self.sketch is not None:
-                self.sketch.add(unique, np.bincount(inverse, minlength=len(unique)))
-                wanted &= self.sketch.estimate(unique) >= self.admit_after
-            new = np.flatnonzero(wanted)
-            if len(new):
-                slots[new] = self._create(unique[new], int(np.count_nonzero(present)))
+            self._count_stamp_create(unique, inverse, slots)
         found = np.zeros((len(unique), self.dim), np.float32)
         have = slots >= 0
         found[have] = self.rows[slots[have]]
         return found[inverse]
+
+    def _count_stamp_create(self, unique: np.ndarray, inverse: np.ndarray, slots: np.ndarray) -> None:
+        """A creating lookup's changes, after the one check that can refuse it, so a refusal changes nothing.
+
+        An id is admitted on its count before this lookup plus its occurrences
+        in it: at least its true count, as the sketch's own estimate after
+        adding would be (which may also include collisions within the batch).
+        """
+        present = slots >= 0
+        wanted = ~present
+        counts = np.bincount(inverse, minlength=len(unique))
+        if self.sketch is not None:
+            wanted &= self.sketch.estimate(unique).astype(np.int64) + counts >= self.admit_after
+        new = np.flatnonzero(wanted)
+        touched = int(np.count_nonzero(present))
+        if len(new) + touched > self.capacity:
+            raise ValueError(
+                f"a lookup of {len(new) + touched} distinct ids with rows cannot fit a table capped at {self.capacity}"
+            )
+        self._tick()
+        if self.sketch is not None:
+            self.sketch.add(unique, counts)
+        self.last_used[slots[present]] = self.clock
+        if len(new):
+            slots[new] = self._create(unique[new])
 
     def admitted(self, ids: np.ndarray) -> np.ndarray:
         """Which ids have a row now: updates to the others are to be dropped."""
@@ -152,12 +168,8 @@ class RowTable:
             self.clock = len(distinct) + 1
             self._candidates, self._stamps = self._candidates[:0], self._stamps[:0]
 
-    def _create(self, ids: np.ndarray, touched: int) -> np.ndarray:
-        """New rows for absent ``ids``, evicting the oldest rows not among the ``touched`` of this lookup."""
-        if len(ids) + touched > self.capacity:
-            raise ValueError(
-                f"a lookup of {len(ids) + touched} distinct ids cannot fit a table capped at {self.capacity}"
-            )
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        """New rows for absent ``ids``, evicting the oldest rows (those this lookup touched are the newest)."""
         short = len(ids) - self.index.room
         if short > 0:
             oldest = self._oldest(short)
@@ -299,6 +311,8 @@ class TableRestore:
         if "sketch" in chunk:
             if staging.sketch is None:
                 raise ValueError("the state has a sketch but this table admits every id (admit_after=0)")
+            if "sketch_offset" not in chunk:
+                raise ValueError("a sketch piece needs its sketch_offset")
             flat, start = staging.sketch.counts.reshape(-1), int(chunk["sketch_offset"][0])
             piece = np.asarray(chunk["sketch"], np.uint32)
             if start < 0 or start + len(piece) > len(flat):
