@@ -1,0 +1,348 @@
+"""``RowTable``: one ps shard's rows of an embedding table, created on first touch, capped, LRU-evicted.
+
+Layout (docs/tables.md): ``rows`` and one array per update-rule slot, each
+``capacity x dim`` float32; ``last_used``, one uint32 stamp per slot from a
+clock that ticks once per creating lookup; a ``RowIndex`` (id -> slot); and,
+with ``admit_after``, a fixed-size count-min sketch of how often each id was
+looked up. The per-slot arrays are allocated to the cap up front and never
+copied as the table grows. They are ``np.empty``, not ``np.zeros``: Linux maps
+a large allocation's pages on first write, so only the rows handed out cost
+memory, whereas ``calloc`` clears (and so maps) whatever memory the allocator
+reuses, which after a large free can be all of it. Every row, slot and stamp
+is written when its slot is handed out, before anything reads it.
+
+Semantics:
+
+- A row is created by ``lookup(ids, create=True)``, initialised from
+  (seed, table name, id, column) alone (``psdk/ps/tables/hashing.py``), so a
+  row starts the same on any shard, in any touch order, after any restore.
+- With ``admit_after = N``, each creating lookup counts each occurrence of an
+  id in the sketch; a row is created once its count reaches N. Until then the
+  id reads as zeros (DeepRec's choice, not the initial value) and
+  ``admitted(ids)`` is False for it, so its updates can be dropped.
+- When a creating lookup needs more rows than are free, the least recently
+  looked-up rows are evicted (never ones the same lookup touches) and counted
+  in ``evicted``. Eviction does not reset the sketch: an admitted id that was
+  evicted comes back at its next lookup, with its initial row and zero slots.
+- ``state()`` and ``export_chunks()`` hand out the rows, slots, stamps, sketch
+  and counters as plain numpy arrays by name; ``restore()`` takes them back one
+  chunk at a time into a staging table and replaces this one only at ``commit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
+from psdk.ps.tables.index import RowIndex, check_ids
+
+SLOT = "slot."
+"""The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""
+REFILL_SHARE = 16
+"""Eviction finds the oldest ``capacity / REFILL_SHARE`` rows at once and draws on them until touched."""
+
+
+class RowTable:
+    """Up to ``capacity`` rows of ``dim`` float32 values by non-negative int64 id, with per-row rule slots."""
+
+    def __init__(
+        self,
+        dim: int,
+        capacity: int,
+        initializer: str = "normal",
+        init_scale: float = 0.01,
+        seed: int = 0,
+        slot_names: Sequence[str] = (),
+        admit_after: int = 0,
+        name: str = "",
+        sketch_depth: int = 4,
+        sketch_width: int = 1 << 18,
+    ) -> None:
+        if dim < 1:
+            raise ValueError(f"a table's rows need dim >= 1, not {dim}")
+        if initializer not in INITIALIZERS:
+            raise ValueError(f"unknown initializer {initializer!r}: one of {', '.join(INITIALIZERS)}")
+        if admit_after < 0:
+            raise ValueError(f"admit_after counts lookups: 0 (admit at once) or more, not {admit_after}")
+        if len(set(slot_names)) != len(slot_names):
+            raise ValueError(f"slot names repeat: {list(slot_names)}")
+        self.dim, self.capacity, self.admit_after, self.name = dim, capacity, admit_after, name
+        self.initializer, self.init_scale, self.seed = initializer, init_scale, seed
+        self._sketch_shape = (sketch_depth, sketch_width)
+        self.index = RowIndex(capacity)
+        self.rows = np.empty((capacity, dim), np.float32)
+        self.slots = {slot: np.empty((capacity, dim), np.float32) for slot in slot_names}
+        self.last_used = np.empty(capacity, np.uint32)
+        self.sketch = CountMinSketch(sketch_depth, sketch_width) if admit_after else None
+        self.clock = self.evicted = self.created = 0
+        self._key = table_key(seed, name)
+        self._candidates = np.zeros(0, np.int32)
+        self._stamps = np.zeros(0, np.uint32)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def lookup(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
+        """The rows of ``ids`` (``len(ids) x dim``, a copy); zeros for ids without a row.
+
+        ``create=True`` (a training pull) counts the ids, stamps their rows as
+        used and creates the rows of admitted ids; ``create=False`` (a read)
+        changes nothing.
+        """
+        unique, inverse = np.unique(check_ids(ids), return_inverse=True)
+        slots = self.index.find(unique)
+        if create:
+            self._count_stamp_create(unique, inverse, slots)
+        found = np.zeros((len(unique), self.dim), np.float32)
+        have = slots >= 0
+        found[have] = self.rows[slots[have]]
+        return found[inverse]
+
+    def _count_stamp_create(self, unique: np.ndarray, inverse: np.ndarray, slots: np.ndarray) -> None:
+        """A creating lookup's changes, after the one check that can refuse it, so a refusal changes nothing.
+
+        An id is admitted on its count before this lookup plus its occurrences
+        in it: at least its true count, as the sketch's own estimate after
+        adding would be (which may also include collisions within the batch).
+        """
+        present = slots >= 0
+        wanted = ~present
+        counts = np.bincount(inverse, minlength=len(unique))
+        if self.sketch is not None:
+            wanted &= self.sketch.estimate(unique).astype(np.int64) + counts >= self.admit_after
+        new = np.flatnonzero(wanted)
+        touched = int(np.count_nonzero(present))
+        if len(new) + touched > self.capacity:
+            raise ValueError(
+                f"a lookup of {len(new) + touched} distinct ids with rows cannot fit a table capped at {self.capacity}"
+            )
+        self._tick()
+        if self.sketch is not None:
+            self.sketch.add(unique, counts)
+        self.last_used[slots[present]] = self.clock
+        if len(new):
+            slots[new] = self._create(unique[new])
+
+    def admitted(self, ids: np.ndarray) -> np.ndarray:
+        """Which ids have a row now: updates to the others are to be dropped."""
+        return self.index.find(ids) >= 0
+
+    def _slots_of(self, ids: np.ndarray) -> np.ndarray:
+        slots = self.index.find(ids)
+        if (slots < 0).any():
+            missing = ids[slots < 0]
+            raise ValueError(f"{len(missing)} ids have no row (e.g. {int(missing[0])}): drop them with admitted()")
+        return slots
+
+    def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Copies of the rows and slots of ``ids`` (all with rows), as one block for a rule to update."""
+        slots = self._slots_of(ids)
+        return self.rows[slots], {slot: values[slots] for slot, values in self.slots.items()}
+
+    def scatter(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray] | None = None) -> None:
+        """Write back a block from ``gather``: ``ids`` distinct and with rows, each array ``len(ids) x dim``."""
+        where = self._slots_of(ids)
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError("scatter needs distinct ids: a repeated id would keep only one of its values")
+        given = slots or {}
+        unknown = set(given) - set(self.slots)
+        if unknown:
+            raise ValueError(f"unknown slots {sorted(unknown)}: this table has {sorted(self.slots)}")
+        for values in (rows, *given.values()):
+            if values.shape != (len(ids), self.dim):
+                raise ValueError(f"a block for {len(ids)} ids is {(len(ids), self.dim)}, not {values.shape}")
+        self.rows[where] = rows
+        for slot, values in given.items():
+            self.slots[slot][where] = values
+
+    def _tick(self) -> None:
+        self.clock += 1
+        if self.clock >= np.iinfo(np.uint32).max:  # renumber the stamps by rank, keeping their order
+            live = self.index.live_slots()
+            distinct, rank = np.unique(self.last_used[live], return_inverse=True)
+            self.last_used[live] = rank.astype(np.uint32) + 1
+            self.clock = len(distinct) + 1
+            self._candidates, self._stamps = self._candidates[:0], self._stamps[:0]
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        """New rows for absent ``ids``, evicting the oldest rows (those this lookup touched are the newest)."""
+        short = len(ids) - self.index.room
+        if short > 0:
+            oldest = self._oldest(short)
+            self.index.remove_slots(oldest)
+            self.evicted += len(oldest)
+        slots = self.index.insert_absent(ids)
+        self.rows[slots] = initial_rows(ids, self.dim, self._key, self.initializer, self.init_scale)
+        for values in self.slots.values():
+            values[slots] = 0.0
+        self.last_used[slots] = self.clock
+        self.created += len(ids)
+        return slots
+
+    def _oldest(self, count: int) -> np.ndarray:
+        """The ``count`` least recently used rows, oldest first.
+
+        The oldest ``capacity / REFILL_SHARE`` rows are found once
+        (``np.argpartition``) and drawn on until used up: a candidate whose stamp
+        has not moved is still older than every row outside the list.
+        """
+        chosen: list[np.ndarray] = []
+        while count:
+            valid = self.last_used[self._candidates] == self._stamps
+            candidates, stamps = self._candidates[valid], self._stamps[valid]
+            take = candidates[:count]
+            chosen.append(take)
+            count -= len(take)
+            self._candidates, self._stamps = candidates[len(take) :], stamps[len(take) :]
+            if count:
+                live = self.index.live_slots()
+                live = live[self.last_used[live] < self.clock]
+                k = min(len(live), max(count, self.capacity // REFILL_SHARE))
+                pick = live[np.argpartition(self.last_used[live], k - 1)[:k]]
+                pick = pick[np.argsort(self.last_used[pick], kind="stable")]
+                self._candidates, self._stamps = pick.astype(np.int32), self.last_used[pick]
+        return np.concatenate(chosen)
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def bytes_per_row(self) -> float:
+        """Bytes per live row by the table's own count: values, slots, stamp, and its share of the index.
+
+        The sketch is fixed (``sketch.counts.nbytes``), whatever the number of rows, and not included.
+        """
+        values = self.dim * 4 * (1 + len(self.slots)) + self.last_used.itemsize
+        return values + self.index.nbytes / max(len(self), 1)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _config(self) -> np.ndarray:
+        depth, width = self.sketch.counts.shape if self.sketch is not None else (0, 0)
+        return np.array([self.dim, depth, width], np.int64)
+
+    def _header(self) -> dict[str, np.ndarray]:
+        counters = [self.clock, self.evicted, self.created, len(self)]
+        return {"config": self._config(), "counters": np.array(counters, np.int64)}
+
+    def _row_chunk(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        chunk = {"ids": self.index.slot_ids[slots], "rows": self.rows[slots], "last_used": self.last_used[slots]}
+        chunk.update({SLOT + slot: values[slots] for slot, values in self.slots.items()})
+        return chunk
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Everything, as plain numpy arrays by name: ``from_state`` (or ``restore``) takes it back."""
+        state = {**self._header(), **self._row_chunk(self.index.live_slots())}
+        if self.sketch is not None:
+            state.update(sketch=self.sketch.counts.reshape(-1).copy(), sketch_offset=np.array([0], np.int64))
+        return state
+
+    def export_chunks(self, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
+        """The state in pieces of at most ``chunk_rows`` rows (or ``chunk_rows * dim`` sketch counters).
+
+        The pieces read the live table: nothing may change it until the last
+        one is taken (the ps reads them while paused).
+        """
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
+        yield self._header()
+        end = self.index.next_slot  # slot_ids past it were never handed out, and read 0
+        for start in range(0, end, chunk_rows):
+            block = start + np.flatnonzero(self.index.slot_ids[start : min(start + chunk_rows, end)] >= 0)
+            if len(block):
+                yield self._row_chunk(block)
+        if self.sketch is not None:
+            flat, step = self.sketch.counts.reshape(-1), chunk_rows * self.dim
+            for start in range(0, len(flat), step):
+                yield {"sketch": flat[start : start + step].copy(), "sketch_offset": np.array([start], np.int64)}
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of every row, by increasing id: the table for serving."""
+        live = self.index.live_slots()
+        order = np.argsort(self.index.slot_ids[live], kind="stable")
+        return self.index.slot_ids[live[order]], self.rows[live[order]]
+
+    def restore(self) -> TableRestore:
+        """A restore into a staging table of this one's settings, which replaces it only at ``commit``."""
+        return TableRestore(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, np.ndarray], **settings: object) -> RowTable:
+        """A table built with ``settings`` (``RowTable``'s arguments) holding ``state``."""
+        table = cls(**settings)  # type: ignore[arg-type]
+        restore = table.restore()
+        restore.add(state)
+        restore.commit()
+        return table
+
+    def _empty_like(self) -> RowTable:
+        depth, width = self._sketch_shape
+        return RowTable(
+            self.dim, self.capacity, self.initializer, self.init_scale, self.seed, tuple(self.slots),
+            self.admit_after, self.name, depth, width,
+        )  # fmt: skip
+
+
+class TableRestore:
+    """Chunks of a state, loaded one at a time into a staging table; the target changes only at ``commit``.
+
+    A chunk that does not fit raises ValueError and the restore may go on or be
+    dropped: until ``commit`` succeeds, the target table is as it was.
+    """
+
+    def __init__(self, target: RowTable) -> None:
+        self._target = target
+        self._staging = target._empty_like()
+        self._counters: np.ndarray | None = None
+        self._sketch_filled = 0
+
+    def add(self, chunk: dict[str, np.ndarray]) -> None:
+        """Load one chunk (any of: header, rows, sketch piece)."""
+        staging = self._staging
+        if "config" in chunk and not np.array_equal(chunk["config"], staging._config()):
+            raise ValueError(f"the state is of a table [dim, sketch depth, width] {chunk['config'].tolist()}, "
+                             f"this one is {staging._config().tolist()}")  # fmt: skip
+        if "counters" in chunk:
+            self._counters = np.asarray(chunk["counters"], np.int64).copy()
+        if "ids" in chunk:
+            self._add_rows(chunk)
+        if "sketch" in chunk:
+            if staging.sketch is None:
+                raise ValueError("the state has a sketch but this table admits every id (admit_after=0)")
+            if "sketch_offset" not in chunk:
+                raise ValueError("a sketch piece needs its sketch_offset")
+            flat, start = staging.sketch.counts.reshape(-1), int(chunk["sketch_offset"][0])
+            piece = np.asarray(chunk["sketch"], np.uint32)
+            if start < 0 or start + len(piece) > len(flat):
+                raise ValueError(f"a sketch piece at {start} of {len(piece)} counters overruns {len(flat)}")
+            flat[start : start + len(piece)] = piece
+            self._sketch_filled += len(piece)
+
+    def _add_rows(self, chunk: dict[str, np.ndarray]) -> None:
+        staging = self._staging
+        ids = check_ids(chunk["ids"])
+        expected = {"ids", "rows", "last_used", *(SLOT + slot for slot in staging.slots)}
+        given = {key for key in chunk if key == "rows" or key == "last_used" or key.startswith(SLOT)} | {"ids"}
+        if given != expected:
+            raise ValueError(f"a row chunk holds {sorted(given)}, this table needs {sorted(expected)}")
+        if len(np.unique(ids)) != len(ids) or (staging.index.find(ids) >= 0).any():
+            raise ValueError("the state repeats ids")
+        slots = staging.index.insert(ids)
+        staging.rows[slots] = chunk["rows"]
+        staging.last_used[slots] = chunk["last_used"]
+        for slot, values in staging.slots.items():
+            values[slots] = chunk[SLOT + slot]
+
+    def commit(self) -> None:
+        """Check the state is whole and make it the target's."""
+        staging, counters = self._staging, self._counters
+        if counters is None:
+            raise ValueError("the restore never got the state's counters: the header chunk is missing")
+        if int(counters[3]) != len(staging):
+            raise ValueError(f"the state has {int(counters[3])} rows, the restore got {len(staging)}")
+        if staging.sketch is not None and self._sketch_filled < staging.sketch.counts.size:
+            raise ValueError(f"the restore got {self._sketch_filled} of {staging.sketch.counts.size} sketch counters")
+        staging.clock, staging.evicted, staging.created = (int(c) for c in counters[:3])
+        self._target.__dict__.update(staging.__dict__)
