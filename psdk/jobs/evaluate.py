@@ -19,6 +19,7 @@ from psdk.client import checkpoint
 from psdk.config import build
 from psdk.config.options import options_from
 from psdk.errors import ConfigError
+from psdk.jobs.summary import test_fields
 from psdk.jobs.workload import Workload, workload_options
 from psdk.plugins.batches import ShardRequest
 from psdk.plugins.loading import load_backend, workload_of
@@ -55,7 +56,7 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
         "workload": record.name,
         "metrics": metrics,
         "primary_metric": head,
-        **{f"test_{name}": value for name, value in metrics.items()},
+        **test_fields(metrics),
     }
     folder = Path(cfg.output_dir)
     folder.mkdir(parents=True, exist_ok=True)

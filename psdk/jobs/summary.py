@@ -95,6 +95,11 @@ def build_summary(
     return summary
 
 
+def test_fields(metrics: Mapping[str, float]) -> dict[str, Any]:
+    """Test metrics as a report or evaluation carries them: whole, and each as ``test_<name>`` (``test_accuracy``)."""
+    return {"test_metrics": dict(metrics), **{f"test_{name}": value for name, value in metrics.items()}}
+
+
 def metric_fields(metrics: Mapping[str, float | None], specs: Sequence[MetricSpec]) -> dict[str, Any]:
     """``summary.json``'s metrics: the values by name, the primary's name, and the specs the reports read."""
     head = primary(specs)

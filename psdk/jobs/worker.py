@@ -34,7 +34,7 @@ from psdk.errors import TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
 from psdk.jobs.setup import WorkerSetup, worker_setup
-from psdk.jobs.summary import build_summary, save_params
+from psdk.jobs.summary import build_summary, save_params, test_fields
 from psdk.jobs.workload import Workload, workload_options
 from psdk.launch import LAUNCHED_ENV
 from psdk.launch.placement import (
@@ -103,10 +103,8 @@ class WorkerReport:
             "last_validation": self.last_validation,
             "train_time_s": round(self.train_time_s, 3),
             "shard_passes": self.shard_passes,
-            "test_metrics": self.test_metrics,
             "time_per_step": self.time_per_step(),
-            # The primary metric under its own key too (MNIST's "test_accuracy", which scripts read).
-            **{f"test_{name}": value for name, value in self.test_metrics.items()},
+            **test_fields(self.test_metrics),  # each also as test_<name>: MNIST's "test_accuracy", which scripts read
         }
 
 
@@ -440,7 +438,7 @@ class WorkerJob:
         stats = client.wrapping_up(client.stats, "reading the ps statistics")
         summary = build_summary(self.setup.config, stats, workers, tested, time.time() - start, self.backend.name)
         summary["workers"].get("0", {}).update(  # its own figures: the final parameters'
-            {"test_metrics": tested, **{f"test_{name}": value for name, value in tested.items()}}
+            test_fields(tested)
         )
         summary["run_id"] = self.session.run_id
         summary["epochs"] = round(self.epochs.at_step(summary["global_step"]), 4)  # the job's (psdk.jobs.epochs)

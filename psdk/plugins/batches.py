@@ -124,6 +124,17 @@ class Shard(ABC):
     def batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         """Shuffled training batches of ``batch_size``, pass after pass, never ending; counts :attr:`passes`."""
 
+    def shuffled_rows(self, size: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+        """The rows of each batch of ``size`` examples: a fresh permutation per pass, counted in :attr:`passes`."""
+        if size < batch_size:
+            raise ValueError(f"a shard of {size} examples cannot fill a batch of {batch_size}")
+        rng = np.random.default_rng(seed)
+        while True:
+            self.passes += 1  # over this shard: not the job's epochs (psdk.jobs.epochs), which count all workers'
+            order = rng.permutation(size)
+            for i in range(size // batch_size):
+                yield order[i * batch_size : (i + 1) * batch_size]
+
 
 class ArrayShard(Shard):
     """A shard held in memory: training arrays cut into shuffled batches, validation and test sets."""
@@ -134,20 +145,12 @@ class ArrayShard(Shard):
         self.passes = 0
 
     def batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
-        size = len(self.train)
-        if size < batch_size:
-            raise ValueError(f"a shard of {size} examples cannot fill a batch of {batch_size}")
-        rng = np.random.default_rng(seed)
-        while True:
-            self.passes += 1
-            order = rng.permutation(size)
-            for i in range(size // batch_size):
-                rows = order[i * batch_size : (i + 1) * batch_size]
-                yield Batch(
-                    {name: array[rows] for name, array in self.train.inputs.items()},
-                    self.train.targets[rows],
-                    {table: take_rows(ids, rows) for table, ids in self.train.ids.items()},
-                )
+        for rows in self.shuffled_rows(len(self.train), batch_size, seed):
+            yield Batch(
+                {name: array[rows] for name, array in self.train.inputs.items()},
+                self.train.targets[rows],
+                {table: take_rows(ids, rows) for table, ids in self.train.ids.items()},
+            )
 
 
 def take_rows(ids: JaggedIds, rows: np.ndarray) -> JaggedIds:

@@ -34,16 +34,8 @@ class MnistShard(Shard):
 
     def batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         images, labels = self.split.train_images, self.split.train_y
-        size = len(images)
-        if size < batch_size:
-            raise ValueError(f"a shard of {size} images cannot fill a batch of {batch_size}")
-        rng = np.random.default_rng(seed)
-        while True:
-            self.passes += 1  # over this shard: not the job's epochs (psdk.jobs.epochs), which count all workers'
-            order = rng.permutation(size)
-            for i in range(size // batch_size):
-                rows = order[i * batch_size : (i + 1) * batch_size]
-                yield Batch({IMAGE: mnist.to_float(images[rows])}, labels[rows])
+        for rows in self.shuffled_rows(len(images), batch_size, seed):
+            yield Batch({IMAGE: mnist.to_float(images[rows])}, labels[rows])
 
     @cached_property
     def validation(self) -> Batch | None:  # type: ignore[override]
