@@ -10,10 +10,11 @@ request timeout, and the error names that ps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,8 +23,9 @@ from psdk.client import recovery, wrapup
 from psdk.client.checkpoint import Checkpoint
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
-from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
+from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from, tables_of
 from psdk.client.options import ClientOptions
+from psdk.client.rows import PullPlan, RowPush, ShardTables, plan_tables, pulled_rows
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
@@ -37,6 +39,7 @@ from psdk.errors import (
 from psdk.protocol import ops as protocol
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.tables import TableSpec
 from psdk.rules import UpdateRule
 from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.transport.wire import HEARTBEAT_SUFFIX, Message
@@ -70,6 +73,10 @@ class ParameterClient:
         self._params: dict[str, np.ndarray] = {}
         self._grads: dict[str, np.ndarray] = {}
         self._creation_order: list[str] = []
+        self.tables: dict[str, TableSpec] = {}
+        """The job's embedding tables, from the shards' layouts (rows live on the ps only)."""
+        self._row_plans: dict[str, PullPlan] = {}
+        """How the rows the push-and-pull in flight pulls are put back together."""
         self.epoch = 0
         self.boots: list[str | None] = [None] * cluster.num_ps
         """Each shard's boot id as of the last layout: a different one means it restarted."""
@@ -169,8 +176,9 @@ class ParameterClient:
         sharding: str = "round_robin",
         restore: Checkpoint | None = None,
         epoch: int = 0,
+        tables: Sequence[TableSpec] = (),
     ) -> bool:
-        """Chief only: place the variables on their shards; ``False`` if already initialised.
+        """Chief only: place the variables (and ``tables``) on their shards; ``False`` if already initialised.
 
         With ``restore``, the shards start from that checkpoint's variables,
         slots, rule step and global step instead (re-sharded by name).
@@ -184,7 +192,9 @@ class ParameterClient:
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
-        messages = init_requests(self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch)
+        messages = init_requests(
+            self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, tables
+        )
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
         )
@@ -222,6 +232,7 @@ class ParameterClient:
             self.set_boot(index, replies[index].fields.get("boot"))
         self.epoch = int(replies[0].fields.get("epoch", 0))
         self.job = job_of(replies)
+        self.tables = tables_of(replies)
         if self.job.num_workers != self.cluster.num_workers:
             log.warning(
                 "worker %d: the chief started the job with %d workers but this task's cluster has %d",
@@ -257,31 +268,66 @@ class ParameterClient:
         return self.shards[0].version if self.shards else 0
 
     def _live(self) -> list[int]:
-        return [i for i, shard in enumerate(self.shards) if shard.size]
+        """The shards a step talks to: those holding variables, or every one when the job has tables."""
+        return [i for i, shard in enumerate(self.shards) if shard.size or self.tables]
+
+    def _with_tables(self, message: Message, part: ShardTables | None) -> Message:
+        if part is not None and part.entries:
+            message.fields["tables"] = part.entries
+            message.arrays = [*message.arrays, *part.arrays]
+        return message
 
     # ----------------------------------------------------------------- steps
     def pull(self) -> int:
         """Fetch every shard's parameters; returns the global step."""
-        messages = {i: self.message("pull") for i in self._live()}
-        for index, reply in self.request(messages, "pulling the parameters").items():
+        self._pull()
+        return self.global_step
+
+    def pull_rows(self, ids: Mapping[str, Any], read: bool = False) -> dict[str, np.ndarray]:
+        """The parameters, and the rows of ``ids`` by table, in the order given (duplicates repeated).
+
+        A training pull creates the rows it names (first touch), counts them
+        for admission and marks them used; ``read=True`` changes nothing on
+        the ps and reads zeros for ids without a row (evaluation, serving).
+        """
+        return self._pull(ids, read)
+
+    def _pull(self, ids: Mapping[str, Any] | None = None, read: bool = False) -> dict[str, np.ndarray]:
+        parts, plans = plan_tables(self.tables, self.cluster.num_ps, pull=ids, read=read)
+        messages = {i: self._with_tables(self.message("pull"), parts.get(i)) for i in self._live()}
+        replies = self.request(messages, "pulling the parameters")
+        for index, reply in replies.items():
             if reply.op == "resync":  # a restarted, empty ps: the wrap-up's recovery restores it
                 raise PeerRestartedError(self.names[index], f"a pull ({reply.fields.get('why')})")
             self._take_params(index, reply)
-        return self.global_step
+        return pulled_rows(plans, replies)
 
-    def push_pull(self, grads: Mapping[str, np.ndarray] | None = None) -> StepResult:
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray] | None = None,
+        rows: Mapping[str, RowPush] | None = None,
+        pull: Mapping[str, Any] | None = None,
+    ) -> StepResult:
         """Push one gradient per shard and take back the fresh parameters.
 
-        ``grads`` defaults to what was written into :attr:`grads`.
+        ``grads`` defaults to what was written into :attr:`grads`. ``rows``:
+        row gradients by table, ``(ids, grads)``; ``pull``: ids by table whose
+        rows the result carries (:attr:`StepResult.rows`), read after this
+        push was applied, in one round trip.
         """
-        return self.finish_push_pull(self.start_push_pull(grads))
+        return self.finish_push_pull(self.start_push_pull(grads, rows=rows, pull=pull))
 
     def basis(self) -> Basis:
         """What the current parameters are: take it when a gradient is computed from them."""
         return Basis(self.epoch, tuple(shard.version for shard in self.shards))
 
     def start_push_pull(
-        self, grads: Mapping[str, np.ndarray] | None = None, copy: bool = False, basis: Basis | None = None
+        self,
+        grads: Mapping[str, np.ndarray] | None = None,
+        copy: bool = False,
+        basis: Basis | None = None,
+        rows: Mapping[str, RowPush] | None = None,
+        pull: Mapping[str, Any] | None = None,
     ) -> Pending:
         """Send this step's gradients to every shard; the replies are collected later.
 
@@ -290,8 +336,9 @@ class ParameterClient:
         unless ``copy``: then the gradients are copied as they leave and the
         next one may be computed into :attr:`grads` at once. ``basis`` says
         which parameters the gradients were computed from (default: the
-        current ones).
+        current ones). ``rows`` and ``pull``: see :meth:`push_pull`.
         """
+        parts, self._row_plans = plan_tables(self.tables, self.cluster.num_ps, push=rows, pull=pull)
         if grads is not None:
             for name, view in self._grads.items():
                 if grads[name] is not view:
@@ -307,7 +354,7 @@ class ParameterClient:
                 np.copyto(shard.outbox, grad)
                 grad = shard.outbox
             fields = {"version": versions[i], "seq": self._seq, "epoch": basis.epoch}
-            messages[i] = self.message("push_pull", [grad], **fields)
+            messages[i] = self._with_tables(self.message("push_pull", [grad], **fields), parts.get(i))
             messages[i].stable = True  # one of the shard's long-lived buffers (which the transport may have lent)
         return self.endpoint.start_many(messages)
 
@@ -331,43 +378,55 @@ class ParameterClient:
         return tuple(floor if i in live else v for i, v in enumerate(basis.versions))
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
-        """Wait for every shard's reply and take in the fresh parameters.
+        """Wait for every shard's reply and take in the fresh parameters (and the rows it pulled).
 
         With recovery on, a lost ps or a "resync" reply is waited out: the
         chief restores the shards from its latest checkpoint, the others wait
-        for it, and every worker pulls the restored parameters.
+        for it, and every worker pulls the restored parameters (and rows).
         """
+        plans, self._row_plans = self._row_plans, {}
+        result, replies = self._finish(pending)
+        if not plans:
+            return result
+        if replies is None:  # recovered: the rows are pulled again from the restored shards
+            rows = self._pull({name: plan.unique[plan.inverse] for name, plan in plans.items()})
+        else:
+            rows = pulled_rows(plans, replies)
+        return dataclasses.replace(result, rows=rows)
+
+    def _finish(self, pending: Pending) -> tuple[StepResult, dict[int, Message] | None]:
         try:
             replies = self.collect(pending, "a push-and-pull")
         except (PeerDeadError, PeerRestartedError) as exc:
             if self.options.recovery_timeout_s is None:
                 raise
-            return self.recover(str(exc))
+            return self.recover(str(exc)), None
         except PeerTimeoutError as exc:
             if self.options.recovery_timeout_s is None:
                 raise
             outcome = recovery.after_timeout(self, pending, exc)
             if isinstance(outcome, StepResult):
-                return outcome
+                return outcome, None
             replies = outcome
         resync = [r for r in replies.values() if r.op == "resync"]
         if resync:
             if self.options.recovery_timeout_s is None:
                 raise PsdkError(f"the job needs recovery ({resync[0].fields.get('why')}) but recovery is off")
-            return self.recover(str(resync[0].fields.get("why")))
+            return self.recover(str(resync[0].fields.get("why"))), None
         done = False
         for index, reply in replies.items():
             self._take_params(index, reply)
             done = done or bool(reply.fields.get("done"))
         head = replies[0].fields if 0 in replies else {}
         slowest = head.get("slowest")
-        return StepResult(
+        result = StepResult(
             self.global_step, done, str(head.get("outcome", "")), int(slowest) if slowest is not None else None
         )
+        return result, replies
 
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]
-        if len(reply.arrays) != 1 or reply.arrays[0].shape != shard.params.shape:
+        if not reply.arrays or reply.arrays[0].shape != shard.params.shape:
             raise PsdkError(f"{self.names[index]} sent parameters of the wrong size")
         if reply.arrays[0] is not shard.params:  # else the transport wrote them in place
             np.copyto(shard.params, reply.arrays[0])

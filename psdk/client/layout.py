@@ -9,7 +9,7 @@ about how variables are laid out on them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from psdk.client.shards import Shard
 from psdk.errors import PsdkError
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.sharding import assign_shards, flat_size, layout, views
+from psdk.protocol.tables import TableSpec
 from psdk.rules import UpdateRule
 from psdk.transport import ClientEndpoint
 from psdk.transport.wire import Message
@@ -62,6 +63,7 @@ def init_requests(
     sharding: str,
     restore: Checkpoint | None,
     epoch: int = 0,
+    tables: Sequence[TableSpec] = (),
 ) -> dict[int, Message]:
     """One ``init`` per shard: the variables ``sharding`` places there (with ``restore``, its slots and step too)."""
     order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
@@ -73,6 +75,8 @@ def init_requests(
         fields: dict[str, Any] = {"job": job.to_json(), "rule": rule.to_json(), "names": names}
         if epoch:
             fields["epoch"] = epoch
+        if tables:
+            fields["tables"] = {"shard": index, "num_ps": num_ps, "specs": [t.to_json() for t in tables]}
         if restore is not None:
             slot_names = list(restore.slots)
             fields["restore"] = {"version": restore.global_step, "rule_step": restore.rule_step, "slots": slot_names}
@@ -102,3 +106,12 @@ def job_of(replies: Mapping[int, Message]) -> JobSpec:
     if len({repr(reply.fields["job"]) for reply in replies.values()}) > 1:
         raise PsdkError("the ps shards were initialised for different jobs: restart every ps task")
     return JobSpec.from_json(replies[0].fields["job"])
+
+
+def tables_of(replies: Mapping[int, Message]) -> dict[str, TableSpec]:
+    """The job's embedding tables, as every shard's layout names them (shards that disagree are an error)."""
+    declared = {repr(reply.fields.get("tables") or []) for reply in replies.values()}
+    if len(declared) > 1:
+        raise PsdkError("the ps shards hold different embedding tables: restart every ps task")
+    specs = [TableSpec.from_json(spec) for spec in next(iter(replies.values())).fields.get("tables") or []]
+    return {spec.name: spec for spec in specs}

@@ -8,7 +8,7 @@ without importing the client itself.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,6 +41,8 @@ class StepResult:
     outcome: str
     slowest: int | None = None
     """Async and ssp: iterations the slowest live worker had finished when this reply left."""
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """The rows the step pulled, by table, in the order their ids were given."""
 
 
 @dataclass(frozen=True)

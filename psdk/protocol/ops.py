@@ -131,7 +131,11 @@ class Reply:
 
 WORKER_FIELD = Field("worker", NATURAL, "the sender's worker task index", label="worker id")
 VERSION = Field("version", NATURAL, "the shard version the gradient was computed from")
-LAYOUT_FIELDS = ("version", "done", "epoch", "boot", "job", "names", "shapes")
+LAYOUT_FIELDS = ("version", "done", "epoch", "boot", "job", "names", "shapes", "tables")
+TABLES = Field(
+    "tables", LIST, "the embedding tables this request pushes rows of or pulls rows from, in array order: "
+    "[{table, push, pull, read}] (docs/tables.md)", required=False, nullable=True,
+)  # fmt: skip
 FINISHED = Field(
     "finished", OBJECT, "workers known to have finished, with their reports ({id: report}): a restored shard "
     "is told again who finished", required=False, nullable=True,
@@ -155,6 +159,8 @@ OPS: dict[str, Op] = {
                 Field("restore", OBJECT, "{version, rule_step, slots}: start from a checkpoint", required=False,
                       nullable=True),
                 FINISHED,
+                Field("tables", OBJECT, "the job's embedding tables: {shard: this ps's index, num_ps, specs: "
+                      "[TableSpec]}; each shard creates its own rows", required=False, nullable=True),
             ),
             "one float32 array per variable; when restoring, then one per slot and variable (slot-major)",
             ("ok", "already"),
@@ -162,7 +168,8 @@ OPS: dict[str, Op] = {
         ),
         Op("wait_init", "A worker other than the chief waits until the chief has initialised the shard.",
            Sender.WORKER, (), "none", ("layout",), parks="until the chief's init (at most 2 per worker)"),
-        Op("pull", "The shard's current parameters.", Sender.WORKER, (), "none", ("params", "resync")),
+        Op("pull", "The shard's current parameters (and the rows of the ids it names).", Sender.WORKER, (TABLES,),
+           "per pulling tables entry, its ids (int64, strictly increasing)", ("params", "resync")),
         Op(
             "push_pull",
             "Apply one gradient (as the sync mode says) and answer with the fresh parameters.",
@@ -172,8 +179,10 @@ OPS: dict[str, Op] = {
                 Field("seq", INTEGER, "this worker process's push counter: a repeat is refused",
                       label="sequence number"),
                 Field("epoch", NATURAL, "the restore epoch the gradient belongs to (else: resync)", required=False),
+                TABLES,
             ),
-            "one flat float32 gradient of the shard's size (a frame, or memory the transport lent)",
+            "one flat float32 gradient of the shard's size (a frame, or memory the transport lent); then per "
+            "tables entry: pushed ids (int64, strictly increasing) and their rows (float32), pulled ids",
             ("params", "resync"),
             parks="in a sync round, behind the staleness bound (ssp), or while a checkpoint pause holds it",
         ),
@@ -225,14 +234,15 @@ REPLIES: dict[str, Reply] = {
         Reply("already", "init of a shard already initialised (a restarted chief): its layout", LAYOUT_FIELDS),
         Reply("layout", "to wait_init: the shard's layout", LAYOUT_FIELDS),
         Reply("params", "the parameters after a pull or push_pull", ("version", "done", "outcome", "slowest"),
-              "one flat float32 array (a frame, or written into memory the worker's transport lent)"),
+              "one flat float32 array (a frame, or written into memory the worker's transport lent); then the "
+              "rows of each pulling tables entry (float32, ids x dim)"),
         Reply("resync", "the push belongs to an abandoned timeline: wait for the chief's restore, pull again",
               ("why", "initialized", "epoch", "boot", "version")),
         Reply("status", "to status; reports when the chief asked for them",
               ("version", "done", "initialized", "epoch", "boot", "failure", "workers", "collected", "leaving",
                "reports")),
         Reply("stats", "to stats", ("task", "version", "size", "variables", "stats", "workers", "reports", "job",
-                                    "process")),
+                                    "process", "tables")),
         Reply("paused", "the shard stands at the pause version", ("version",)),
         Reply("passed", "the shard is already past the pause version (or done before it)", ("version",)),
         Reply("state", "a paused shard's state", (*LAYOUT_FIELDS, "slots", "rule_step", "rule"),

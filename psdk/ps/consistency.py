@@ -40,6 +40,8 @@ from psdk.errors import ConfigError, NonFiniteError
 from psdk.protocol.numerics import magnitude
 from psdk.ps.rules import UpdateRule
 from psdk.ps.store import ParameterStore
+from psdk.ps.tables.requests import TableRequest
+from psdk.ps.tables.served import RowGrad, merge_grads
 
 MODES = ("async", "sync", "ssp")
 USED = np.zeros(0, np.float32)
@@ -145,6 +147,8 @@ class Push:
     staleness: int = 0
     bound: float | None = None
     """An upper bound on the gradient's ``|g|``, if the ps measured one that holds (see :mod:`psdk.ps.store`)."""
+    tables: TableRequest = field(default_factory=TableRequest)
+    """The rows it pushes (let go once used, as the gradient) and the rows its reply carries."""
 
 
 @dataclass
@@ -202,8 +206,9 @@ class ConsistencyPolicy(ABC):
 class AsyncPolicy(ConsistencyPolicy):
     def submit(self, push: Push) -> Decision:
         staleness = self.store.version - push.version
-        self.store.apply(push.grad, push.bound)  # NonFiniteError: refused, nothing changed
+        self.store.apply(push.grad, push.bound, push.tables.rows)  # NonFiniteError: refused, nothing changed
         push.grad, push.staleness = USED, staleness
+        push.tables.rows = {}
         push.outcome = Outcome.APPLIED
         self.tick(push.worker)
         return Decision(answer=[push], applied_workers=[push.worker], updates=1)
@@ -253,6 +258,8 @@ class SyncPolicy(ConsistencyPolicy):
         """The sum with the next gradient goes here first, and is swapped in only if it stays finite."""
         self._sum_bound = 0.0
         self._waiting: list[Push] = []
+        self._rows: dict[str, list[RowGrad]] = {}
+        """The round's row gradients by table, as pushed: summed per id only when the round closes."""
 
     def submit(self, push: Push) -> Decision:
         version = self.store.version
@@ -272,14 +279,19 @@ class SyncPolicy(ConsistencyPolicy):
         if not math.isfinite(bound):
             raise NonFiniteError(f"the gradient would make the sum of the round at version {version} overflow")
         self.accumulator, self._spare, self._sum_bound = self._spare, self.accumulator, bound
-        push.grad = USED
+        for name, grad in push.tables.rows.items():
+            self._rows.setdefault(name, []).append(grad)
+        push.grad, push.tables.rows = USED, {}
         self._waiting.append(push)
         if len(self._waiting) < self.replicas:
             return Decision()
         self.accumulator *= np.float32(1.0 / self.replicas)
         answered, self._waiting = self._waiting, []
+        rows, self._rows = {name: merge_grads(grads) for name, grads in self._rows.items()}, {}
         try:
-            self.store.apply(self.accumulator, self._sum_bound / self.replicas * 1.01)
+            # A row's mean is over the round's replicas_to_aggregate gradients, as a dense variable's: a row
+            # that only some of them touched moves less (docs/tables.md says why this and not per row).
+            self.store.apply(self.accumulator, self._sum_bound / self.replicas * 1.01, rows, 1.0 / self.replicas)
         except NonFiniteError:  # the mean of finite gradients overflows the parameters: nobody's step counts
             for p in answered:
                 p.outcome = Outcome.DROPPED
@@ -298,10 +310,11 @@ class SyncPolicy(ConsistencyPolicy):
     def release_parked(self) -> list[Push]:
         released, self._waiting = self._waiting, []
         self.accumulator.fill(0.0)
+        self._rows = {}
         return released
 
     def blocked_round(self, live_workers: Collection[int]) -> str | None:
-        if not self.store.size:  # a shard with no variable gets no pushes, so it has no round to fill
+        if not self.store.size and not self.store.tables:  # a shard with nothing gets no pushes: no round to fill
             return None
         contributed = {p.worker for p in self._waiting}
         possible = len(contributed) + len(set(live_workers) - contributed)

@@ -126,6 +126,7 @@ class ParameterServer:
             self.pause,
             recovery=self.options.recovery,
             max_pushes_in_flight=self.options.max_pushes_in_flight,
+            index=task_index,
         )
         self.checkpoints = Checkpoints(self.shard)
         self.exit_code: int | None = None
@@ -356,7 +357,7 @@ class ParameterServer:
         if self.policy is None:
             return
         for push in self.policy.release_ready():  # bounded staleness: those who left leave the minimum
-            self.shard.reply_params(push.peer, push.rid, push.outcome.value, push.worker)
+            self.shard.reply_params(push.peer, push.rid, push.outcome.value, push.worker, push.tables.pulls)
         if self.done:
             return
         blocked = self.policy.blocked_round(self.membership.live())
@@ -445,6 +446,7 @@ class ParameterServer:
             "reports": {str(k): v for k, v in self.membership.reports().items()},
             "job": self.job.to_json() if self.job else None,
             "process": process_usage(),
+            "tables": {name: table.stats() for name, table in self.store.tables.items()},
         }
         self.outbox.send(peer, message.rid, "stats", fields, [])
 

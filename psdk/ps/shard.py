@@ -34,6 +34,8 @@ from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
 from psdk.ps.store import ParameterStore, RestoreState
+from psdk.ps.tables.requests import TablePull, pulled_rows, table_request
+from psdk.ps.tables.setup import place_tables, tables_bytes
 from psdk.runtime.failpoints import PS_UPDATE, failpoint
 from psdk.transport import ServerEndpoint
 from psdk.transport.wire import MAX_HEADER_BYTES, Message
@@ -86,7 +88,10 @@ class ServedShard:
         pause: PauseLease,
         recovery: bool,
         max_pushes_in_flight: int,
+        index: int = 0,
     ):
+        self.index = index
+        """This ps's task index: the shard of each table whose rows it holds."""
         self.name, self.store, self.endpoint, self.outbox, self.stats = name, store, endpoint, outbox, stats
         self.sessions, self.pause = sessions, pause
         self.recovery = recovery
@@ -126,6 +131,7 @@ class ServedShard:
             "job": self.job.to_json(),
             "names": [s.name for s in self.store.specs],
             "shapes": [list(s.shape) for s in self.store.specs],
+            "tables": [table.spec.to_json() for table in self.store.tables.values()],
         }
 
     def largest_message_bytes(self) -> int:
@@ -134,7 +140,11 @@ class ServedShard:
         It carries every variable and every slot of the shard (a push carries
         the variables' size once), and a header.
         """
-        return largest_message_bytes(self.store.size, len(self.store.slots()))
+        return max(largest_message_bytes(self.store.size, len(self.store.slots())), self.largest_push_bytes())
+
+    def largest_push_bytes(self) -> int:
+        """A push: the flat gradient, and for every table its most ids with their rows, and as many ids to pull."""
+        return 4 * self.store.size + tables_bytes(self.store.tables.values()) + MAX_HEADER_BYTES
 
     # ------------------------------------------------------------- replies
     def resync(self, peer: bytes, rid: int, why: str) -> None:
@@ -148,12 +158,15 @@ class ServedShard:
         }
         self.outbox.send(peer, rid, "resync", fields)
 
-    def reply_params(self, peer: bytes, rid: int, outcome: str, worker: int) -> None:
-        """The parameters, to a worker's session only (a stranger's request never gets this far)."""
+    def reply_params(
+        self, peer: bytes, rid: int, outcome: str, worker: int, pulls: list[TablePull] | None = None
+    ) -> None:
+        """The parameters (and the rows ``pulls`` name), to a worker's session only (never a stranger's)."""
         fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
         if self.policy is not None and self.job is not None and not self.job.sync.waits_for_rounds:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
-        if self.endpoint.lent_memory(peer):  # written into the worker's memory during the call: no copy of ours
+        rows = pulled_rows(pulls) if pulls else []
+        if self.endpoint.lent_memory(peer) and not rows:  # written into the worker's memory: no copy of ours
             self.outbox.deliver(peer, Message("params", fields, [self.store.params()], rid, in_place=True))
             return
         # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is
@@ -162,13 +175,13 @@ class ServedShard:
         if buffer is None or buffer.shape != (self.store.size,):
             buffer = self._reply_buffers[worker] = np.empty(self.store.size, np.float32)
         np.copyto(buffer, self.store.params())
-        self.outbox.deliver(peer, Message("params", fields, [buffer], rid, stable=True))
+        self.outbox.deliver(peer, Message("params", fields, [buffer, *rows], rid, stable=True))
 
     def release_parked(self, outcome: str = "done") -> None:
         """Answer every push the mode holds back with ``outcome`` (the job reached its target)."""
         assert self.policy is not None
         for push in self.policy.release_parked():
-            self.reply_params(push.peer, push.rid, outcome, push.worker)
+            self.reply_params(push.peer, push.rid, outcome, push.worker, push.tables.pulls)
 
     # ------------------------------------------------------------ handlers
     def on_init(self, peer: bytes, message: Message, worker: int) -> None:
@@ -190,10 +203,12 @@ class ServedShard:
         restore = restore_state(message.fields.get("restore"), names, message.arrays)
         if len(message.arrays) != len(names) * (1 + (len(restore.slots) if restore else 0)):
             raise ProtocolError("init needs one array per variable (and per slot when restoring)")
+        tables = place_tables(message.fields.get("tables"), self.index, rule)  # checked before anything changes
         self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
+        self.store.place_tables(tables)
         self.epoch = message.fields.get("epoch") or 0
         self.job = job
-        largest, push = self.largest_message_bytes(), 4 * self.store.size + MAX_HEADER_BYTES
+        largest, push = self.largest_message_bytes(), self.largest_push_bytes()
         self.endpoint.limit_incoming(largest, largest + job.num_workers * push)
         self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
@@ -232,7 +247,8 @@ class ServedShard:
             self.resync(peer, message.rid, f"{self.name} has restarted and waits for the chief to restore it")
             return
         self.require_init()
-        self.reply_params(peer, message.rid, "pulled", worker)
+        tables = table_request(message.fields.get("tables"), message.arrays, self.store.tables, pushes=False)
+        self.reply_params(peer, message.rid, "pulled", worker, tables.pulls)
 
     def on_push_pull(self, peer: bytes, message: Message, worker: int) -> None:
         if not self.store.initialized and self.recovery:
@@ -240,12 +256,13 @@ class ServedShard:
             return
         self.require_init()
         version, seq = message.fields["version"], message.fields["seq"]
-        if len(message.arrays) != 1:
-            raise ProtocolError("push_pull carries exactly one flat gradient")
+        if not message.arrays:
+            raise ProtocolError("push_pull carries one flat gradient (then its tables' arrays)")
         if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
             self.resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
             return
         grad = message.arrays[0]
+        tables = table_request(message.fields.get("tables"), message.arrays[1:], self.store.tables, pushes=True)
         if message.borrowed and self.store.needs_stable_gradient():
             grad = self._stable(grad)
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
@@ -274,7 +291,7 @@ class ServedShard:
         if self.failure:
             self.outbox.error(peer, message.rid, self.failure, "failed")
             return
-        self.submit(Push(peer, message.rid, worker, version, grad, bound=bound))
+        self.submit(Push(peer, message.rid, worker, version, grad, bound=bound, tables=tables))
 
     def _stable(self, grad: np.ndarray) -> np.ndarray:
         """A copy of a borrowed gradient, for a rule that reads it twice (to check it, then to apply it).
@@ -300,7 +317,7 @@ class ServedShard:
         """Hand a checked push to the consistency policy (or hold it while paused)."""
         assert self.policy is not None
         if self.done:
-            self.reply_params(push.peer, push.rid, "done", push.worker)
+            self.reply_params(push.peer, push.rid, "done", push.worker, push.tables.pulls)
             return
         if self.pause.covers(self.store.version):  # a copy: a gradient in shared memory is only lent until the reply
             self.pause.pushes.append(dataclasses.replace(push, grad=push.grad.copy()))
@@ -335,7 +352,9 @@ class ServedShard:
             elif not any(answered is refused for refused in decision.refused):
                 c.dropped += 1
                 self.stats.dropped += 1
-            self.reply_params(answered.peer, answered.rid, answered.outcome.value, answered.worker)
+            self.reply_params(
+                answered.peer, answered.rid, answered.outcome.value, answered.worker, answered.tables.pulls
+            )
         if self.done:
             self.release_parked()
         if decision.updates and self.pause.covers(self.store.version):

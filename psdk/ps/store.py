@@ -47,12 +47,15 @@ from psdk.errors import NonFiniteError, ProtocolError, RefusedError
 from psdk.protocol.numerics import all_finite, as_float32, magnitude
 from psdk.protocol.sharding import VarSpec, flat_size, layout, views
 from psdk.ps.rules import Bounds, RuleState, UpdateRule
+from psdk.ps.tables.served import RowGrad, ServedTable, StagedRows, stage_all
 
 
 class ParameterStore(ABC):
     """What a ps needs from storage; a ps imports no ML framework."""
 
     rule: UpdateRule | None = None
+    tables: dict[str, ServedTable]
+    """This shard's part of each embedding table, by name (kept beside the flat buffer, never in it)."""
 
     @property
     @abstractmethod
@@ -98,15 +101,26 @@ class ParameterStore(ABC):
         """How many updates the rule has made (Adam's bias correction counts them)."""
 
     @abstractmethod
-    def apply(self, grad: np.ndarray, grad_bound: float | None = None) -> None:
+    def apply(
+        self,
+        grad: np.ndarray,
+        grad_bound: float | None = None,
+        rows: Mapping[str, RowGrad] | None = None,
+        row_scale: float = 1.0,
+    ) -> None:
         """Apply one (already averaged) flat gradient and advance the version.
 
         ``grad_bound``: an upper bound on the gradient's ``|g|`` that holds
         while the apply reads it (``None``: measure it here, or the gradient
-        may change under the apply). Raises
+        may change under the apply). ``rows``: the same update's row
+        gradients by table (checked), each scaled by ``row_scale``. Raises
         :class:`~psdk.errors.NonFiniteError`, with the store as it was, when
-        the result would hold NaN or Inf.
+        the result would hold NaN or Inf (rows included).
         """
+
+    def place_tables(self, tables: Mapping[str, ServedTable]) -> None:
+        """Hold these tables from now on (an initialised store, with the rule they were built for)."""
+        self.tables = dict(tables)
 
     @abstractmethod
     def params(self) -> np.ndarray:
@@ -156,6 +170,11 @@ def _restore_into(state: RuleState, rule: UpdateRule, specs: list[VarSpec], rest
     state.step = restore.rule_step
 
 
+def _commit(staged: list[StagedRows]) -> None:
+    for block in staged:
+        block.table.commit(block)
+
+
 class FlatStore(ParameterStore):
     """In-memory store over one contiguous float32 buffer."""
 
@@ -173,6 +192,7 @@ class FlatStore(ParameterStore):
         """Upper bounds on ``|x|`` of the parameters and of each slot (see the module docstring)."""
         self.checked_applies = 0
         """Applies that took the backup-and-check path (the others were proven finite by their bounds)."""
+        self.tables = {}
 
     @property
     def initialized(self) -> bool:
@@ -247,15 +267,24 @@ class FlatStore(ParameterStore):
         assert self.rule is not None and self._bounds is not None
         return self.rule.bounds_after(*self._bounds, math.inf) is None
 
-    def apply(self, grad: np.ndarray, grad_bound: float | None = None) -> None:
+    def apply(
+        self,
+        grad: np.ndarray,
+        grad_bound: float | None = None,
+        rows: Mapping[str, RowGrad] | None = None,
+        row_scale: float = 1.0,
+    ) -> None:
         assert self.rule is not None and self._bounds is not None, "apply before initialize"
+        # Rows first, into blocks of their own: a refusal here or in the dense apply below writes nothing.
+        staged = stage_all(self.tables, rows, self.rule, self.rule_state.step, row_scale) if rows else []
         after = self.rule.bounds_after(*self._bounds, math.inf if grad_bound is None else grad_bound)
         if after is not None:  # proven finite: nothing to copy, nothing to check
             self.rule.apply(self._flat, grad, self.rule_state)
             self._bounds = after
             self._version += 1
-            return
-        self._checked_apply(grad)
+        else:
+            self._checked_apply(grad)
+        _commit(staged)
 
     def _checked_apply(self, grad: np.ndarray) -> None:
         assert self.rule is not None

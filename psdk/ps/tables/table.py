@@ -31,7 +31,7 @@ Semantics:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -59,6 +59,7 @@ class RowTable:
         name: str = "",
         sketch_depth: int = 4,
         sketch_width: int = 1 << 18,
+        slot_init: Mapping[str, float] | None = None,
     ) -> None:
         if dim < 1:
             raise ValueError(f"a table's rows need dim >= 1, not {dim}")
@@ -74,6 +75,8 @@ class RowTable:
         self.index = RowIndex(capacity)
         self.rows = np.empty((capacity, dim), np.float32)
         self.slots = {slot: np.empty((capacity, dim), np.float32) for slot in slot_names}
+        self.slot_init = {slot: float((slot_init or {}).get(slot, 0.0)) for slot in slot_names}
+        """What each slot of a new row starts at (Adagrad's initial accumulator; 0 for the others)."""
         self.last_used = np.empty(capacity, np.uint32)
         self.sketch = CountMinSketch(sketch_depth, sketch_width) if admit_after else None
         self.clock = self.evicted = self.created = 0
@@ -177,8 +180,8 @@ class RowTable:
             self.evicted += len(oldest)
         slots = self.index.insert_absent(ids)
         self.rows[slots] = initial_rows(ids, self.dim, self._key, self.initializer, self.init_scale)
-        for values in self.slots.values():
-            values[slots] = 0.0
+        for slot, values in self.slots.items():
+            values[slots] = self.slot_init[slot]
         self.last_used[slots] = self.clock
         self.created += len(ids)
         return slots
@@ -281,7 +284,7 @@ class RowTable:
         depth, width = self._sketch_shape
         return RowTable(
             self.dim, self.capacity, self.initializer, self.init_scale, self.seed, tuple(self.slots),
-            self.admit_after, self.name, depth, width,
+            self.admit_after, self.name, depth, width, self.slot_init,
         )  # fmt: skip
 
 

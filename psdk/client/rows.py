@@ -1,0 +1,143 @@
+"""A worker's side of embedding tables: a batch's ids cut per shard, duplicates summed, rows put back in order.
+
+The ps takes ids strictly increasing and each on its own shard
+(:mod:`psdk.ps.tables.served`), so the worker does the sorting: one
+``np.unique`` per table and step, which also sums a batch's duplicate ids'
+gradients (as ``IndexedSlices`` are summed before TensorFlow's sparse apply,
+and ``torch.sparse`` tensors are coalesced). Shards are cut from the unique,
+sorted ids with one boolean mask each, which keeps each part sorted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from psdk.errors import PsdkError
+from psdk.protocol.tables import TableSpec, shard_of_ids
+
+RowPush = tuple[np.ndarray, np.ndarray]
+"""(ids, row gradients): ``len(ids) x dim`` float32, ids int64 in any order, duplicates allowed."""
+
+
+def as_ids(spec: TableSpec, ids: Any) -> np.ndarray:
+    """``ids`` as a 1-D int64 array, or a PsdkError naming the table and what is wrong."""
+    array = np.asarray(ids)
+    if array.dtype.kind not in "iu":
+        raise PsdkError(f"table {spec.name!r}: ids must be integers, not {array.dtype}")
+    array = array.reshape(-1).astype(np.int64, copy=False)
+    if len(array) and int(array.min()) < 0:
+        raise PsdkError(f"table {spec.name!r}: ids must be non-negative, got {int(array.min())}")
+    return array
+
+
+def sum_duplicates(spec: TableSpec, ids: Any, grads: Any) -> RowPush:
+    """Each id once, strictly increasing, with the sum of its rows' gradients."""
+    flat = as_ids(spec, ids)
+    rows = np.asarray(grads, np.float32).reshape(len(flat), -1) if len(flat) else np.zeros((0, spec.dim), np.float32)
+    if rows.shape[1] != spec.dim:
+        raise PsdkError(f"table {spec.name!r}: row gradients have {rows.shape[1]} columns, the table {spec.dim}")
+    unique, inverse = np.unique(flat, return_inverse=True)
+    if len(unique) == len(flat):
+        return unique, np.ascontiguousarray(rows[np.argsort(flat, kind="stable")])
+    summed = np.zeros((len(unique), spec.dim), np.float32)
+    np.add.at(summed, inverse.reshape(-1), rows)
+    return unique, summed
+
+
+@dataclass
+class PullPlan:
+    """Where a table's pulled ids went, to put the shards' rows back in the caller's order."""
+
+    spec: TableSpec
+    unique: np.ndarray
+    inverse: np.ndarray
+    masks: dict[int, np.ndarray]
+    """Per shard, which of ``unique`` it was asked for."""
+
+    def assemble(self, rows: Mapping[int, np.ndarray]) -> np.ndarray:
+        """The rows of the ids as the caller gave them (duplicates repeated), from each shard's reply."""
+        out = np.empty((len(self.unique), self.spec.dim), np.float32)
+        for shard, mask in self.masks.items():
+            got = rows[shard]
+            if got.shape != (int(np.count_nonzero(mask)), self.spec.dim):
+                raise PsdkError(f"ps {shard} sent rows of table {self.spec.name!r} of shape {list(got.shape)}")
+            out[mask] = got
+        return out[self.inverse]
+
+
+def split_by_shard(spec: TableSpec, ids: np.ndarray, num_ps: int) -> dict[int, np.ndarray]:
+    """Per shard, which of ``ids`` (unique, sorted) it holds (empty parts left out)."""
+    where = shard_of_ids(spec, ids, num_ps)
+    masks = {}
+    for shard in range(num_ps):
+        mask = where == shard
+        if mask.any():
+            masks[shard] = mask
+    return masks
+
+
+@dataclass
+class ShardTables:
+    """One request's table part for one shard: the entries and their arrays, in protocol order."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    arrays: list[np.ndarray] = field(default_factory=list)
+
+
+def plan_tables(
+    tables: Mapping[str, TableSpec],
+    num_ps: int,
+    push: Mapping[str, RowPush] | None = None,
+    pull: Mapping[str, Any] | None = None,
+    read: bool = False,
+) -> tuple[dict[int, ShardTables], dict[str, PullPlan]]:
+    """Each shard's table entries for one request, and how to put the pulled rows back together."""
+    push, pull = push or {}, pull or {}
+    unknown = (set(push) | set(pull)) - set(tables)
+    if unknown:
+        raise PsdkError(f"no table {sorted(unknown)} in this job (its tables: {sorted(tables) or 'none'})")
+    parts: dict[int, ShardTables] = {i: ShardTables() for i in range(num_ps)}
+    plans: dict[str, PullPlan] = {}
+    for name in tables:
+        spec = tables[name]
+        pushing: dict[int, RowPush] = {}
+        if name in push:
+            ids, grads = sum_duplicates(spec, *push[name])
+            pushing = {s: (ids[m], grads[m]) for s, m in split_by_shard(spec, ids, num_ps).items()}
+        pulling: dict[int, np.ndarray] = {}
+        if name in pull:
+            unique, inverse = np.unique(as_ids(spec, pull[name]), return_inverse=True)
+            masks = split_by_shard(spec, unique, num_ps)
+            plans[name] = PullPlan(spec, unique, inverse.reshape(-1), masks)
+            pulling = {s: unique[m] for s, m in masks.items()}
+        for shard in sorted(set(pushing) | set(pulling)):
+            part = parts[shard]
+            entry: dict[str, Any] = {"table": name}
+            if shard in pushing:
+                entry["push"] = True
+                part.arrays += [*pushing[shard]]
+            if shard in pulling:
+                entry["pull"] = True
+                if read:
+                    entry["read"] = True
+                part.arrays.append(pulling[shard])
+            part.entries.append(entry)
+    return parts, plans
+
+
+def pulled_rows(plans: Mapping[str, PullPlan], replies: Mapping[int, Any]) -> dict[str, np.ndarray]:
+    """Every pulled table's rows, in the caller's order, from the shards' replies (arrays after the dense one)."""
+    by_shard: dict[str, dict[int, np.ndarray]] = {name: {} for name in plans}
+    for shard, reply in replies.items():
+        at = 1
+        for name, plan in plans.items():
+            if shard in plan.masks:
+                if at >= len(reply.arrays):
+                    raise PsdkError(f"ps {shard} sent fewer row arrays than were pulled")
+                by_shard[name][shard] = reply.arrays[at]
+                at += 1
+    return {name: plan.assemble(by_shard[name]) for name, plan in plans.items()}

@@ -1,0 +1,197 @@
+"""Embedding tables served by real ps shards: pulls by id, pushes of rows, every mode's arithmetic, refusals.
+
+Two ps threads over real ZeroMQ (shared memory on, so the dense part may
+travel in lent memory while rows travel in frames), real clients. Each
+expected value is computed here in numpy from the rule's formula; each
+refusal is shown to leave the rows as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
+from psdk.errors import RemoteError
+from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.tables import TableSpec, shard_of_ids
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import SGD, Adagrad, Adam, UpdateRule
+from psdk.ps.tables.hashing import initial_rows, table_key
+
+from .conftest import running_ps
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = ClientOptions(
+    transport=TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, request_timeout_s=20.0, init_timeout_s=20.0
+    )
+)
+DENSE = {"w": np.zeros((2, 3), np.float32)}
+"""One dense variable: it lives on ps 0, so ps 1 holds nothing but rows."""
+USERS = TableSpec("users", dim=4, capacity=1000, seed=7)
+
+
+def initial(spec: TableSpec, ids: list[int]) -> np.ndarray:
+    return initial_rows(np.array(ids, np.int64), spec.dim, table_key(spec.seed, spec.name), "normal", spec.init_scale)
+
+
+@contextmanager
+def job(
+    mode: str = "async", rule: UpdateRule | None = None, tables: tuple[TableSpec, ...] = (USERS,), workers: int = 1
+) -> Iterator[list[ParameterClient]]:
+    with running_ps(2) as ps:
+        clients = [ParameterClient(ps.transport, ps.cluster(workers), i, FAST) for i in range(workers)]
+        try:
+            spec = JobSpec(SyncSpec(mode).resolved(workers), 1000, workers)
+            assert clients[0].initialize(DENSE, spec, rule or SGD(lr=0.5), tables=tables)
+            for client in clients[1:]:
+                client.wait_initialized()
+            for client in clients:
+                client.pull()
+            yield clients
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_rows_start_from_the_seed_and_id_on_whichever_shard_holds_them() -> None:
+    ids = [5, 3_000_000_000, 17, 5, 42]
+    with job() as (client,):
+        assert client.tables == {"users": USERS}
+        rows = client.pull_rows({"users": ids})["users"]
+        np.testing.assert_array_equal(rows, initial(USERS, ids))
+        assert set(shard_of_ids(USERS, np.array(ids, np.int64), 2).tolist()) == {0, 1}  # both shards serve
+        stats = [s["tables"]["users"] for s in client.stats()]
+        assert sum(s["rows"] for s in stats) == 4 and all(s["rows"] for s in stats)
+
+
+def test_a_push_sums_duplicate_ids_and_sgd_moves_only_those_rows() -> None:
+    ids = np.array([9, 2, 9, 11], np.int64)
+    grads = np.arange(16, dtype=np.float32).reshape(4, 4)
+    with job(rule=SGD(lr=0.5)) as (client,):
+        before = client.pull_rows({"users": [2, 9, 11, 12]})["users"]
+        result = client.push_pull(rows={"users": (ids, grads)}, pull={"users": [2, 9, 11, 12]})
+        expected = before.copy()
+        expected[0] -= 0.5 * grads[1]
+        expected[1] -= 0.5 * (grads[0] + grads[2])
+        expected[2] -= 0.5 * grads[3]
+        np.testing.assert_allclose(result.rows["users"], expected, rtol=1e-6, atol=1e-7)
+        assert result.global_step == 1
+
+
+def test_sync_rounds_average_rows_over_replicas_to_aggregate() -> None:
+    lr = 0.5
+    with job("sync", SGD(lr=lr), workers=2) as clients, ThreadPoolExecutor(2) as pool:
+        before = clients[0].pull_rows({"users": [1, 2, 3]})["users"]
+        g = [np.ones((2, 4), np.float32), np.full((2, 4), 3.0, np.float32)]
+        pushes = [{"users": (np.array([1, 2]), g[0])}, {"users": (np.array([2, 3]), g[1])}]
+        futures = [
+            pool.submit(c.push_pull, None, p, {"users": [1, 2, 3]}) for c, p in zip(clients, pushes, strict=True)
+        ]
+        results = [f.result(timeout=20) for f in futures]
+        expected = before - lr * np.array([[1.0] * 4, [4.0] * 4, [3.0] * 4], np.float32) / 2
+        for result in results:
+            assert result.outcome == "applied"
+            np.testing.assert_allclose(result.rows["users"], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_adagrad_rows_follow_tf1_with_an_initial_accumulator_and_no_epsilon() -> None:
+    rule = Adagrad(lr=0.3, initial_accumulator_value=0.1, eps=0.0)
+    with job(rule=rule) as (client,):
+        p = client.pull_rows({"users": [4, 8]})["users"].astype(np.float64)
+        acc = np.full_like(p, 0.1)
+        for step in range(3):
+            g = np.full((2, 4), 0.5 + step, np.float32)
+            rows = client.push_pull(rows={"users": ([4, 8], g)}, pull={"users": [4, 8]}).rows["users"]
+            acc += g.astype(np.float64) ** 2
+            p -= 0.3 * g / np.sqrt(acc)  # tf.compat.v1.train.AdagradOptimizer's sparse apply
+            np.testing.assert_allclose(rows, p, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_on_rows_is_lazy_and_counts_the_shards_steps() -> None:
+    rule = Adam(lr=0.1)
+    with job(rule=rule) as (client,):
+        p = client.pull_rows({"users": [1, 2]})["users"].astype(np.float64)
+        m, v = np.zeros_like(p), np.zeros_like(p)
+        pushes = [[1, 2], [1], [1, 2]]  # row 2 skips the second step: its moments must not decay then
+        for t, touched in enumerate(pushes, start=1):
+            g = np.full((len(touched), 4), 0.25 * t, np.float32)
+            rows = client.push_pull(rows={"users": (touched, g)}, pull={"users": [1, 2]}).rows["users"]
+            for k, row in enumerate(touched):
+                i = row - 1
+                m[i] = 0.9 * m[i] + 0.1 * g[k]
+                v[i] = 0.999 * v[i] + 0.001 * g[k].astype(np.float64) ** 2
+                p[i] -= 0.1 / (1 - 0.9**t) * m[i] / (np.sqrt(v[i]) / np.sqrt(1 - 0.999**t) + 1e-8)
+            np.testing.assert_allclose(rows, p, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_with_tables_is_refused_at_init() -> None:
+    with running_ps(1) as ps:
+        client = ParameterClient(ps.transport, ps.cluster(1), 0, FAST)
+        try:
+            with pytest.raises(RemoteError, match="weight_decay"):
+                client.initialize(DENSE, JobSpec(SyncSpec().resolved(1), 10, 1), SGD(lr=0.1, weight_decay=0.01),
+                                  tables=(USERS,))  # fmt: skip
+        finally:
+            client.close()
+
+
+def test_a_preallocated_range_table_holds_its_block_on_each_shard() -> None:
+    spec = TableSpec("items", dim=2, capacity=11, sharding="range", preallocate=True, seed=1)
+    with job(tables=(spec,)) as (client,):
+        assert [s["tables"]["items"]["rows"] for s in client.stats()] == [6, 5]
+        rows = client.pull_rows({"items": list(range(11))}, read=True)["items"]
+        np.testing.assert_array_equal(rows, initial(spec, list(range(11))))
+        with pytest.raises(Exception, match=r"0 \.\. 10"):
+            client.pull_rows({"items": [11]})
+
+
+def raw(client: ParameterClient, shard: int, entries: list[dict[str, object]], arrays: list[np.ndarray]) -> None:
+    """A push_pull built by hand, as a hostile or buggy peer would send it."""
+    grad = np.zeros(client.shards[shard].size, np.float32)
+    message = client.message("push_pull", [grad, *arrays], version=0, seq=10_000 + len(arrays), epoch=0)
+    message.fields["tables"] = entries
+    reply = client.request({shard: message}, "a raw push")[shard]
+    raise AssertionError(f"accepted: {reply.op}")
+
+
+ZEROS = np.zeros((2, 4), np.float32)
+BAD_PUSHES: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
+    "int64": lambda mine: (mine.astype(np.int32), ZEROS),
+    "strictly increasing": lambda mine: (mine[::-1].copy(), ZEROS),
+    "strictly increasing (a duplicate)": lambda mine: (mine[[0, 0]], ZEROS),
+    "non-negative": lambda mine: (np.array([-1, mine[0]], np.int64), ZEROS),
+    "expected float32": lambda mine: (mine, np.zeros((2, 3), np.float32)),
+    "NaN": lambda mine: (mine, np.array([[np.nan] * 4, [0.0] * 4], np.float32)),
+    "max_ids": lambda mine: (np.arange(70_000, dtype=np.int64), np.zeros((70_000, 4), np.float32)),
+}
+
+
+@pytest.mark.parametrize("problem", list(BAD_PUSHES))
+def test_bad_row_pushes_are_refused_and_change_nothing(problem: str) -> None:
+    with job() as (client,):
+        mine = np.array([i for i in range(200) if shard_of_ids(USERS, np.array([i]), 2)[0] == 0][:2], np.int64)
+        before = client.pull_rows({"users": mine})["users"]
+        ids, rows = BAD_PUSHES[problem](mine)
+        with pytest.raises(RemoteError, match=problem.split(" (")[0]):
+            raw(client, 0, [{"table": "users", "push": True}], [ids, rows])
+        np.testing.assert_array_equal(client.pull_rows({"users": mine})["users"], before)
+        assert client.pull() == 0
+
+
+def test_ids_of_another_shard_and_unknown_tables_are_refused() -> None:
+    with job() as (client,):
+        theirs = np.array([i for i in range(200) if shard_of_ids(USERS, np.array([i]), 2)[0] == 1][:3], np.int64)
+        with pytest.raises(RemoteError, match="another shard"):
+            raw(client, 0, [{"table": "users", "pull": True}], [theirs])
+        with pytest.raises(RemoteError, match="no table 'items'"):
+            raw(client, 0, [{"table": "items", "pull": True}], [theirs])
+        with pytest.raises(RemoteError, match="array frames more than"):
+            raw(client, 0, [], [theirs])
