@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult, checkpoint
 from psdk.client.checkpoint import Checkpoint, new_run_id
 from psdk.client.recovery import latest_or_none
@@ -40,9 +42,10 @@ from psdk.errors import (
 )
 from psdk.plugins.backend import Backend
 from psdk.plugins.loading import backend_for
-from psdk.plugins.variables import dense_shapes
+from psdk.plugins.variables import Rows, tables_of
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec, check_run_id
+from psdk.protocol.tables import TableSpec
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import UpdateRule
 from psdk.transport import Pending, Transport, security
@@ -301,6 +304,8 @@ class DistributedOptimizer:
         backend: Backend | None = None,
         *,
         rule: UpdateRule | None = None,
+        tables: Mapping[str, Mapping[str, Any]] | None = None,
+        seed: int = 0,
     ):
         if model is None or session is None:
             raise PsdkError("DistributedOptimizer needs the model and the session (psdk.connect(...))")
@@ -317,6 +322,12 @@ class DistributedOptimizer:
         self.rule = rule if rule is not None else self.backend.optimizer_rule(optimizer)
         self.restored_step: int | None = None
         """The checkpoint step ``broadcast_parameters`` put on the ps, None when it restored nothing."""
+        self.table_options = dict(tables or {})
+        """Per table, :class:`~psdk.protocol.tables.TableSpec` fields beyond what the model declares (the chief's
+        count): ``sharding`` ("hash" or "range"), ``admit_after``, ``preallocate``, ``max_ids``, ``capacity``."""
+        self.seed = seed
+        self.tables: dict[str, TableSpec] = {}
+        """The model's embedding tables as the ps keeps them (after :meth:`broadcast_parameters`)."""
 
     def broadcast_parameters(self, resume: Checkpoint | None = None) -> int:
         """Chief: put the model's weights on the ps. Others: wait for them and take them.
@@ -328,8 +339,8 @@ class DistributedOptimizer:
         already be past the checkpoint's (see ``restored_step``).
         """
         client = self.session.client
-        where = f"worker {self.session.task_index}'s model"
-        dense_shapes(self.backend.variable_records(self.model), where)  # a table is refused before the ps holds any
+        declared = tables_of(self.backend.variable_records(self.model))
+        self.tables = table_specs(declared, self.table_options, self.seed)
         if self.session.is_chief:
             own = self.session.latest_checkpoint()
             # A new epoch, later than any an earlier chief of this run made (they count up from 0): the workers
@@ -338,8 +349,10 @@ class DistributedOptimizer:
             if own is not None:  # this run went past any resume= already: a chief restarted after a ps was lost
                 log.warning("worker 0: this run's newest checkpoint is at global step %d", own.global_step)
                 resume = own
-            weights = self.backend.read_weights(self.model)
-            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding, resume, epoch)
+            weights = {n: w for n, w in self.backend.read_weights(self.model).items() if n not in self.tables}
+            fresh = client.initialize(
+                weights, self.session.job, self.rule, self.session.sharding, resume, epoch, list(self.tables.values())
+            )
             self._check_run(client.job)
             if not fresh:
                 log.warning("worker 0: the ps was already initialised; continuing from its weights")
@@ -348,6 +361,7 @@ class DistributedOptimizer:
         else:
             client.wait_initialized()
         self._check_variables(client.variable_shapes())
+        self._check_tables(declared, client.tables)
         step = self.pull()
         self.backend.share_buffers(self.model, client.params, client.grads)
         return step
@@ -362,8 +376,19 @@ class DistributedOptimizer:
                 f"this chief run_id={theirs} to continue that run"
             )
 
+    def _check_tables(self, declared: Mapping[str, Rows], held: Mapping[str, TableSpec]) -> None:
+        """Every worker's model must declare the tables the chief placed, of the same width."""
+        local = {name: rows.dim for name, rows in declared.items()}
+        remote = {name: spec.dim for name, spec in held.items()}
+        if local != remote:
+            raise PsdkError(
+                f"worker {self.session.task_index}: this model's embedding tables {local} (name: dim) are not the "
+                f"ones on the ps {remote}; every worker must build the same model"
+            )
+        self.tables = dict(held)
+
     def _check_variables(self, remote: dict[str, tuple[int, ...]]) -> None:
-        local = {n: tuple(s) for n, s in self.backend.variables(self.model).items()}
+        local = {n: tuple(s) for n, s in self.backend.variables(self.model).items() if n not in self.tables}
         if local != remote:
             only_here = sorted(set(local) - set(remote))
             only_there = sorted(set(remote) - set(local))
@@ -380,16 +405,40 @@ class DistributedOptimizer:
         self.backend.write_weights(self.model, self.session.client.params)
         return step
 
+    def pull_rows(self, ids: Mapping[str, Any]) -> None:
+        """Fetch the rows of ``ids`` (by table) into the model, for a forward pass over them.
+
+        A training pull: the ps creates the rows it has not seen (from the
+        seed and the id) and counts them for admission. Pass the next batch's
+        ids to :meth:`step` instead to save a round trip.
+        """
+        wanted = self._unique_ids(ids)
+        for name, rows in self.session.client.pull_rows(wanted).items():
+            self.backend.write_rows(self.model, name, wanted[name], rows)
+
+    def _unique_ids(self, ids: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+        unknown = set(ids or {}) - set(self.tables)
+        if unknown:
+            raise PsdkError(f"no embedding table {sorted(unknown)} in this model (its tables: {sorted(self.tables)})")
+        return {name: np.unique(np.asarray(values, np.int64).reshape(-1)) for name, values in (ids or {}).items()}
+
     def zero_grad(self) -> None:
         zero = getattr(self.optimizer, "zero_grad", None)
         if callable(zero):
             zero()
 
-    def step(self) -> StepResult:
-        """Push this worker's gradients, pull the new parameters into the model."""
-        return self.start_step().wait()
+    def step(self, next_ids: Mapping[str, Any] | None = None) -> StepResult:
+        """Push this worker's gradients, pull the new parameters into the model.
 
-    def start_step(self, overlap: bool = False, basis: Basis | None = None) -> PendingStep:
+        With embedding tables, the rows the backward pass touched are pushed
+        as (ids, rows); ``next_ids`` (by table) are the next batch's ids, whose
+        rows come back in the same round trip, read after this push applied.
+        """
+        return self.start_step(next_ids=next_ids).wait()
+
+    def start_step(
+        self, overlap: bool = False, basis: Basis | None = None, next_ids: Mapping[str, Any] | None = None
+    ) -> PendingStep:
         """Push the gradients now; :meth:`PendingStep.wait` pulls the new parameters in.
 
         Prepare the next batch in between (never touch the model there): the
@@ -406,18 +455,46 @@ class DistributedOptimizer:
                 "push is in flight is a round stale, and the ps would drop it"
             )
         self.backend.read_gradients(self.model, client.grads)
-        return PendingStep(self, client.start_push_pull(copy=overlap, basis=basis))
+        rows = {name: self.backend.read_row_gradients(self.model, name) for name in self.tables}
+        wanted = self._unique_ids(next_ids)
+        pending = client.start_push_pull(copy=overlap, basis=basis, rows=rows or None, pull=wanted or None)
+        return PendingStep(self, pending, wanted)
 
 
 class PendingStep:
     """A step whose gradients are on their way to the ps."""
 
-    def __init__(self, optimizer: DistributedOptimizer, pending: Pending):
+    def __init__(
+        self, optimizer: DistributedOptimizer, pending: Pending, wanted: Mapping[str, np.ndarray] | None = None
+    ):
         self.optimizer = optimizer
         self.pending = pending
+        self.wanted = wanted or {}
 
     def wait(self) -> StepResult:
         opt = self.optimizer
         result = opt.session.client.finish_push_pull(self.pending)
         opt.backend.write_weights(opt.model, opt.session.client.params)
+        for name, rows in result.rows.items():
+            opt.backend.write_rows(opt.model, name, self.wanted[name], rows)
         return opt.session.record(result)
+
+
+def table_specs(
+    declared: Mapping[str, Rows], options: Mapping[str, Mapping[str, Any]], seed: int
+) -> dict[str, TableSpec]:
+    """The ps's table for each table variable a model declares, with the user's settings for it."""
+    unknown = set(options) - set(declared)
+    if unknown:
+        raise PsdkError(
+            f"tables= names {sorted(unknown)}, which the model does not declare (it has {sorted(declared)})"
+        )
+    specs = {}
+    for name, rows in declared.items():
+        fields: dict[str, Any] = {"capacity": rows.capacity, "initializer": rows.initializer,
+                                  "init_scale": rows.init_scale, "seed": seed, **options.get(name, {})}  # fmt: skip
+        try:
+            specs[name] = TableSpec(name, rows.dim, **fields)
+        except TypeError as exc:
+            raise PsdkError(f"tables={{{name!r}: ...}}: {exc}") from None
+    return specs

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import psdk
-from psdk.errors import ConfigError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.batches import ArrayShard, Batch, JaggedIds, take_rows
 from psdk.plugins.trainer import Trainer
-from psdk.plugins.variables import Dense, Rows, as_variables, dense_shapes
+from psdk.plugins.variables import Dense, Rows, as_variables, tables_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -71,12 +70,11 @@ def test_an_array_shard_cuts_shuffled_batches_pass_after_pass_with_their_ids() -
         next(ArrayShard(train, test=train).batches(11, seed=0))
 
 
-def test_variables_have_a_kind_and_a_table_is_refused_by_name_until_the_ps_serves_rows() -> None:
+def test_variables_have_a_kind_and_tables_are_told_apart() -> None:
     declared = as_variables({"w": (3, 2), "emb": Rows(dim=8, capacity=1000)})
     assert declared["w"] == Dense((3, 2)) and declared["w"].kind == "dense" and declared["emb"].kind == "rows"
-    assert dense_shapes(as_variables([("w", (3, 2))]), "model") == {"w": (3, 2)}
-    with pytest.raises(ConfigError, match=r"table variable.*emb.*kind 'rows'"):
-        dense_shapes(declared, "this model")
+    assert tables_of(declared) == {"emb": Rows(dim=8, capacity=1000)}
+    assert tables_of(as_variables([("w", (3, 2))])) == {}
     with pytest.raises(ValueError, match="unknown row initializer"):
         Rows(dim=8, capacity=10, initializer="glorot")
     with pytest.raises(ValueError, match="positive dim and capacity"):

@@ -128,6 +128,25 @@ class Backend(ABC):
     def read_gradients(self, model: Any, out: Mapping[str, np.ndarray]) -> None:
         """Copy the gradients left by the last backward pass into ``out`` (canonical layout)."""
 
+    def write_rows(self, model: Any, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Put the rows of ``ids`` that the ps sent for table ``table`` where the model's next forward pass reads them.
+
+        ``ids`` are unique and increasing (int64), ``rows`` is ``len(ids) x
+        dim`` float32, read-only (copy it in). A table is a variable
+        :meth:`variable_records` declares as :class:`~psdk.plugins.variables.Rows`;
+        :meth:`variables`, :meth:`read_weights`, :meth:`write_weights` and
+        :meth:`read_gradients` leave it out: its rows never travel whole.
+        """
+        raise ConfigError("model", f"the {self.name} backend keeps no embedding tables (table {table!r})")
+
+    def read_row_gradients(self, model: Any, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, row gradients)`` the last backward pass left for table ``table``.
+
+        ids int64 (duplicates allowed: psdk sums them), gradients ``len(ids) x
+        dim`` float32; empty arrays when the pass did not touch the table.
+        """
+        raise ConfigError("model", f"the {self.name} backend keeps no embedding tables (table {table!r})")
+
     def share_buffers(self, model: Any, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> bool:
         """Optionally make the model's weights and gradients live in psdk's own buffers.
 

@@ -6,17 +6,15 @@ them than any worker holds, each made when first looked up and read a batch
 at a time. Declaring the kind now lets backends and models say what they hold
 without another break of every plugin when the ps learns to serve rows.
 
-Today the ps serves :class:`Dense` variables; a :class:`Rows` variable is
-declared, checked and listed, and refused by the client, by name, until the
-ps serves tables.
+The ps serves both: a :class:`Dense` variable travels whole in the shard's
+flat buffer; a :class:`Rows` variable becomes an embedding table on the ps
+(docs/tables.md) whose rows travel a batch's ids at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-from psdk.errors import ConfigError
 
 ROW_INITIALIZERS = ("zeros", "normal", "uniform")
 """How a table's rows are drawn when first looked up (the scale is :attr:`Rows.init_scale`)."""
@@ -64,13 +62,6 @@ def as_variables(declared: Mapping[str, object] | Iterable[tuple[str, object]]) 
     return out
 
 
-def dense_shapes(variables: Mapping[str, Variable], where: str) -> dict[str, tuple[int, ...]]:
-    """The shapes of ``variables``, all dense; a table is refused by name, as the ps cannot serve it yet."""
-    tables = [name for name, v in variables.items() if isinstance(v, Rows)]
-    if tables:
-        raise ConfigError(
-            "model",
-            f"{where} declares table variable(s) {', '.join(tables)} (kind 'rows'); this ps serves dense variables "
-            "only so far",
-        )
-    return {name: v.shape for name, v in variables.items() if isinstance(v, Dense)}
+def tables_of(variables: Mapping[str, Variable]) -> dict[str, Rows]:
+    """The table variables of a model, by name: what the ps keeps as rows, never as a dense array."""
+    return {name: v for name, v in variables.items() if isinstance(v, Rows)}

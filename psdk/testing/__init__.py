@@ -28,6 +28,7 @@ _LAZY = {
     "BackendConformance": "psdk.testing.conformance",
     "BridgeConformance": "psdk.testing.conformance",
     "TrainerConformance": "psdk.testing.conformance",
+    "TableConformance": "psdk.testing.table_conformance",
     "TransportConformance": "psdk.testing.transport_conformance",
     "RuleAgreement": "psdk.testing.rule_agreement",
     "running_ps": "psdk.testing.ps",
@@ -39,6 +40,7 @@ __all__ = [
     "BackendConformance",
     "BridgeConformance",
     "RuleAgreement",
+    "TableConformance",
     "TrainerConformance",
     "TransportConformance",
     "assert_every_worker_contributed",
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from psdk.testing.jobs import assert_every_worker_contributed, run_job
     from psdk.testing.ps import running_ps
     from psdk.testing.rule_agreement import RuleAgreement
+    from psdk.testing.table_conformance import TableConformance
     from psdk.testing.transport_conformance import TransportConformance
 
 

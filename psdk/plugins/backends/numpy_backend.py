@@ -15,7 +15,9 @@ import numpy as np
 
 from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
+from psdk.plugins.backends.numpy_tables import NumpyTableModel
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Variable, as_variables
 from psdk.protocol.sharding import flat_size, layout, views
 from psdk.ps.rules import UpdateRule
 
@@ -72,8 +74,18 @@ class NumpyBackend(Backend):
             raise ConfigError("optimizer", f"the numpy backend takes a psdk.ps.rules rule, not {optimizer!r}")
         return optimizer
 
-    def variables(self, model: NumpyModel) -> dict[str, tuple[int, ...]]:
+    def variables(self, model: NumpyModel | NumpyTableModel) -> dict[str, tuple[int, ...]]:
         return {s.name: s.shape for s in model.specs}
+
+    def variable_records(self, model: NumpyModel | NumpyTableModel) -> dict[str, Variable]:
+        return {**as_variables(self.variables(model)), **getattr(model, "tables", {})}
+
+    def write_rows(self, model: NumpyTableModel, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        model.rows[table][ids] = rows
+
+    def read_row_gradients(self, model: NumpyTableModel, table: str) -> tuple[np.ndarray, np.ndarray]:
+        empty = (np.zeros(0, np.int64), np.zeros((0, model.tables[table].dim), np.float32))
+        return model.row_grads.get(table, empty)
 
     def read_weights(self, model: NumpyModel) -> dict[str, np.ndarray]:
         return {name: view.copy() for name, view in model.params.items()}
