@@ -43,6 +43,7 @@ from psdk.plugins.loading import backend_for
 from psdk.plugins.variables import dense_shapes
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec, check_run_id
+from psdk.protocol.partitions import Partitioning
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import UpdateRule
 from psdk.transport import Pending, Transport, security
@@ -62,10 +63,13 @@ class WorkerSession:
         sharding: str,
         transport: Transport | None = None,
         run_id_given: bool = False,
+        partitioning: Partitioning | None = None,
     ):
         self.client = client
         self.job = job
         self.sharding = sharding
+        self.partitioning = partitioning
+        """Which variables the chief splits across the shards (``connect(partitioning=)``); None: none."""
         self._own_transport = transport
         self._last: StepResult | None = None
         self._finished = False
@@ -207,6 +211,7 @@ def connect(
     secure: bool = True,
     checkpoint_dir: Path | str | None = None,
     run_id: str | None = None,
+    partitioning: Partitioning | None = None,
 ) -> WorkerSession:
     """Join ``cluster`` as worker ``task_index``.
 
@@ -229,7 +234,9 @@ def connect(
     checkpoints carry it, and only they are restored or pruned. Give every
     task the same one when you start them by hand, so a chief restarted after
     its ps tasks were lost too finds them; without one the chief makes one
-    (a chief restarted while the ps tasks live takes theirs).
+    (a chief restarted while the ps tasks live takes theirs). ``partitioning``
+    (the chief's counts): split large variables across the ps tasks, as
+    TensorFlow 1.x's partitioners did (:mod:`psdk.protocol.partitions`).
     """
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
     given = run_id is not None
@@ -250,7 +257,7 @@ def connect(
         if own is not None:
             own.close()
         raise
-    session = WorkerSession(client, job, sharding, own, run_id_given=given)
+    session = WorkerSession(client, job, sharding, own, run_id_given=given, partitioning=partitioning)
     if checkpoint_dir is not None:
         session.checkpoint_dir = Path(checkpoint_dir)
         client.recovery_source = session.latest_checkpoint
@@ -339,7 +346,9 @@ class DistributedOptimizer:
                 log.warning("worker 0: this run's newest checkpoint is at global step %d", own.global_step)
                 resume = own
             weights = self.backend.read_weights(self.model)
-            fresh = client.initialize(weights, self.session.job, self.rule, self.session.sharding, resume, epoch)
+            fresh = client.initialize(
+                weights, self.session.job, self.rule, self.session.sharding, resume, epoch, self.session.partitioning
+            )
             self._check_run(client.job)
             if not fresh:
                 log.warning("worker 0: the ps was already initialised; continuing from its weights")

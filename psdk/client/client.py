@@ -10,6 +10,7 @@ request timeout, and the error names that ps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -24,6 +25,7 @@ from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
 from psdk.client.options import ClientOptions
+from psdk.client.partitions import Joined
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
@@ -37,6 +39,7 @@ from psdk.errors import (
 from psdk.protocol import ops as protocol
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.partitions import Partitioning
 from psdk.rules import UpdateRule
 from psdk.transport import ClientEndpoint, Pending, Transport
 from psdk.transport.wire import HEARTBEAT_SUFFIX, Message
@@ -69,6 +72,8 @@ class ParameterClient:
         self._seq = 0
         self._params: dict[str, np.ndarray] = {}
         self._grads: dict[str, np.ndarray] = {}
+        self._joined = Joined({}, {}, {})
+        """The partitioned variables, whole (:mod:`psdk.client.partitions`); none unless the chief split some."""
         self._creation_order: list[str] = []
         self.epoch = 0
         self.boots: list[str | None] = [None] * cluster.num_ps
@@ -169,8 +174,12 @@ class ParameterClient:
         sharding: str = "round_robin",
         restore: Checkpoint | None = None,
         epoch: int = 0,
+        partitioning: Partitioning | None = None,
     ) -> bool:
         """Chief only: place the variables on their shards; ``False`` if already initialised.
+
+        ``partitioning``: split the variables it chooses across the shards (off by default); the plan travels in
+        the job spec, and every worker still sees each variable whole.
 
         With ``restore``, the shards start from that checkpoint's variables,
         slots, rule step and global step instead (re-sharded by name).
@@ -184,7 +193,13 @@ class ParameterClient:
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
-        messages = init_requests(self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch)
+        plan = (partitioning or Partitioning()).plan(
+            [(n, np.shape(v)) for n, v in variables.items()], self.cluster.num_ps
+        )
+        job = dataclasses.replace(job, partitions=plan)
+        messages = init_requests(
+            self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, plan
+        )
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
         )
@@ -217,11 +232,13 @@ class ParameterClient:
         return rejoining(self, request)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
-        self.shards, self._params, self._grads = shards_from(replies, self.endpoint, self.cluster.num_ps)
+        self.shards, params, grads = shards_from(replies, self.endpoint, self.cluster.num_ps)
         for index in range(self.cluster.num_ps):
             self.set_boot(index, replies[index].fields.get("boot"))
         self.epoch = int(replies[0].fields.get("epoch", 0))
         self.job = job_of(replies)
+        self._joined = Joined(self.job.partitions, params, grads)
+        self._params, self._grads = self._joined.params, self._joined.grads
         if self.job.num_workers != self.cluster.num_workers:
             log.warning(
                 "worker %d: the chief started the job with %d workers but this task's cluster has %d",
@@ -240,7 +257,7 @@ class ParameterClient:
         return bool(self.shards)
 
     def variable_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {s.name: s.shape for shard in self.shards for s in shard.specs}
+        return self._joined.shapes({s.name: s.shape for shard in self.shards for s in shard.specs})
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -267,6 +284,7 @@ class ParameterClient:
             if reply.op == "resync":  # a restarted, empty ps: the wrap-up's recovery restores it
                 raise PeerRestartedError(self.names[index], f"a pull ({reply.fields.get('why')})")
             self._take_params(index, reply)
+        self._joined.gather()
         return self.global_step
 
     def push_pull(self, grads: Mapping[str, np.ndarray] | None = None) -> StepResult:
@@ -296,6 +314,7 @@ class ParameterClient:
             for name, view in self._grads.items():
                 if grads[name] is not view:
                     np.copyto(view, grads[name], casting="same_kind")
+        self._joined.scatter()
         basis = basis or self.basis()
         versions = self._round_versions(basis) if self._rounds else basis.versions
         self._seq += 1
@@ -359,6 +378,7 @@ class ParameterClient:
         for index, reply in replies.items():
             self._take_params(index, reply)
             done = done or bool(reply.fields.get("done"))
+        self._joined.gather()
         head = replies[0].fields if 0 in replies else {}
         slowest = head.get("slowest")
         return StepResult(
@@ -441,7 +461,8 @@ class ParameterClient:
 
     def checkpoint_state(self, max_rounds: int = 50) -> Checkpoint:
         """Chief: a consistent cut of every shard at one global step (see :mod:`psdk.client.cut`)."""
-        return checkpoint_cut(self, self.shards, self._creation_order, max_rounds)
+        cut = checkpoint_cut(self, self.shards, self._joined.part_order(self._creation_order), max_rounds)
+        return self._joined.join_state(cut)
 
     def stop_at(self, version: int) -> int:
         """Chief: end training at ``version`` (or now, if past it); returns the new target step."""
