@@ -10,18 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from hydra import compose
 
 import psdk
 from psdk.client import checkpoint
 from psdk.client.partitions import Joined, join_arrays, split_arrays
-from psdk.config.options import TransportOptions
+from psdk.config import capacity
+from psdk.config.options import TransportOptions, options_from
 from psdk.errors import ConfigError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
 from psdk.protocol.cluster import Topology
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.partitions import Partitioning, expand, groups, part_rows, part_shapes
-from psdk.protocol.sharding import assign_shards, shard_sizes
+from psdk.protocol.sharding import assign_shards, largest_message_bytes, shard_sizes
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD, Adam
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
@@ -256,3 +258,13 @@ def test_a_lost_ps_is_restored_part_by_part_from_a_whole_checkpoint(tmp_path: Pa
     assert isinstance(restored, dict)
     for name, value in saved.variables.items():
         np.testing.assert_allclose(restored[name], value, atol=1e-6, rtol=0)
+
+
+def test_the_message_limit_follows_the_largest_part_not_the_whole_variable(hydra_context: None) -> None:
+    need = largest_message_bytes(40200, 2)  # ps 1's part and logits/kernel, with Adam's m and v
+    flags = ["output_dir=.", "optimizer=adam", "topology.num_ps=2", f"transport.max_message_bytes={need}"]
+    fits = compose("config", overrides=[*flags, "topology.partition_min_bytes=262144"])
+    capacity.check_message_limit(fits, options_from(fits), 2)
+    whole = compose("config", overrides=flags)
+    with pytest.raises(ConfigError, match=r"transport\.max_message_bytes: .*ps 0's 79,400 parameters"):
+        capacity.check_message_limit(whole, options_from(whole), 2)
