@@ -25,7 +25,7 @@ from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from
 from psdk.client.options import ClientOptions
-from psdk.client.partitions import Joined
+from psdk.client.partitions import Joined, chosen_plan
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
@@ -193,9 +193,7 @@ class ParameterClient:
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
-        plan = (partitioning or Partitioning()).plan(
-            [(n, np.shape(v)) for n, v in variables.items()], self.cluster.num_ps
-        )
+        plan = chosen_plan(partitioning, variables, self.cluster.num_ps)
         job = dataclasses.replace(job, partitions=plan)
         messages = init_requests(
             self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, plan

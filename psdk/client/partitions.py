@@ -15,15 +15,29 @@ with any number of ps tasks or parts; a restore splits it again
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import numpy as np
 
 from psdk.client.checkpoint import Checkpoint
-from psdk.protocol.partitions import part_name
+from psdk.protocol.partitions import Partitioning, part_name
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def chosen_plan(partitioning: Partitioning | None, variables: Mapping[str, np.ndarray], num_ps: int) -> dict[str, int]:
+    """The chief: which variables to split and into how many parts, each said in its log."""
+    plan = (partitioning or Partitioning()).plan([(n, np.shape(v)) for n, v in variables.items()], num_ps)
+    for name, parts in plan.items():
+        shape = np.shape(variables[name])
+        log.info(
+            "worker 0: %s (%s, %s bytes) is split into %d parts across the ps tasks: %s/part_0 to /part_%d",
+            name, "x".join(map(str, shape)), f"{4 * int(np.prod(shape)):,}", parts, name, parts - 1,
+        )  # fmt: skip
+    return plan
 
 
 def split(value: np.ndarray, parts: int) -> list[np.ndarray]:
