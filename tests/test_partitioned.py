@@ -17,7 +17,7 @@ from psdk.client import checkpoint
 from psdk.client.partitions import Joined, join_arrays, split_arrays
 from psdk.config import capacity
 from psdk.config.options import TransportOptions, options_from
-from psdk.errors import ConfigError
+from psdk.errors import ConfigError, PsdkError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
 from psdk.plugins.models import ModelSpec, init_weights
 from psdk.protocol.cluster import Topology
@@ -268,3 +268,12 @@ def test_the_message_limit_follows_the_largest_part_not_the_whole_variable(hydra
     whole = compose("config", overrides=flags)
     with pytest.raises(ConfigError, match=r"transport\.max_message_bytes: .*ps 0's 79,400 parameters"):
         capacity.check_message_limit(whole, options_from(whole), 2)
+
+
+def test_a_plan_the_shards_do_not_match_is_a_clear_error() -> None:
+    params = {"w/part_0": np.zeros((2, 3), np.float32), "w/part_1": np.zeros((1, 4), np.float32)}
+    grads = {n: np.zeros_like(v) for n, v in params.items()}
+    with pytest.raises(PsdkError, match=r"parts the shards do not hold \(w/part_2\).*restart every ps task"):
+        Joined({"w": 3}, params, grads)
+    with pytest.raises(PsdkError, match="parts that do not make one variable"):
+        Joined({"w": 2}, params, grads)

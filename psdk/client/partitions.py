@@ -22,6 +22,7 @@ from typing import TypeVar
 import numpy as np
 
 from psdk.client.checkpoint import Checkpoint
+from psdk.errors import PsdkError
 from psdk.protocol.partitions import Partitioning, part_name
 
 T = TypeVar("T")
@@ -88,9 +89,18 @@ class Joined:
         self.plan = dict(plan)
         self._parts = {n: [part_name(n, i) for i in range(k)] for n, k in self.plan.items()}
         self._owner = {p: n for n, parts in self._parts.items() for p in parts}
+        missing = sorted(p for p in self._owner if p not in params)
+        if missing:
+            raise PsdkError(
+                f"the job spec splits variables into parts the shards do not hold ({', '.join(missing[:5])}): "
+                "the shards belong to different jobs; restart every ps task"
+            )
         self._part_params = {n: [params[p] for p in parts] for n, parts in self._parts.items()}
         self._part_grads = {n: [grads[p] for p in parts] for n, parts in self._parts.items()}
-        self.params = self._whole(params, lambda n: np.concatenate(self._part_params[n], axis=0))
+        try:
+            self.params = self._whole(params, lambda n: np.concatenate(self._part_params[n], axis=0))
+        except ValueError as exc:  # parts whose trailing dimensions differ
+            raise PsdkError(f"the shards hold parts that do not make one variable: {exc}") from None
         self.grads = self._whole(grads, lambda n: np.zeros_like(self.params[n]))
 
     def _whole(self, named: Mapping[str, T], make: Callable[[str], T]) -> dict[str, T]:
