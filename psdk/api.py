@@ -347,7 +347,13 @@ class DistributedOptimizer:
                 resume = own
             weights = self.backend.read_weights(self.model)
             fresh = client.initialize(
-                weights, self.session.job, self.rule, self.session.sharding, resume, epoch, self.session.partitioning
+                weights,
+                self.session.job,
+                self.rule,
+                self.session.sharding,
+                resume,
+                epoch,
+                partitioning=self.session.partitioning,
             )
             self._check_run(client.job)
             if not fresh:

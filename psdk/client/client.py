@@ -196,7 +196,7 @@ class ParameterClient:
         plan = chosen_plan(partitioning, variables, self.cluster.num_ps)
         job = dataclasses.replace(job, partitions=plan)
         messages = init_requests(
-            self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, plan
+            self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, plan=plan
         )
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
