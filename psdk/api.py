@@ -45,6 +45,7 @@ from psdk.plugins.loading import backend_for
 from psdk.plugins.variables import Rows, tables_of
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec, check_run_id
+from psdk.protocol.partitions import Partitioning
 from psdk.protocol.tables import TableSpec
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import UpdateRule
@@ -65,10 +66,13 @@ class WorkerSession:
         sharding: str,
         transport: Transport | None = None,
         run_id_given: bool = False,
+        partitioning: Partitioning | None = None,
     ):
         self.client = client
         self.job = job
         self.sharding = sharding
+        self.partitioning = partitioning
+        """Which variables the chief splits across the shards (``connect(partitioning=)``); None: none."""
         self._own_transport = transport
         self._last: StepResult | None = None
         self._finished = False
@@ -210,6 +214,7 @@ def connect(
     secure: bool = True,
     checkpoint_dir: Path | str | None = None,
     run_id: str | None = None,
+    partitioning: Partitioning | None = None,
 ) -> WorkerSession:
     """Join ``cluster`` as worker ``task_index``.
 
@@ -232,7 +237,9 @@ def connect(
     checkpoints carry it, and only they are restored or pruned. Give every
     task the same one when you start them by hand, so a chief restarted after
     its ps tasks were lost too finds them; without one the chief makes one
-    (a chief restarted while the ps tasks live takes theirs).
+    (a chief restarted while the ps tasks live takes theirs). ``partitioning``
+    (the chief's counts): split large variables across the ps tasks, as
+    TensorFlow 1.x's partitioners did (:mod:`psdk.protocol.partitions`).
     """
     spec = sync if isinstance(sync, SyncSpec) else SyncSpec(sync, replicas_to_aggregate)
     given = run_id is not None
@@ -253,7 +260,7 @@ def connect(
         if own is not None:
             own.close()
         raise
-    session = WorkerSession(client, job, sharding, own, run_id_given=given)
+    session = WorkerSession(client, job, sharding, own, run_id_given=given, partitioning=partitioning)
     if checkpoint_dir is not None:
         session.checkpoint_dir = Path(checkpoint_dir)
         client.recovery_source = session.latest_checkpoint
@@ -351,7 +358,14 @@ class DistributedOptimizer:
                 resume = own
             weights = {n: w for n, w in self.backend.read_weights(self.model).items() if n not in self.tables}
             fresh = client.initialize(
-                weights, self.session.job, self.rule, self.session.sharding, resume, epoch, list(self.tables.values())
+                weights,
+                self.session.job,
+                self.rule,
+                self.session.sharding,
+                resume,
+                epoch,
+                list(self.tables.values()),
+                partitioning=self.session.partitioning,
             )
             self._check_run(client.job)
             if not fresh:

@@ -17,6 +17,7 @@ from psdk.plugins.backends.numpy_backend import NumpyBackend, NumpyModel
 from psdk.plugins.batches import Batch as StepBatch
 from psdk.plugins.models import ModelSpec, init_weights
 from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.partitions import Partitioning
 from psdk.ps.rules import UpdateRule
 from psdk.transport import Transport
 from psdk.workloads.mnist.trainers import IMAGE, NumpyClassifier
@@ -60,6 +61,7 @@ def train_threads(
     checkpoint_at: int | None = None,
     checkpoint_dir: Path | None = None,
     resume: Checkpoint | None = None,
+    partitioning: Partitioning | None = None,
 ) -> dict[str, Any]:
     """Run every worker of ``cluster`` as a thread until the ps says done.
 
@@ -83,6 +85,7 @@ def train_threads(
                 sync=sync,
                 replicas_to_aggregate=replicas,
                 sharding=sharding,
+                partitioning=partitioning,
                 options=FAST,
                 transport=transport,
             ) as session:

@@ -25,6 +25,7 @@ from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from, tables_of
 from psdk.client.options import ClientOptions
+from psdk.client.partitions import Joined, chosen_plan
 from psdk.client.rows import PullPlan, RowPush, ShardTables, plan_tables, pulled_rows
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
@@ -39,6 +40,7 @@ from psdk.errors import (
 from psdk.protocol import ops as protocol
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.partitions import Partitioning
 from psdk.protocol.tables import TableSpec
 from psdk.rules import UpdateRule
 from psdk.transport import ClientEndpoint, Pending, Transport
@@ -72,6 +74,8 @@ class ParameterClient:
         self._seq = 0
         self._params: dict[str, np.ndarray] = {}
         self._grads: dict[str, np.ndarray] = {}
+        self._joined = Joined({}, {}, {})
+        """The partitioned variables, whole (:mod:`psdk.client.partitions`); none unless the chief split some."""
         self._creation_order: list[str] = []
         self.tables: dict[str, TableSpec] = {}
         """The job's embedding tables, from the shards' layouts (rows live on the ps only)."""
@@ -177,8 +181,12 @@ class ParameterClient:
         restore: Checkpoint | None = None,
         epoch: int = 0,
         tables: Sequence[TableSpec] = (),
+        partitioning: Partitioning | None = None,
     ) -> bool:
         """Chief only: place the variables (and ``tables``) on their shards; ``False`` if already initialised.
+
+        ``partitioning``: split the variables it chooses across the shards (off by default); the plan travels in
+        the job spec, and every worker still sees each variable whole.
 
         With ``restore``, the shards start from that checkpoint's variables,
         slots, rule step and global step instead (re-sharded by name).
@@ -192,8 +200,10 @@ class ParameterClient:
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
+        plan = chosen_plan(partitioning, variables, self.cluster.num_ps)
+        job = dataclasses.replace(job, partitions=plan)
         messages = init_requests(
-            self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, tables
+            self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, tables, plan=plan
         )
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
@@ -227,12 +237,14 @@ class ParameterClient:
         return rejoining(self, request)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
-        self.shards, self._params, self._grads = shards_from(replies, self.endpoint, self.cluster.num_ps)
+        self.shards, params, grads = shards_from(replies, self.endpoint, self.cluster.num_ps)
         for index in range(self.cluster.num_ps):
             self.set_boot(index, replies[index].fields.get("boot"))
         self.epoch = int(replies[0].fields.get("epoch", 0))
         self.job = job_of(replies)
         self.tables = tables_of(replies)
+        self._joined = Joined(self.job.partitions, params, grads)
+        self._params, self._grads = self._joined.params, self._joined.grads
         if self.job.num_workers != self.cluster.num_workers:
             log.warning(
                 "worker %d: the chief started the job with %d workers but this task's cluster has %d",
@@ -251,7 +263,7 @@ class ParameterClient:
         return bool(self.shards)
 
     def variable_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {s.name: s.shape for shard in self.shards for s in shard.specs}
+        return self._joined.shapes({s.name: s.shape for shard in self.shards for s in shard.specs})
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -300,6 +312,7 @@ class ParameterClient:
             if reply.op == "resync":  # a restarted, empty ps: the wrap-up's recovery restores it
                 raise PeerRestartedError(self.names[index], f"a pull ({reply.fields.get('why')})")
             self._take_params(index, reply)
+        self._joined.gather()
         return pulled_rows(plans, replies)
 
     def push_pull(
@@ -343,6 +356,7 @@ class ParameterClient:
             for name, view in self._grads.items():
                 if grads[name] is not view:
                     np.copyto(view, grads[name], casting="same_kind")
+        self._joined.scatter()
         basis = basis or self.basis()
         versions = self._round_versions(basis) if self._rounds else basis.versions
         self._seq += 1
@@ -417,6 +431,7 @@ class ParameterClient:
         for index, reply in replies.items():
             self._take_params(index, reply)
             done = done or bool(reply.fields.get("done"))
+        self._joined.gather()
         head = replies[0].fields if 0 in replies else {}
         slowest = head.get("slowest")
         result = StepResult(
@@ -500,7 +515,8 @@ class ParameterClient:
 
     def checkpoint_state(self, max_rounds: int = 50) -> Checkpoint:
         """Chief: a consistent cut of every shard at one global step (see :mod:`psdk.client.cut`)."""
-        return checkpoint_cut(self, self.shards, self._creation_order, max_rounds)
+        cut = checkpoint_cut(self, self.shards, self._joined.part_order(self._creation_order), max_rounds)
+        return self._joined.join_state(cut)
 
     def stop_at(self, version: int) -> int:
         """Chief: end training at ``version`` (or now, if past it); returns the new target step."""

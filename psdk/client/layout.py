@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 
 from psdk.client.checkpoint import Checkpoint
+from psdk.client.partitions import split_arrays, split_state
 from psdk.client.shards import Shard
 from psdk.errors import PsdkError
 from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.partitions import groups
 from psdk.protocol.sharding import assign_shards, flat_size, layout, views
 from psdk.protocol.tables import TableSpec
 from psdk.rules import UpdateRule
@@ -64,10 +66,17 @@ def init_requests(
     restore: Checkpoint | None,
     epoch: int = 0,
     tables: Sequence[TableSpec] = (),
+    plan: Mapping[str, int] | None = None,
 ) -> dict[int, Message]:
-    """One ``init`` per shard: the variables ``sharding`` places there (with ``restore``, its slots and step too)."""
+    """One ``init`` per shard: the variables ``sharding`` places there (with ``restore``, its slots and step too).
+
+    ``plan``: the variables split into parts (:mod:`psdk.protocol.partitions`), each part placed as a variable.
+    """
+    plan = plan or {}
+    variables = split_arrays(variables, plan)
+    restore = split_state(restore, plan) if restore is not None else None
     order = [(name, tuple(np.shape(value))) for name, value in variables.items()]
-    placement = assign_shards(order, num_ps, sharding)
+    placement = assign_shards(order, num_ps, sharding, groups(plan))
     messages = {}
     for index in range(num_ps):
         names = [name for name, _ in order if placement[name] == index]

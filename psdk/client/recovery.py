@@ -21,6 +21,7 @@ import numpy as np
 
 from psdk.client import checkpoint
 from psdk.client.checkpoint import Checkpoint
+from psdk.client.partitions import split_state
 from psdk.client.shards import StepResult
 from psdk.client.view import ClientView
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
@@ -156,6 +157,8 @@ def lead(client: ClientView, deadline: float) -> int:
     state = state or client.fallback
     if state is None:
         raise PsdkError("a ps was lost but the chief has no state to restore it from")
+    fallback = state is client.fallback
+    state = split_state(state, client.job.partitions if client.job is not None else {})  # whole variables: split
     epoch = max(int(s["epoch"]) for s in shards.values()) + 1
     reached = max(int(s["version"]) for s in shards.values())
     for index, status in shards.items():  # the shards as they are now (a restarted one has a new boot id)
@@ -184,7 +187,7 @@ def lead(client: ClientView, deadline: float) -> int:
         "worker 0: restored every shard to global step %d (restore epoch %d) from %s",
         state.global_step,
         epoch,
-        "the latest checkpoint" if state is not client.fallback else "the initial state",
+        "the latest checkpoint" if not fallback else "the initial state",
     )
     return max(0, reached - state.global_step)
 

@@ -44,6 +44,12 @@ def _slots(rule: Any) -> int:
     return len(rule.slot_names())
 
 
+def _shard_sizes(cfg: DictConfig, variables: list[tuple[str, tuple[int, ...]]], num_ps: int) -> list[int]:
+    """The floats each ps holds: as ``topology.sharding`` places the variables, the partitioned ones in parts."""
+    plan = build.topology(cfg).partitioning().plan(variables, num_ps)
+    return shard_sizes(variables, num_ps, str(cfg.topology.sharding), plan)
+
+
 def check_message_limit(cfg: DictConfig, options: TaskOptions, num_ps: int, shards: range | None = None) -> None:
     """``transport.max_message_bytes`` lets the largest message of this job through (the ps's own formula).
 
@@ -51,7 +57,7 @@ def check_message_limit(cfg: DictConfig, options: TaskOptions, num_ps: int, shar
     started by hand checks its own).
     """
     spec, rule = build.model_spec(cfg), build.update_rule(cfg)
-    sizes = shard_sizes(spec.variables(), num_ps, str(cfg.topology.sharding))
+    sizes = _shard_sizes(cfg, spec.variables(), num_ps)
     chosen = [(i, sizes[i]) for i in (shards if shards is not None else range(num_ps)) if i < len(sizes)]
     if not chosen:
         return
@@ -95,7 +101,7 @@ def check_memory(cfg: DictConfig, num_ps_here: list[int], workers_here: int, num
     if available is None:
         return
     spec, rule = build.model_spec(cfg), build.update_rule(cfg)
-    sizes = shard_sizes(spec.variables(), num_ps, str(cfg.topology.sharding))
+    sizes = _shard_sizes(cfg, spec.variables(), num_ps)
     total = sum(sizes)
     per_ps = 1 + _slots(rule) + rule.scratch_count()
     here = sum(sizes[i] for i in num_ps_here if 0 <= i < len(sizes))

@@ -163,6 +163,8 @@ RANGES: dict[str, Range] = {
     "sync.staleness": COUNT,
     "topology.num_ps": TASKS,
     "topology.num_workers": TASKS,
+    "topology.partition_min_bytes": _int(0, INT64_MAX, "bytes; 0 or null: no variable is split"),
+    "topology.partitions": DIM,
     "launcher.ready_timeout_s": TIMEOUT,
     "launcher.shutdown_timeout_s": TIMEOUT,
     "launcher.num_cpus": _positive(1e6, "CPUs Ray may use"),

@@ -182,6 +182,8 @@ class TopologyConfig:
     host: str = "127.0.0.1"
     sharding: str = "round_robin"
     worker_backends: Any = None
+    partition_min_bytes: int | None = None  # split variables this big across the ps (psdk.protocol.partitions)
+    partitions: int | None = None  # into this many parts (null: num_ps)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from psdk.launch import LAUNCHED_ENV
 from psdk.plugins import check_framework
 from psdk.plugins.models import ModelSpec
 from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.partitions import Partitioning
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import UpdateRule
 
@@ -43,6 +44,8 @@ class WorkerSetup:
     """The backend this worker runs (``topology.worker_backends`` may give it its own)."""
     backend_options: dict[str, Any]
     sharding: str
+    partitioning: Partitioning
+    """Which variables the chief splits across the ps tasks (``topology.partition_min_bytes``, ``.partitions``)."""
     run_id: str | None
     seed: int
     output_dir: Path
@@ -91,6 +94,7 @@ def worker_setup(cfg: DictConfig) -> WorkerSetup:
         backend=backend,
         backend_options=build.backend_options(cfg, backend),
         sharding=str(cfg.topology.sharding),
+        partitioning=build.topology(cfg).partitioning(),
         run_id=build.run_id(cfg),
         seed=int(cfg.seed),
         output_dir=Path(str(cfg.output_dir)),

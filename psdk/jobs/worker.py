@@ -138,6 +138,7 @@ def run_worker(cfg: DictConfig) -> None:
             steps=options.train.steps,
             sync=setup.sync,
             sharding=setup.sharding,
+            partitioning=setup.partitioning,
             options=setup.client,  # the transport.* group as it is, and the recovery wait
             keys=build.worker_keys(options.transport, cluster, task),
             secure=options.transport.secure,

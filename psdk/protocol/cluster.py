@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psdk.errors import ConfigError
+from psdk.protocol.partitions import Partitioning
 
 _HOST = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)$")
 JOBS = ("ps", "worker")
@@ -91,6 +92,10 @@ class Topology:
     host: str = "127.0.0.1"
     sharding: str = "round_robin"
     worker_backends: Sequence[str] | None = None
+    partition_min_bytes: int | None = None
+    """Split each variable of at least this many bytes across the ps tasks (null or 0: none is split)."""
+    partitions: int | None = None
+    """Into how many parts (null: one per ps task), capped by the variable's rows."""
 
     def __post_init__(self) -> None:
         if self.worker_backends is not None:
@@ -102,6 +107,11 @@ class Topology:
             raise ConfigError("topology.num_ps", f"must be at least 1, got {self.num_ps}")
         if self.num_workers < 1:
             raise ConfigError("topology.num_workers", f"must be at least 1, got {self.num_workers}")
+        self.partitioning()  # refuses a bad partition_min_bytes or partitions, naming the key
+
+    def partitioning(self) -> Partitioning:
+        """Which variables the chief splits across the ps tasks (TensorFlow 1.x's partitioners)."""
+        return Partitioning(self.partition_min_bytes, self.partitions)
 
     def backend_of(self, worker: int, default: str) -> str:
         """The backend worker ``worker`` trains with (``worker_backends`` cycles)."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from psdk.errors import ConfigError, ProtocolError
+from psdk.protocol.partitions import check_plan
 from psdk.ps.consistency import SyncSpec
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -31,6 +32,9 @@ class JobSpec:
     num_workers: int
     run_id: str | None = None
     """The run this job is (its checkpoints carry it); a restarted chief takes it from the shards."""
+    partitions: dict[str, int] = field(default_factory=dict)
+    """The variables split across shards and their parts (:mod:`psdk.protocol.partitions`): every worker joins
+    them back from this."""
 
     @classmethod
     def from_json(cls, data: Any) -> JobSpec:
@@ -44,19 +48,23 @@ class JobSpec:
                 raise TypeError(f"run_id is {run_id!r}, not a string")
             if run_id is not None:
                 check_run_id(run_id)
+            partitions = check_plan(data.get("partitions", {}))
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise ProtocolError(f"bad job spec: {exc}") from None
         if steps < 1 or workers < 1:
             raise ProtocolError("job spec needs steps >= 1 and num_workers >= 1")
         try:
-            return cls(sync.resolved(workers), steps, workers, run_id)
+            return cls(sync.resolved(workers), steps, workers, run_id, partitions)
         except ConfigError as exc:
             raise ProtocolError(str(exc)) from None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "sync": self.sync.to_json(),
             "steps": self.steps,
             "num_workers": self.num_workers,
             "run_id": self.run_id,
         }
+        if self.partitions:  # a job without partitions says what it said before
+            data["partitions"] = dict(self.partitions)
+        return data

@@ -5,17 +5,20 @@ TensorFlow's ``replica_device_setter`` does by default; ``greedy`` gives each
 variable, in creation order, to the shard with the fewest bytes so far (ties
 to the lowest index), as its ``GreedyLoadBalancingStrategy`` does. Both put
 the first variable on shard 0, so shard 0 always holds something and can
-keep the global step.
+keep the global step. The parts of a partitioned variable
+(:mod:`psdk.protocol.partitions`) are variables of their own here; greedy
+keeps them on different shards while there are shards without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from psdk.errors import ConfigError
+from psdk.protocol.partitions import expand, groups
 from psdk.transport.wire import MAX_HEADER_BYTES
 
 STRATEGIES = ("round_robin", "greedy")
@@ -35,9 +38,16 @@ class VarSpec:
 
 
 def assign_shards(
-    variables: Sequence[tuple[str, tuple[int, ...]]], num_ps: int, strategy: str = "round_robin"
+    variables: Sequence[tuple[str, tuple[int, ...]]],
+    num_ps: int,
+    strategy: str = "round_robin",
+    apart: Mapping[str, str] | None = None,
 ) -> dict[str, int]:
-    """Map each variable name to its ps index."""
+    """Map each variable name to its ps index.
+
+    ``apart``: part name -> its variable's (:func:`~psdk.protocol.partitions.groups`); round robin deals a
+    variable's consecutive parts to consecutive shards anyway.
+    """
     if num_ps < 1:
         raise ConfigError("topology.num_ps", f"must be at least 1, got {num_ps}")
     if strategy not in STRATEGIES:
@@ -48,21 +58,30 @@ def assign_shards(
     if strategy == "round_robin":
         return {name: i % num_ps for i, name in enumerate(names)}
     load = [0] * num_ps
-    placement = {}
+    placement: dict[str, int] = {}
+    taken: dict[str, set[int]] = {}
     for name, shape in variables:
-        shard = min(range(num_ps), key=lambda i: (load[i], i))
+        group = (apart or {}).get(name)
+        held = taken.setdefault(group, set()) if group is not None else set()
+        free = [i for i in range(num_ps) if i not in held] or list(range(num_ps))
+        shard = min(free, key=lambda i: (load[i], i))
+        held.add(shard)
         placement[name] = shard
         load[shard] += int(np.prod(shape, dtype=np.int64)) * 4
     return placement
 
 
 def shard_sizes(
-    variables: Sequence[tuple[str, tuple[int, ...]]], num_ps: int, strategy: str = "round_robin"
+    variables: Sequence[tuple[str, tuple[int, ...]]],
+    num_ps: int,
+    strategy: str = "round_robin",
+    plan: Mapping[str, int] | None = None,
 ) -> list[int]:
-    """The floats each ps shard holds, by index: what :func:`assign_shards` puts there."""
+    """The floats each ps shard holds, by index: what :func:`assign_shards` puts there (``plan``'s parts split)."""
     sizes = [0] * num_ps
-    placement = assign_shards(variables, num_ps, strategy)
-    for name, shape in variables:
+    held = expand(variables, plan or {})
+    placement = assign_shards(held, num_ps, strategy, groups(plan or {}))
+    for name, shape in held:
         sizes[placement[name]] += int(np.prod(shape, dtype=np.int64))
     return sizes
 
