@@ -26,7 +26,7 @@ from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from, tables_of
 from psdk.client.options import ClientOptions
 from psdk.client.partitions import Joined, chosen_plan
-from psdk.client.rows import PullPlan, RowPush, ShardTables, plan_tables, pulled_rows
+from psdk.client.rows import PullPlan, RowPush, plan_tables, pulled_rows, with_tables
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
@@ -35,7 +35,6 @@ from psdk.errors import (
     PeerTimeoutError,
     PsdkError,
     RemoteError,
-    TrainingResumed,
 )
 from psdk.protocol import ops as protocol
 from psdk.protocol.cluster import ClusterSpec
@@ -283,12 +282,6 @@ class ParameterClient:
         """The shards a step talks to: those holding variables, or every one when the job has tables."""
         return [i for i, shard in enumerate(self.shards) if shard.size or self.tables]
 
-    def _with_tables(self, message: Message, part: ShardTables | None) -> Message:
-        if part is not None and part.entries:
-            message.fields["tables"] = part.entries
-            message.arrays = [*message.arrays, *part.arrays]
-        return message
-
     # ----------------------------------------------------------------- steps
     def pull(self) -> int:
         """Fetch every shard's parameters; returns the global step."""
@@ -306,7 +299,7 @@ class ParameterClient:
 
     def _pull(self, ids: Mapping[str, Any] | None = None, read: bool = False) -> dict[str, np.ndarray]:
         parts, plans = plan_tables(self.tables, self.cluster.num_ps, pull=ids, read=read)
-        messages = {i: self._with_tables(self.message("pull"), parts.get(i)) for i in self._live()}
+        messages = {i: with_tables(self.message("pull"), parts.get(i)) for i in self._live()}
         replies = self.request(messages, "pulling the parameters")
         for index, reply in replies.items():
             if reply.op == "resync":  # a restarted, empty ps: the wrap-up's recovery restores it
@@ -368,7 +361,7 @@ class ParameterClient:
                 np.copyto(shard.outbox, grad)
                 grad = shard.outbox
             fields = {"version": versions[i], "seq": self._seq, "epoch": basis.epoch}
-            messages[i] = self._with_tables(self.message("push_pull", [grad], **fields), parts.get(i))
+            messages[i] = with_tables(self.message("push_pull", [grad], **fields), parts.get(i))
             messages[i].stable = True  # one of the shard's long-lived buffers (which the transport may have lent)
         return self.endpoint.start_many(messages)
 
@@ -453,53 +446,19 @@ class ParameterClient:
 
     # -------------------------------------------------------------- the end
     def finish(self, report: Mapping[str, Any], stays: bool = False) -> None:
-        """Tell every shard this worker is done, with its report (a shard that survives a loss keeps it).
-
-        ``stays``: this worker then waits until it has seen its report collected (:meth:`wait_collected`).
-        """
-        self.report = dict(report)
-        fields: dict[str, Any] = {"report": self.report, "stays": True} if stays else {"report": self.report}
-        messages = {i: self.message("finish", **fields) for i in range(self.cluster.num_ps)}
-        self.wrapping_up(lambda: self.request(messages, "acknowledging the end of training"), "finishing")
+        """Tell every shard this worker is done, with its report (see :func:`wrapup.finish`)."""
+        wrapup.finish(self, report, stays)
 
     def status(self) -> dict[str, Any]:
         return self.request({0: self.message("status")}, "status")[0].fields
 
     def statuses(self, reports: bool = False) -> dict[int, dict[str, Any]]:
-        """Every shard's status; ``reports`` (the chief): with the finished workers' reports, now collected.
-
-        A shard that lost this job's state (a restarted ps, a restore since)
-        raises :class:`PeerRestartedError`, which :meth:`wrapping_up` turns
-        into a recovery.
-        """
-        fields: dict[str, Any] = {"reports": True} if reports else {}
-        replies = self.request({i: self.message("status", **fields) for i in range(self.cluster.num_ps)}, "status")
-        found = {index: reply.fields for index, reply in replies.items()}
-        for index, status in sorted(found.items()):
-            if self.initialized and recovery.lost_state(self, index, status):  # never initialised: nothing lost
-                raise PeerRestartedError(self.names[index], "status: it no longer holds this job's state")
-            for worker, report in (status.get("reports") or {}).items():
-                self.reports[int(worker)] = report
-        return found
+        """Every shard's status; ``reports`` (the chief): the finished workers' reports too (see :mod:`wrapup`)."""
+        return wrapup.statuses(self, reports)
 
     def wrapping_up(self, attempt: Callable[[], T], what: str) -> T:
-        """``attempt``, a step of the end of training, again after a lost ps was restored (recovery on).
-
-        The end of training is no safe place to lose a ps: its shard, who
-        finished and what they reported would be gone. The chief restores the
-        shards from the run's newest checkpoint, telling them who finished;
-        if that checkpoint is from before the job's end, the workers train on
-        (:class:`TrainingResumed`).
-        """
-        while True:
-            try:
-                return attempt()
-            except (PeerDeadError, PeerRestartedError) as exc:
-                if self.options.recovery_timeout_s is None:
-                    raise
-                self.recover(f"{exc} while {what}")
-            if self.job is not None and self.global_step < self.job.steps:
-                raise TrainingResumed(self.global_step, self.job.steps)
+        """``attempt``, a step of the end of training, again after a lost ps was restored (see :mod:`wrapup`)."""
+        return wrapup.wrapping_up(self, attempt, what)
 
     def stats(self) -> list[dict[str, Any]]:
         replies = self.request(self.to_all("stats"), "ps statistics")

@@ -18,6 +18,7 @@ import numpy as np
 
 from psdk.errors import PsdkError
 from psdk.protocol.tables import TableSpec, shard_of_ids
+from psdk.transport.wire import Message
 
 RowPush = tuple[np.ndarray, np.ndarray]
 """(ids, row gradients): ``len(ids) x dim`` float32, ids int64 in any order, duplicates allowed."""
@@ -127,6 +128,14 @@ def plan_tables(
                 part.arrays.append(pulling[shard])
             part.entries.append(entry)
     return parts, plans
+
+
+def with_tables(message: Message, part: ShardTables | None) -> Message:
+    """``message`` with a shard's table entries and their arrays after its own (nothing when it has none)."""
+    if part is not None and part.entries:
+        message.fields["tables"] = part.entries
+        message.arrays = [*message.arrays, *part.arrays]
+    return message
 
 
 def pulled_rows(plans: Mapping[str, PullPlan], replies: Mapping[int, Any]) -> dict[str, np.ndarray]:

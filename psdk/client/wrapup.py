@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+from psdk.client import recovery
 from psdk.client.view import ClientView
-from psdk.errors import PsdkError, TransportError
+from psdk.errors import PeerDeadError, PeerRestartedError, PsdkError, TrainingResumed, TransportError
 from psdk.runtime.waits import WaitLog, seconds
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.05
 
@@ -91,3 +95,52 @@ def wait_collected(client: ClientView, timeout_s: float) -> bool:
                         timeout_s)  # fmt: skip
             return False
         time.sleep(POLL_S)
+
+
+def statuses(client: ClientView, reports: bool = False) -> dict[int, dict[str, Any]]:
+    """Every shard's status; ``reports`` (the chief): with the finished workers' reports, now collected.
+
+    A shard that lost this job's state (a restarted ps, a restore since)
+    raises :class:`PeerRestartedError`, which :func:`wrapping_up` turns
+    into a recovery.
+    """
+    fields: dict[str, Any] = {"reports": True} if reports else {}
+    replies = client.request({i: client.message("status", **fields) for i in range(client.cluster.num_ps)}, "status")
+    found = {index: reply.fields for index, reply in replies.items()}
+    for index, status in sorted(found.items()):
+        if client.initialized and recovery.lost_state(client, index, status):  # never initialised: nothing lost
+            raise PeerRestartedError(client.names[index], "status: it no longer holds this job's state")
+        for worker, report in (status.get("reports") or {}).items():
+            client.reports[int(worker)] = report
+    return found
+
+
+def wrapping_up(client: ClientView, attempt: Callable[[], T], what: str) -> T:
+    """``attempt``, a step of the end of training, again after a lost ps was restored (recovery on).
+
+    The end of training is no safe place to lose a ps: its shard, who
+    finished and what they reported would be gone. The chief restores the
+    shards from the run's newest checkpoint, telling them who finished;
+    if that checkpoint is from before the job's end, the workers train on
+    (:class:`TrainingResumed`).
+    """
+    while True:
+        try:
+            return attempt()
+        except (PeerDeadError, PeerRestartedError) as exc:
+            if client.options.recovery_timeout_s is None:
+                raise
+            client.recover(f"{exc} while {what}")
+        if client.job is not None and client.global_step < client.job.steps:
+            raise TrainingResumed(client.global_step, client.job.steps)
+
+
+def finish(client: ClientView, report: Mapping[str, Any], stays: bool = False) -> None:
+    """Tell every shard this worker is done, with its report (a shard that survives a loss keeps it).
+
+    ``stays``: this worker then waits until it has seen its report collected (:func:`wait_collected`).
+    """
+    client.report = dict(report)
+    fields: dict[str, Any] = {"report": client.report, "stays": True} if stays else {"report": client.report}
+    messages = {i: client.message("finish", **fields) for i in range(client.cluster.num_ps)}
+    wrapping_up(client, lambda: client.request(messages, "acknowledging the end of training"), "finishing")

@@ -1,5 +1,7 @@
-"""One ps shard's part of a sparse embedding table: rows by int64 id, created on first touch.
+"""Embedding tables on the ps: rows by int64 id, created on first touch, trained a batch's rows at a time.
 
-Not yet served over the protocol: ``psdk/ps/tables/table.py`` (``RowTable``) is the
-store a later session puts behind pull-by-ids and push-of-rows (docs/tables.md).
+``table.py`` keeps one shard's rows (``RowTable``); ``served.py`` checks what
+a request sends and runs the job's rule on the touched rows; ``requests.py``
+reads the ``tables`` part of a request; ``setup.py`` places the chief's tables
+at ``init`` (docs/tables.md).
 """
