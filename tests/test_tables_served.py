@@ -195,3 +195,39 @@ def test_ids_of_another_shard_and_unknown_tables_are_refused() -> None:
             raw(client, 0, [{"table": "items", "pull": True}], [theirs])
         with pytest.raises(RemoteError, match="array frames more than"):
             raw(client, 0, [], [theirs])
+
+
+def test_admission_counts_pulls_and_drops_updates_of_rows_not_admitted() -> None:
+    spec = TableSpec("users", dim=4, capacity=1000, seed=7, admit_after=2)
+    with job(rule=SGD(lr=0.5), tables=(spec,)) as (client,):
+        assert not client.pull_rows({"users": [8]})["users"].any()  # pulled once: reads zeros, no row
+        result = client.push_pull(rows={"users": ([8], np.ones((1, 4), np.float32))}, pull={"users": [8]})
+        np.testing.assert_array_equal(result.rows["users"], initial(spec, [8]))  # second pull: admitted, untouched
+        stats = {k: sum(s["tables"]["users"][k] for s in client.stats()) for k in ("rows", "dropped_rows")}
+        assert stats == {"rows": 1, "dropped_rows": 1}
+
+
+def test_a_capped_table_evicts_the_least_recently_pulled_rows() -> None:
+    spec = TableSpec("users", dim=2, capacity=4, seed=7, sharding="range")  # 2 rows per shard: ids 0-1 and 2-3
+    with job(tables=(spec,)) as (client,):
+        client.pull_rows({"users": [0, 1]})
+        client.push_pull(rows={"users": ([0, 1], np.ones((2, 2), np.float32))})
+        client.pull_rows({"users": [1]})
+        assert [s["tables"]["users"]["evicted"] for s in client.stats()] == [0, 0]
+        rows = client.pull_rows({"users": [0, 1]}, read=True)["users"]
+        np.testing.assert_allclose(rows, initial(spec, [0, 1]) - 0.5, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_two_workers_train_rows_in_async_and_ssp_modes(mode: str) -> None:
+    lr = 0.5
+    with job(mode, SGD(lr=lr), workers=2) as clients, ThreadPoolExecutor(2) as pool:
+        before = clients[0].pull_rows({"users": [1, 2]})["users"]
+        ones = np.ones((1, 4), np.float32)
+        for _ in range(3):  # ssp with staleness 0 holds each reply until the other worker pushed too
+            futures = [pool.submit(c.push_pull, None, {"users": ([1 + k], ones)}) for k, c in enumerate(clients)]
+            for future in futures:
+                future.result(timeout=20)
+        rows = clients[1].pull_rows({"users": [1, 2]}, read=True)["users"]
+        np.testing.assert_allclose(rows, before - lr * 3, rtol=1e-6, atol=1e-6)
+        assert clients[0].pull() == 6
