@@ -1,6 +1,7 @@
 """The JAX backend, the bridge between JAX and the ps. This module imports JAX and optax; psdk loads it only when used.
 
-It moves weights and gradients, builds psdk's dense stacks, places JAX on a
+It moves weights and gradients (and an embedding table's rows, gathered by
+id: see :mod:`psdk_jax.models`), builds psdk's dense stacks, places JAX on a
 device and maps optax to the ps's rules; it knows no loss or metric. Those
 are a workload's trainer's: MNIST's is :class:`psdk_jax.mnist.JaxClassifier`.
 
@@ -31,6 +32,7 @@ import numpy as np
 from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Variable, as_variables
 from psdk.rules import UpdateRule
 from psdk_jax import optimizers, placement
 from psdk_jax.models import DenseStack
@@ -84,6 +86,17 @@ class JaxBackend(Backend):
 
     def read_gradients(self, model: DenseStack, out: Mapping[str, np.ndarray]) -> None:
         model.read_gradients(out)
+
+    # --------------------------------------------------------------- tables
+    def variable_records(self, model: DenseStack) -> dict[str, Variable]:
+        """The dense params, then the model's embedding tables (``DenseStack(..., tables=...)``) as rows."""
+        return {**as_variables(self.variables(model)), **model.tables}
+
+    def write_rows(self, model: DenseStack, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        model.write_rows(table, ids, rows)
+
+    def read_row_gradients(self, model: DenseStack, table: str) -> tuple[np.ndarray, np.ndarray]:
+        return model.row_gradients(table)
 
     # ------------------------------------------------------------ optimizer
     def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:

@@ -37,6 +37,19 @@ JAX returns gradients instead of keeping them on the parameters (torch's
 ``.grad``), so a training script that computes its own hands them over with
 :func:`record_gradients` where torch's ``loss.backward()`` would leave them;
 ``opt.step()`` then pushes them.
+
+Embedding tables (``tables={name: psdk.Rows(dim, capacity)}``, docs/tables.md)
+are JAX's way with sparse: gathered rows. The model keeps each table as a
+local ``capacity x dim`` numpy array (``np.zeros``, whose pages Linux maps only
+when a row is written; its values only ever come from the ps, through
+:meth:`DenseStack.write_rows`), never as a jax array: a table never crosses to
+the device. A step names its batch's ids, ``value_and_grad(loss, *arrays,
+ids={name: ids})``: the rows are gathered by id in numpy, outside ``jax.jit``
+(one row per id, duplicates repeated), and the loss sees them as
+``params[name]``; ``jax.value_and_grad`` then gives one gradient row per
+occurrence, which is what the ps takes (it sums duplicates):
+:meth:`DenseStack.row_gradients`. Tables are not in ``params``,
+:meth:`DenseStack.read`, :meth:`DenseStack.write` or the dense gradients.
 """
 
 from __future__ import annotations
@@ -50,9 +63,12 @@ import numpy as np
 
 from psdk.errors import PsdkError
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Rows
 from psdk.protocol.sharding import flat_size, layout, views
 
 Params = dict[str, jax.Array]
+RowGradients = tuple[np.ndarray, np.ndarray]
+"""A table's ``(ids int64, gradients float32 len(ids) x dim)``, one row per occurrence of an id."""
 Loss = Callable[..., Any]
 """A trainer's loss: ``loss(model, params, *arrays)``, a scalar, pure and jit-able (see the module docstring)."""
 
@@ -77,6 +93,7 @@ class DenseStack:
         *,
         jit: bool = True,
         precision: str | None = "highest",
+        tables: Mapping[str, Rows] | None = None,
     ):
         self.spec = spec
         self.device = device if device is not None else jax.devices()[0]
@@ -85,6 +102,11 @@ class DenseStack:
         self.shapes = {s.name: s.shape for s in self.specs}
         self.layers = tuple(name for name, _, _ in spec.layers())
         self.precision = precision
+        self.tables = _check_tables(tables or {}, self.shapes)
+        """The embedding tables by name (see the module docstring): never in ``params``."""
+        self.rows = {name: np.zeros((t.capacity, t.dim), np.float32) for name, t in self.tables.items()}
+        """Each table's local rows, ``capacity x dim`` numpy, indexed by id; only rows written are mapped."""
+        self._row_grads: dict[str, RowGradients] = {}
         self._staged = np.zeros(flat_size(self.specs), np.float32)
         self._staged_views = views(self._staged, self.specs)
         self._pending = False
@@ -110,14 +132,18 @@ class DenseStack:
     def _compile(self, loss: Loss) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``loss``'s training step, from the params and from a staged write, compiled once per model."""
 
-        def gradients(params: Params, *arrays: Any) -> Any:
-            """The gradients as one flat array, with the loss appended: a single transfer to the host."""
-            value, grads = jax.value_and_grad(lambda p: loss(self, p, *arrays))(params)
-            return jnp.concatenate([*(jnp.ravel(grads[name]) for name in self.names), jnp.reshape(value, (1,))])
+        def gradients(params: Params, rows: Params, *arrays: Any) -> Any:
+            """The gradients (dense, then each table's rows by name) as one flat array, with the loss appended:
+            a single transfer to the host. The loss sees a table's gathered ``rows`` as ``params[table]``."""
+            value, (grads, row_grads) = jax.value_and_grad(
+                lambda p, r: loss(self, {**p, **r}, *arrays), argnums=(0, 1)
+            )(params, rows)
+            flat = [jnp.ravel(grads[name]) for name in self.names] + [jnp.ravel(row_grads[t]) for t in sorted(rows)]
+            return jnp.concatenate([*flat, jnp.reshape(value, (1,))])
 
-        def load_and_gradients(flat: Any, *arrays: Any) -> tuple[Any, Params]:
+        def load_and_gradients(flat: Any, rows: Params, *arrays: Any) -> tuple[Any, Params]:
             params = self._unflatten(flat)
-            return gradients(params, *arrays), params
+            return gradients(params, rows, *arrays), params
 
         steps = self._jit(gradients), self._jit(load_and_gradients)
         self._steps[loss] = steps
@@ -164,35 +190,105 @@ class DenseStack:
             np.copyto(self._staged_views[name], value)
         self._pending = True
 
-    def value_and_grad(self, loss: Loss, *arrays: Any) -> float:
+    def value_and_grad(self, loss: Loss, *arrays: Any, ids: Mapping[str, Any] | None = None) -> float:
         """``loss`` on the batch ``arrays`` (numpy, as the compiled step takes them), leaving its gradients here.
 
         ``loss`` is compiled the first time it is given, so pass the same
-        function every step (a module's function, not a new lambda).
+        function every step (a module's function, not a new lambda). With
+        tables, ``ids`` names the batch's ids per table: the loss sees their
+        gathered rows as ``params[table]`` and their gradients, one row per
+        id, are kept for :meth:`row_gradients` (a table not named is untouched).
         """
+        wanted = {name: self.table_ids(name, value) for name, value in (ids or {}).items()}
+        rows = {name: self.rows[name][index] for name, index in wanted.items()}  # the batch's rows, host-side
         step, load_step = self._steps.get(loss) or self._compile(loss)
         if self._pending:
-            out, self._params = load_step(jax.device_put(self._staged, self.device), *arrays)
+            out, self._params = load_step(jax.device_put(self._staged, self.device), rows, *arrays)
             self._pending = False
         else:
-            out = step(self._params, *arrays)
+            out = step(self._params, rows, *arrays)
         host = np.asarray(out)  # waits for the step: the staging buffer is free again
-        np.copyto(self._grads, host[:-1])
+        np.copyto(self._grads, host[: self._grads.size])
+        self._row_grads, offset = {}, self._grads.size
+        for name in sorted(rows):
+            size = rows[name].size
+            self._row_grads[name] = (wanted[name], host[offset : offset + size].reshape(rows[name].shape).copy())
+            offset += size
         return float(host[-1])
 
-    def record(self, gradients: Mapping[str, Any]) -> None:
-        """Gradients a script computed itself (a dict like ``params``), for :meth:`read_gradients`."""
+    def record(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None) -> None:
+        """Gradients a script computed itself (a dict like ``params``), for :meth:`read_gradients`.
+
+        ``rows`` gives each touched table's ``(ids, row gradients)``, one row per id (see :meth:`gather`).
+        """
         _check_tree(gradients, self.shapes, "gradients")
+        recorded = {name: self._checked_row_gradients(name, *pair) for name, pair in (rows or {}).items()}
         for name, view in self._grad_views.items():
             np.copyto(view, np.asarray(gradients[name], np.float32))
+        self._row_grads = recorded
+
+    # ------------------------------------------------------------- tables
+    def table_ids(self, table: str, ids: Any) -> np.ndarray:
+        """``ids`` as int64 indices into ``table``'s local rows; refused unless 1-D integers in [0, capacity)."""
+        capacity = self._table(table).capacity
+        array = np.asarray(ids)
+        if array.ndim != 1 or not (array.dtype.kind in "iu" or array.size == 0):
+            raise PsdkError(
+                f"table {table!r}: ids must be a 1-D integer array, got {array.dtype} of shape {array.shape}"
+            )
+        if array.size and (int(array.min()) < 0 or int(array.max()) >= capacity):
+            raise PsdkError(
+                f"table {table!r}: ids index the local table directly and must lie in [0, {capacity}), got "
+                f"{int(array.min())} .. {int(array.max())}; hash features into [0, capacity) first"
+            )
+        return array.astype(np.int64)
+
+    def gather(self, table: str, ids: Any) -> np.ndarray:
+        """The rows of ``ids`` (one per id, in order, duplicates repeated) as the ps last sent them, numpy."""
+        return self.rows[table][self.table_ids(table, ids)]
+
+    def write_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Copy the rows of ``ids`` the ps sent into ``table``'s local rows, where the next step gathers them."""
+        index = self.table_ids(table, ids)
+        if np.shape(rows) != (len(index), self.tables[table].dim):
+            raise PsdkError(
+                f"table {table!r}: {len(index)} ids need rows of shape "
+                f"{(len(index), self.tables[table].dim)}, got {np.shape(rows)}"
+            )
+        self.rows[table][index] = rows
+
+    def row_gradients(self, table: str) -> RowGradients:
+        """``(ids, gradients)`` the last step left for ``table``, one row per id; empty if it did not touch it."""
+        dim = self._table(table).dim
+        return self._row_grads.get(table, (np.zeros(0, np.int64), np.zeros((0, dim), np.float32)))
+
+    def _table(self, table: str) -> Rows:
+        found = self.tables.get(table)
+        if found is None:
+            raise PsdkError(f"the model has no embedding table {table!r}; its tables: {sorted(self.tables)}")
+        return found
+
+    def _checked_row_gradients(self, table: str, ids: Any, grads: Any) -> RowGradients:
+        index = self.table_ids(table, ids)
+        grads = np.array(grads, np.float32)  # a copy: the caller keeps its arrays
+        if grads.shape != (len(index), self.tables[table].dim):
+            raise PsdkError(
+                f"table {table!r}: {len(index)} ids need row gradients of shape "
+                f"{(len(index), self.tables[table].dim)}, got {grads.shape}"
+            )
+        return index, grads
 
     def read_gradients(self, out: Mapping[str, np.ndarray]) -> None:
         for name, view in out.items():
             np.copyto(view, self._grad_views[name])
 
-    def outputs(self, x: Any) -> np.ndarray:
-        """:meth:`apply` on the current params, compiled, as float32 numpy (no gradients)."""
-        return np.asarray(self._outputs(self.params, x), np.float32)
+    def outputs(self, x: Any, ids: Mapping[str, Any] | None = None) -> np.ndarray:
+        """:meth:`apply` on the current params, compiled, as float32 numpy (no gradients).
+
+        With tables, ``ids`` per table: ``apply`` sees their gathered rows as ``params[table]``.
+        """
+        rows = {name: self.gather(name, value) for name, value in (ids or {}).items()}
+        return np.asarray(self._outputs({**self.params, **rows}, x), np.float32)
 
 
 def _check_tree(tree: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
@@ -206,11 +302,26 @@ def _check_tree(tree: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], 
             raise PsdkError(f"{what}[{name!r}] has shape {tuple(np.shape(tree[name]))}, the variable {shape}")
 
 
-def record_gradients(model: DenseStack, gradients: Mapping[str, Any]) -> None:
-    """Hand a script's own gradients (``jax.grad(loss)(model.params, x, y)``) to ``opt.step()``."""
+def _check_tables(tables: Mapping[str, Rows], dense: Mapping[str, tuple[int, ...]]) -> dict[str, Rows]:
+    for name, table in tables.items():
+        if not isinstance(table, Rows):
+            raise PsdkError(f"tables[{name!r}] must be a psdk.Rows(dim, capacity), got {type(table).__name__}")
+        if name in dense:
+            raise PsdkError(f"{name!r} is both a dense variable and an embedding table of the model")
+    return dict(tables)
+
+
+def record_gradients(
+    model: DenseStack, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None
+) -> None:
+    """Hand a script's own gradients (``jax.grad(loss)(model.params, x, y)``) to ``opt.step()``.
+
+    ``rows``: each touched table's ``(ids, row gradients)``, one row per id, as
+    ``jax.grad`` gives them with respect to ``model.gather(table, ids)``.
+    """
     if not isinstance(model, DenseStack):
         raise PsdkError(f"record_gradients takes a psdk_jax DenseStack, got {type(model).__name__}")
-    model.record(gradients)
+    model.record(gradients, rows)
 
 
 __all__ = ["DenseStack", "Loss", "logits", "record_gradients"]
