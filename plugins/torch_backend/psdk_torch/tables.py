@@ -40,6 +40,8 @@ class Table:
     weight: nn.Parameter
     kind: str
     """``nn.Embedding`` or ``nn.EmbeddingBag``."""
+    padding_idx: int | None = None
+    """The id whose row torch keeps at zeros and never trains (its gradient leaves it out)."""
 
     @property
     def record(self) -> Rows:
@@ -60,7 +62,8 @@ def find_tables(model: nn.Module) -> dict[str, Table]:
         if id(module.weight) in seen:
             continue  # a module registered twice under two paths: one table
         seen.add(id(module.weight))
-        table = Table(path.replace(".", "/") or "weight", module.weight, f"nn.{type(module).__name__}")
+        kind = f"nn.{type(module).__name__}"
+        table = Table(path.replace(".", "/") or "weight", module.weight, kind, module.padding_idx)
         if module.max_norm is not None:
             raise ConfigError(
                 "model",
@@ -87,6 +90,8 @@ def write_rows(table: Table, ids: np.ndarray, rows: np.ndarray) -> None:
     else:
         index = torch.as_tensor(np.array(ids, np.int64), device=weight.device)
         weight.index_copy_(0, index, torch.as_tensor(np.array(rows), dtype=weight.dtype, device=weight.device))
+    if table.padding_idx is not None:
+        weight[table.padding_idx] = 0.0  # as torch builds it: the ps's row of that id is never trained nor read
 
 
 @torch.no_grad()
@@ -99,7 +104,7 @@ def read_row_gradients(table: Table) -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError(
             "model",
             f"{table} got a dense gradient, which psdk never pushes (a table travels as the rows a batch touched): "
-            f"build it with sparse=True and look rows up only through the module (a weight also used elsewhere, "
+            "keep its module's sparse=True and look rows up only through the module (a weight also used elsewhere, "
             "e.g. tied to an output layer, gets a dense gradient)",
         )
     grad = grad.coalesce()  # duplicate ids summed here, once, rather than on the wire

@@ -143,3 +143,14 @@ def test_shared_buffers_leave_the_table_alone(backend: TorchBackend) -> None:
     _backward(model, np.array([3, 3], np.int64))
     ids, grads = backend.read_row_gradients(model, TABLE)
     np.testing.assert_allclose(grads[ids == 3].sum(axis=0), 2.0 * np.ones(DIM), atol=1e-6)
+
+
+def test_the_padding_row_reads_zeros_and_is_never_pushed(backend: TorchBackend) -> None:
+    """torch keeps ``padding_idx``'s row at zeros and leaves it out of the gradient: so does the table."""
+    model = nn.Embedding(8, 2, sparse=True, padding_idx=0)
+    ids = np.array([0, 3], np.int64)
+    backend.write_rows(model, "weight", ids, np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(model.weight.detach().numpy()[ids], [[0.0, 0.0], [1.0, 1.0]])
+    model(torch.as_tensor([0, 3, 0])).sum().backward()
+    pushed, grads = backend.read_row_gradients(model, "weight")
+    assert pushed.tolist() == [3] and grads.tolist() == [[1.0, 1.0]]
