@@ -154,3 +154,26 @@ def test_the_padding_row_reads_zeros_and_is_never_pushed(backend: TorchBackend) 
     model(torch.as_tensor([0, 3, 0])).sum().backward()
     pushed, grads = backend.read_row_gradients(model, "weight")
     assert pushed.tolist() == [3] and grads.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.float64),  # not float32: rows go in through torch's index_copy_, not a numpy view
+        pytest.param(
+            "cuda", torch.float32, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+        ),
+    ],
+)
+def test_rows_in_and_gradients_out_off_the_numpy_path(backend: TorchBackend, device: str, dtype: torch.dtype) -> None:
+    model = nn.Embedding(8, 2, sparse=True).to(device=device, dtype=dtype)
+    rows = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    rows.flags.writeable = False  # as psdk hands them over
+    backend.write_rows(model, "weight", np.array([2, 5], np.int64), rows)
+    np.testing.assert_array_equal(model.weight.detach().cpu().numpy()[[2, 5]], rows)
+    (
+        model(torch.tensor([5, 2, 5], device=device)) * torch.tensor([1.0, 10.0], device=device, dtype=dtype)
+    ).sum().backward()
+    ids, grads = backend.read_row_gradients(model, "weight")
+    assert ids.dtype == np.int64 and grads.dtype == np.float32
+    assert ids.tolist() == [2, 5] and grads.tolist() == [[1.0, 10.0], [2.0, 20.0]]
