@@ -6,6 +6,7 @@ are a workload's, written on this bridge as a trainer (MNIST's is
 
 * :mod:`psdk_torch.models`: psdk's network (canonical by construction) and the
   view of any ``nn.Module``'s parameters, shared with psdk's buffers on the CPU;
+* :mod:`psdk_torch.tables`: ``sparse=True`` embeddings as tables, rows in and row gradients out;
 * :mod:`psdk_torch.optimizers`: ``torch.optim`` optimizers to and from ps rules;
 * :mod:`psdk_torch.placement`: psdk's device string to torch's device and threads.
 """
@@ -19,10 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Variable
 from psdk.rules import UpdateRule
-from psdk_torch import models, optimizers, placement
+from psdk_torch import models, optimizers, placement, tables
 
 
 class TorchBackend(Backend):
@@ -40,6 +43,24 @@ class TorchBackend(Backend):
     def variables(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
         return models.parameters(model).variables()
 
+    def variable_records(self, model: nn.Module) -> dict[str, Variable]:
+        """The dense parameters, and each ``sparse=True`` embedding as a table of rows (named by its module)."""
+        return models.parameters(model).records()
+
+    def write_rows(self, model: nn.Module, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        tables.write_rows(self._table(model, table), ids, rows)
+
+    def read_row_gradients(self, model: nn.Module, table: str) -> tuple[np.ndarray, np.ndarray]:
+        return tables.read_row_gradients(self._table(model, table))
+
+    def _table(self, model: nn.Module, name: str) -> tables.Table:
+        found = models.parameters(model).tables
+        if name not in found:
+            raise ConfigError(
+                "model", f"no embedding table {name!r} in this model (its sparse=True embeddings: {sorted(found)})"
+            )
+        return found[name]
+
     def read_weights(self, model: nn.Module) -> dict[str, np.ndarray]:
         return models.parameters(model).read()
 
@@ -52,7 +73,10 @@ class TorchBackend(Backend):
     def share_buffers(
         self, model: nn.Module, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]
     ) -> bool:
-        """On the CPU, point every parameter and its gradient at psdk's buffers (no copies per step)."""
+        """On the CPU, point every dense parameter and its gradient at psdk's buffers (no copies per step).
+
+        A table's weight is left as the model made it: psdk holds no buffer of a whole table.
+        """
         return models.parameters(model).share(params, grads)
 
     # ------------------------------------------------------------ optimizer

@@ -5,7 +5,9 @@ stored (in, out), so their parameters are in the canonical layout by
 construction and need no transposes on the way to or from the ps. Any other
 ``nn.Module`` (a training script's) works through the public API too: its
 variables are its ``named_parameters()`` with ``.`` turned into ``/``, in
-torch's own layout (an ``nn.Linear`` weight stays (out, in)).
+torch's own layout (an ``nn.Linear`` weight stays (out, in)), except the
+weights of ``sparse=True`` embeddings, which are tables whose rows travel a
+batch at a time (:mod:`psdk_torch.tables`).
 
 On the CPU a model's parameters and gradients can live in the ps client's own
 buffers (:meth:`Parameters.share`): the backward pass then writes straight
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Variable, as_variables
+from psdk_torch.tables import find_tables
 
 
 class Dense(nn.Module):
@@ -70,12 +74,23 @@ class Parameters:
     """
 
     def __init__(self, model: nn.Module):
-        self.named = [(name.replace(".", "/"), p) for name, p in model.named_parameters() if p.requires_grad]
+        self.tables = find_tables(model)
+        """The ``sparse=True`` embeddings, by table name: never among the dense parameters below."""
+        weights = {id(table.weight) for table in self.tables.values()}
+        self.named = [
+            (name.replace(".", "/"), p)
+            for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in weights
+        ]
         self.shared: list[tuple[int, torch.Tensor]] | None = None
         """Per parameter, the address of psdk's weight buffer and the gradient tensor over psdk's gradient buffer."""
 
     def variables(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self.named}
+
+    def records(self) -> dict[str, Variable]:
+        """The dense parameters and the tables (as :class:`~psdk.plugins.variables.Rows`), by canonical name."""
+        return {**as_variables(self.variables()), **{name: table.record for name, table in self.tables.items()}}
 
     def read(self) -> dict[str, np.ndarray]:
         return {name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in self.named}

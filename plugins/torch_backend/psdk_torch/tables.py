@@ -1,0 +1,113 @@
+"""Embedding tables in torch: each ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True``.
+
+A recommendation model's table is far larger than what one batch reads, so
+psdk keeps its rows on the ps and moves only the rows of a batch's ids: rows
+in before the forward pass (:func:`write_rows`), the sparse gradient out
+after the backward pass (:func:`read_row_gradients`). ``sparse=True`` is the
+switch because it is what makes torch's backward leave a gradient of the
+touched rows only (a sparse COO tensor) rather than a dense ``capacity x
+dim`` one; an embedding without it stays a dense variable that travels
+whole, as any other parameter.
+
+A table is named by its module's path in the model (``model.user_emb`` is
+``user_emb``, ``model.tower.emb`` is ``tower/emb``): the canonical name of
+its weight (``user_emb/weight``) without the ``/weight`` every table's
+weight would carry. The local weight holds ``num_embeddings x
+embedding_dim`` and ids index it directly, so ids must be hashed into
+``[0, num_embeddings)``; its values only ever come from the ps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from psdk.errors import ConfigError
+from psdk.plugins.variables import Rows
+
+TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
+"""The modules that can be tables (with ``sparse=True``)."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of a model: its name, its weight and what to call it in a message."""
+
+    name: str
+    weight: nn.Parameter
+    kind: str
+    """``nn.Embedding`` or ``nn.EmbeddingBag``."""
+    padding_idx: int | None = None
+    """The id whose row torch keeps at zeros and never trains (its gradient leaves it out)."""
+
+    @property
+    def record(self) -> Rows:
+        capacity, dim = self.weight.shape
+        return Rows(dim=int(dim), capacity=int(capacity))
+
+    def __str__(self) -> str:
+        return f"table {self.name!r} ({self.kind})"
+
+
+def find_tables(model: nn.Module) -> dict[str, Table]:
+    """The trainable ``sparse=True`` embeddings of ``model`` by table name, in module order."""
+    found: dict[str, Table] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, TABLE_MODULES) or not module.sparse or not module.weight.requires_grad:
+            continue
+        if id(module.weight) in seen:
+            continue  # a module registered twice under two paths: one table
+        seen.add(id(module.weight))
+        kind = f"nn.{type(module).__name__}"
+        table = Table(path.replace(".", "/") or "weight", module.weight, kind, module.padding_idx)
+        if module.max_norm is not None:
+            raise ConfigError(
+                "model",
+                f"{table} has max_norm={module.max_norm}: its forward pass renormalises the rows in this worker's "
+                "copy only, which the ps's rows would not follow; leave max_norm out of a table",
+            )
+        found[table.name] = table
+    return found
+
+
+@torch.no_grad()
+def write_rows(table: Table, ids: np.ndarray, rows: np.ndarray) -> None:
+    """Copy ``rows`` into the table's weight at ``ids`` (unique, increasing), where the forward pass reads them."""
+    weight = table.weight
+    capacity = weight.shape[0]
+    if len(ids) and (ids[0] < 0 or ids[-1] >= capacity):
+        raise ConfigError(
+            "ids",
+            f"{table} holds ids 0..{capacity - 1}, got ids from {ids[0]} to {ids[-1]}: hash or take them modulo "
+            f"num_embeddings={capacity} before the lookup",
+        )
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        weight.detach().numpy()[ids] = rows  # no copy of the rows, which are read-only
+    else:
+        index = torch.as_tensor(np.array(ids, np.int64), device=weight.device)
+        weight.index_copy_(0, index, torch.as_tensor(np.array(rows), dtype=weight.dtype, device=weight.device))
+    if table.padding_idx is not None:
+        weight[table.padding_idx] = 0.0  # as torch builds it: the ps's row of that id is never trained nor read
+
+
+@torch.no_grad()
+def read_row_gradients(table: Table) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, rows)`` of the sparse gradient the last backward pass left; empty when the table was not touched."""
+    grad = table.weight.grad
+    if grad is None:
+        return np.zeros(0, np.int64), np.zeros((0, table.weight.shape[1]), np.float32)
+    if not grad.is_sparse:
+        raise ConfigError(
+            "model",
+            f"{table} got a dense gradient, which psdk never pushes (a table travels as the rows a batch touched): "
+            "keep its module's sparse=True and look rows up only through the module (a weight also used elsewhere, "
+            "e.g. tied to an output layer, gets a dense gradient)",
+        )
+    grad = grad.coalesce()  # duplicate ids summed here, once, rather than on the wire
+    ids = grad.indices()[0].cpu().numpy().astype(np.int64, copy=True)
+    rows = grad.values().cpu().numpy().astype(np.float32, copy=True)
+    return ids, rows.reshape(len(ids), table.weight.shape[1])
