@@ -114,6 +114,8 @@ def write_rows(name: str, variable: Any, ids: np.ndarray, rows: np.ndarray) -> N
         )
     # A Keras 3 variable wraps a tf.Variable (.value); a tf.Variable's own .value is a method.
     target = variable if isinstance(variable, tf.Variable) else variable.value
+    if not isinstance(target, tf.Variable):  # inside a Keras stateless or autocast scope: a tensor, not the variable
+        raise PsdkError(f"table {name!r}: write rows outside the model's forward pass, where it is a variable")
     target.scatter_update(tf.IndexedSlices(tf.constant(rows), tf.constant(ids)))
 
 
