@@ -9,6 +9,9 @@ optimizers and devices; a workload's trainer brings the loss (MNIST's is
   fast path) and Keras models from training scripts (named from their Keras
   variable paths), with their weights and gradients as numpy arrays, and
   each trainer's compiled steps;
+* :mod:`psdk_tf.tables`: embedding tables (Keras ``Embedding`` weights and
+  variables marked with :func:`~psdk_tf.tables.mark_table`): rows scattered in,
+  ``tf.IndexedSlices`` gradients out, never a whole table;
 * :mod:`psdk_tf.optimizers`: Keras optimizers to and from psdk update rules;
 * :mod:`psdk_tf.placement`: psdk's device string to TensorFlow's device setup.
 """
@@ -21,12 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Variable, as_variables
 from psdk.rules import UpdateRule
 from psdk_tf import optimizers, placement
 from psdk_tf._tf import tf
-from psdk_tf.models import DenseStack, binding
+from psdk_tf.models import DenseStack, ForeignModel, binding
 
 
 class TfBackend(Backend):
@@ -55,7 +60,14 @@ class TfBackend(Backend):
             return DenseStack(spec, weights)
 
     def variables(self, model: Any) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(int(d) for d in var.shape) for name, var in binding(model).named}
+        """The dense variables: embedding tables are left out (see :meth:`variable_records`)."""
+        return {name: tuple(int(d) for d in var.shape) for name, var in binding(model).dense}
+
+    def variable_records(self, model: Any) -> dict[str, Variable]:
+        """Every variable in creation order: tables as their ``Rows``, the rest dense."""
+        bound = binding(model)
+        shapes = self.variables(model)
+        return as_variables((name, bound.tables.get(name) or shapes[name]) for name, _ in bound.named)
 
     def read_weights(self, model: Any) -> dict[str, np.ndarray]:
         return binding(model).read()
@@ -65,6 +77,19 @@ class TfBackend(Backend):
 
     def read_gradients(self, model: Any, out: Mapping[str, np.ndarray]) -> None:
         binding(model).read_gradients(out)
+
+    def write_rows(self, model: Any, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        self._with_tables(model, table).write_rows(table, ids, rows)
+
+    def read_row_gradients(self, model: Any, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """The lookups' ``tf.IndexedSlices`` as numpy, unconverted; a dense gradient on a table is refused."""
+        return self._with_tables(model, table).read_row_gradients(table)
+
+    def _with_tables(self, model: Any, table: str) -> ForeignModel:
+        bound = binding(model)
+        if not isinstance(bound, ForeignModel):
+            raise ConfigError("model", f"psdk's dense stack keeps no embedding tables (table {table!r})")
+        return bound
 
     # ------------------------------------------------------------ optimizer
     def make_optimizer(self, model: Any, rule: UpdateRule) -> Any:

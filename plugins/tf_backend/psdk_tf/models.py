@@ -44,7 +44,9 @@ import numpy as np
 
 from psdk.errors import PsdkError
 from psdk.plugins.models import ModelSpec
+from psdk.plugins.variables import Rows
 from psdk.protocol.sharding import flat_size, layout, views
+from psdk_tf import tables
 from psdk_tf._tf import keras, tf
 
 _OUTPUT_INDEX = re.compile(r":\d+$")
@@ -112,6 +114,8 @@ class DenseStack(tf.Module):
         self.specs = layout(spec.variables())
         names = [s.name for s in self.specs]
         self.named = [(n, tf.Variable(np.array(weights[n], np.float32), name=n)) for n in names]
+        self.dense = self.named
+        self.tables: dict[str, Rows] = {}
         self._variables = [v for _, v in self.named]
         self._sizes = [s.size for s in self.specs]
         # Staged weights: what write() received, assigned before the next use of the variables.
@@ -244,6 +248,9 @@ class ForeignModel:
         # Held weakly: this object is the value of a WeakKeyDictionary keyed by the model.
         self._model = weakref.ref(model)
         self.named = canonical_names(model)
+        self.tables = tables.declared(model, self.named)
+        """The embedding tables among the variables (:mod:`psdk_tf.tables`): they never travel whole."""
+        self.dense = [(name, var) for name, var in self.named if name not in self.tables]
         self._variables = [v for _, v in self.named]
         self._index = {name: i for i, (name, _) in enumerate(self.named)}
         self.gradients: list[Any] | None = None
@@ -268,13 +275,15 @@ class ForeignModel:
         """Writes reach the variables at once: a script calls the model itself."""
 
     def read(self) -> dict[str, np.ndarray]:
-        return {name: np.array(var.numpy(), np.float32) for name, var in self.named}
+        return {name: np.array(var.numpy(), np.float32) for name, var in self.dense}
 
     def write(self, weights: Mapping[str, np.ndarray]) -> None:
         for name, value in weights.items():
             index = self._index.get(name)
             if index is None:
                 raise _unknown(name, self._index)
+            if name in self.tables:
+                raise _whole_table(name)
             var = self._variables[index]
             shape = tuple(var.shape)
             if shape != np.shape(value):
@@ -319,7 +328,26 @@ class ForeignModel:
                 "psdk_tf.record_gradients(model, grads) before opt.step()"
             )
         for name, view in out.items():
+            if name in self.tables:
+                raise _whole_table(name)
             _copy_gradient(view, self.gradients[self._index[name]])
+
+    def write_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        tables.write_rows(table, self._table(table), ids, rows)
+
+    def read_row_gradients(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        variable = self._table(table)
+        if self.gradients is None:
+            raise PsdkError(
+                "no gradients recorded for this model yet: compute them with tf.GradientTape and call "
+                "psdk_tf.record_gradients(model, grads) before opt.step()"
+            )
+        return tables.row_gradients(table, variable, self.gradients[self._index[table]])
+
+    def _table(self, table: str) -> Any:
+        if table not in self.tables:
+            raise PsdkError(f"the model has no embedding table {table!r}; its tables are {sorted(self.tables)}")
+        return self._variables[self._index[table]]
 
 
 Binding = DenseStack | ForeignModel
@@ -391,6 +419,12 @@ def _copy_gradient(out: np.ndarray, grad: Any) -> None:
         out.fill(0.0)
     else:
         np.copyto(out, tf.convert_to_tensor(grad).numpy())  # IndexedSlices become dense
+
+
+def _whole_table(name: str) -> PsdkError:
+    return PsdkError(
+        f"{name!r} is an embedding table: its rows travel by id (write_rows, read_row_gradients), never whole"
+    )
 
 
 def _unknown(name: str, known: Mapping[str, Any]) -> PsdkError:
