@@ -152,6 +152,8 @@ class ParameterServer:
             "resume": checkpoints.on_resume,
             "stop_at": shard.on_stop_at,
             "restore": lambda peer, message, worker: restore.on_restore(shard, peer, message),
+            "table_state": checkpoints.on_table_state,
+            "table_restore": lambda peer, message, worker: restore.on_table_restore(shard, peer, message),
         }
         assert self._handlers.keys() == protocol.OPS.keys(), "every declared op has one handler"
 
