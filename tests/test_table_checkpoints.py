@@ -22,11 +22,11 @@ from psdk.client import checkpoint as ckpt
 from psdk.client.layout import init_requests
 from psdk.config.options import TransportOptions
 from psdk.errors import DataError, PeerTimeoutError, PsdkError, RemoteError
+from psdk.protocol.chunks import SKETCH_PIECE_MIN
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import Adagrad
-from psdk.ps.tables.chunks import SKETCH_PIECE_MIN
 from psdk.transport.wire import MAX_HEADER_BYTES
 
 from .conftest import PsCluster, running_ps

@@ -28,7 +28,7 @@ from psdk.client.layout import checked_variables, init_requests, initial_state, 
 from psdk.client.options import ClientOptions
 from psdk.client.rows import PullPlan, RowPush, ShardTables, plan_tables, pulled_rows
 from psdk.client.shards import Basis, Shard, StepResult
-from psdk.client.tablestate import check_tables, restore_tables
+from psdk.client.tablestate import announce, check_tables, restore_tables
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
     PeerDeadError,
@@ -191,20 +191,14 @@ class ParameterClient:
         if rule != given:  # asynchrony adds momentum of its own (sync.scale_momentum)
             log.info("worker 0: %d async workers: the ps runs %s, not %s", job.num_workers, rule, given)
         variables = checked_variables(variables, rule, restore)
-        saved = restore.tables if restore is not None else None
-        check_tables(saved, tables, rule.slot_names())
+        restored = check_tables(restore, tables, rule.slot_names())
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
         messages = init_requests(
             self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, tables
         )
-        restored = [spec for spec in tables if saved is not None and spec.name in saved.names]
-        if restored:  # the shards hold their workers until these tables are restored (table_restore)
-            for message in messages.values():
-                message.fields["restore"].update(
-                    tables=[spec.name for spec in restored], chunk_rows=self.options.table_chunk_rows
-                )
+        announce(messages, restored, self.options.table_chunk_rows)
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
         )
@@ -218,9 +212,8 @@ class ParameterClient:
         if len(fresh) > 1:  # a ps was lost while the chief was down too: one cut for all, as after any loss
             self.recover("some ps shards held the job and others were empty (a ps was lost with the chief)")
             return False
-        if fresh == {True} and restored and saved is not None:
-            rows = restore_tables(self, saved, restored, self.cluster.num_ps, self.options.table_chunk_rows)
-            log.info("worker 0: tables restored from the checkpoint (rows per shard): %s", rows)
+        if fresh == {True} and restore is not None and restore.tables is not None and restored:
+            restore_tables(self, restore.tables, restored, self.cluster.num_ps, self.options.table_chunk_rows)
         return fresh == {True}
 
     def wait_initialized(self) -> None:
@@ -512,12 +505,7 @@ class ParameterClient:
         return wrapup.wait_collected(self, timeout_s)
 
     def checkpoint_state(self, max_rounds: int = 50, folder: Path | None = None) -> Checkpoint:
-        """Chief: a consistent cut of every shard at one global step (see :mod:`psdk.client.cut`).
-
-        The job's tables stream into a checkpoint file begun in ``folder``
-        (where it will be saved; else the temporary folder), which
-        :func:`psdk.client.checkpoint.save` finishes.
-        """
+        """Chief: a consistent cut of every shard (:mod:`psdk.client.cut`); tables stream into a file in ``folder``."""
         return checkpoint_cut(
             self, self.shards, self._creation_order, max_rounds, self.tables, folder, self.options.table_chunk_rows
         )

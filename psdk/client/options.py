@@ -10,6 +10,7 @@ from typing import Any
 
 from psdk.config.options import TransportOptions
 from psdk.errors import ConfigError
+from psdk.protocol.chunks import MAX_CHUNK_ROWS
 
 __all__ = ["ClientOptions"]
 
@@ -33,8 +34,6 @@ class ClientOptions:
     checkpoint holds in memory per shard, and what the ps's cap on incoming messages follows during a restore."""
 
     def __post_init__(self) -> None:
-        from psdk.ps.tables.chunks import MAX_CHUNK_ROWS
-
         rows = self.table_chunk_rows
         if not (isinstance(rows, int) and not isinstance(rows, bool) and 1 <= rows <= MAX_CHUNK_ROWS):
             raise ConfigError("table_chunk_rows", f"must be an integer in 1 .. {MAX_CHUNK_ROWS}, got {rows!r}")

@@ -20,19 +20,21 @@ estimate of any id is still at least its count), and the counters restart
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from psdk.client.checkpoint import Checkpoint
 from psdk.client.shards import Requests
 from psdk.client.tablefile import SLOT, CheckpointWriter, TableChunks
 from psdk.errors import CheckpointAbandoned, PeerTimeoutError, PsdkError
+from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH, as_wire, from_wire, sketch_piece
 from psdk.protocol.tables import TableSpec, shard_of_ids
-from psdk.ps.tables.chunks import as_wire, from_wire, sketch_piece
-from psdk.ps.tables.table import SKETCH_DEPTH, SKETCH_WIDTH
 from psdk.transport.wire import Message
 
+log = logging.getLogger("psdk.client.client")
 DEFAULT_CHUNK_ROWS = 1 << 14
 """Rows per chunk unless ``ClientOptions.table_chunk_rows`` says otherwise: 16384 rows of dim 64 with two
 slots are 12 MiB."""
@@ -91,10 +93,11 @@ def _take(
 
 
 # ------------------------------------------------------------------ restore
-def check_tables(saved: TableChunks | None, tables: Sequence[TableSpec], slot_names: Sequence[str]) -> None:
-    """Refuse, before anything is sent, a resume whose tables do not fit the checkpoint's."""
+def check_tables(restore: Checkpoint | None, tables: Sequence[TableSpec], slot_names: Sequence[str]) -> list[TableSpec]:
+    """The tables to restore; a resume whose tables do not fit the checkpoint's is refused before anything is sent."""
+    saved = restore.tables if restore is not None else None
     if saved is None:
-        return
+        return []
     declared = {spec.name: spec for spec in tables}
     missing = sorted(set(saved.names) - set(declared))
     if missing:
@@ -111,6 +114,14 @@ def check_tables(saved: TableChunks | None, tables: Sequence[TableSpec], slot_na
                 f"table {name!r} keeps slots {saved.slots(name)} in the checkpoint but this job's update rule "
                 f"keeps {sorted(slot_names)}: resume with the checkpoint's optimizer"
             )
+    return [spec for spec in tables if spec.name in saved.names]
+
+
+def announce(messages: Mapping[int, Message], restored: Sequence[TableSpec], chunk_rows: int) -> None:
+    """The init names the tables its restore goes on with: the shards hold their workers until they commit."""
+    if restored:
+        for message in messages.values():
+            message.fields["restore"].update(tables=[spec.name for spec in restored], chunk_rows=chunk_rows)
 
 
 def same_placement(old: TableSpec, old_num_ps: int, new: TableSpec, new_num_ps: int) -> bool:
@@ -188,7 +199,7 @@ def restore_tables(
     client: Requests, saved: TableChunks, tables: Sequence[TableSpec], num_ps: int, chunk_rows: int
 ) -> dict[str, list[int]]:
     """Every saved table's rows, slots, stamps and sketch onto the shards by the new placement; rows per shard."""
-    restored = {}
+    restored: dict[str, list[int]] = {}
     for spec in tables:
         name = spec.name
         if name not in saved.names:
@@ -211,6 +222,7 @@ def restore_tables(
                 counters[shard] = [clock, 0, rows, rows]
         sender.commit(counters)
         restored[name] = list(sender.sent)
+    log.info("worker 0: tables restored from the checkpoint (rows per shard): %s", restored)
     return restored
 
 

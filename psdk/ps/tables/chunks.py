@@ -23,38 +23,14 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ProtocolError, RefusedError
+from psdk.protocol.chunks import MAX_CHUNK_ROWS, as_wire, from_wire, row_bytes, sketch_piece
 from psdk.protocol.numerics import all_finite
 from psdk.ps.rules import UpdateRule
 from psdk.ps.tables.served import ServedTable
 from psdk.ps.tables.table import SLOT, TableRestore
 from psdk.transport.wire import MAX_HEADER_BYTES
 
-MAX_CHUNK_ROWS = 1 << 20
-"""The most rows one chunk may carry, whatever the chief asks (a flood bound, as ``MAX_IDS_PER_REQUEST``)."""
 PARTS = ("rows", "sketch")
-SKETCH_PIECE_MIN = 1 << 16
-"""The fewest counters a sketch piece may hold (256 KiB), so small chunks do not cut the 4 MiB sketch into
-thousands of messages."""
-
-
-def row_bytes(dim: int, slots: int) -> int:
-    """One row in a chunk: its id, stamp, values and slots."""
-    return 8 + 4 + 4 * dim * (1 + slots)
-
-
-def sketch_piece(dim: int, slots: int, chunk_rows: int) -> int:
-    """Counters per sketch piece: as many bytes as a chunk of rows, and at least :data:`SKETCH_PIECE_MIN`."""
-    return max(chunk_rows * row_bytes(dim, slots) // 4, SKETCH_PIECE_MIN)
-
-
-def as_wire(counts: np.ndarray) -> np.ndarray:
-    """uint32 stamps and counters travel as the same bits in int32 (the wire takes no unsigned types but bytes)."""
-    return counts.view(np.int32)
-
-
-def from_wire(counts: np.ndarray) -> np.ndarray:
-    """The uint32 values :func:`as_wire` sent; an array of another dtype is left as it is (and refused later)."""
-    return counts.view(np.uint32) if counts.dtype == np.int32 else counts
 
 
 def chunk_bytes(tables: Sequence[ServedTable], chunk_rows: int) -> int:

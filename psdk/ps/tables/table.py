@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH
 from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
 from psdk.ps.tables.index import RowIndex, check_ids
 
@@ -42,8 +43,6 @@ SLOT = "slot."
 """The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""
 REFILL_SHARE = 16
 """Eviction finds the oldest ``capacity / REFILL_SHARE`` rows at once and draws on them until touched."""
-SKETCH_DEPTH, SKETCH_WIDTH = 4, 1 << 18
-"""The admission sketch's shape unless a table is given another: 4 MiB of counters, whatever the rows."""
 
 
 class RowTable:
