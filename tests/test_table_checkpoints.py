@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from psdk.client import ClientOptions, ParameterClient
 from psdk.client import checkpoint as ckpt
@@ -23,13 +24,17 @@ from psdk.client.layout import init_requests
 from psdk.config.options import TransportOptions
 from psdk.errors import DataError, PeerTimeoutError, PsdkError, RemoteError
 from psdk.protocol.chunks import SKETCH_PIECE_MIN
+from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import Adagrad
+from psdk.ps.server import ParameterServer
 from psdk.transport.wire import MAX_HEADER_BYTES
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 from .conftest import PsCluster, running_ps
+from .test_recovery import Shard
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -67,10 +72,10 @@ def chief(
             client.close()
 
 
-def held_state(ps: PsCluster, name: str) -> Held:
+def held_state(servers: list[ParameterServer], name: str) -> Held:
     """Every row the ps threads hold of table ``name``: id -> (row, accumulator, stamp shard)."""
     found: Held = {}
-    for server in ps.servers:
+    for server in servers:
         state = server.store.tables[name].rows.state()
         for i, row_id in enumerate(state["ids"].tolist()):
             assert row_id not in found, f"id {row_id} is on two shards"
@@ -103,7 +108,7 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> Original:
     with chief(2) as (ps, client):
         train(client, 4, np.random.default_rng(0))
         path = saved(client, folder)
-        held = {spec.name: held_state(ps, spec.name) for spec in TABLES}
+        held = {spec.name: held_state(ps.servers, spec.name) for spec in TABLES}
         assert not list(folder.glob(".*.tmp")), "the temporary file was renamed into place"
     return path, held
 
@@ -137,7 +142,7 @@ def test_resume_gives_every_id_its_row_and_slots_on_any_number_of_ps(original: O
     with chief(num_ps, restore=ckpt.load(path)) as (ps, client):
         assert client.global_step == 4
         for spec in TABLES:
-            now = held_state(ps, spec.name)
+            now = held_state(ps.servers, spec.name)
             assert now.keys() == held[spec.name].keys()
             ids = np.array(sorted(now), np.int64)
             where = shard_of_ids(spec, ids, num_ps)
@@ -160,9 +165,9 @@ def test_admission_counts_survive_a_resume_on_another_number_of_ps(tmp_path: Pat
         path = saved(client, tmp_path)
     for num_ps in (2, 3):
         with chief(num_ps, restore=ckpt.load(path)) as (ps, client):
-            assert held_state(ps, "items/v1") == {}
+            assert held_state(ps.servers, "items/v1") == {}
             client.pull_rows({"items/v1": [5, 77, 301]})  # the second time for 5 and 77
-            assert sorted(held_state(ps, "items/v1")) == [5, 77]
+            assert sorted(held_state(ps.servers, "items/v1")) == [5, 77]
 
 
 def test_the_ps_takes_restore_messages_of_a_chunk_not_of_a_table(original: Original) -> None:
@@ -172,7 +177,7 @@ def test_the_ps_takes_restore_messages_of_a_chunk_not_of_a_table(original: Origi
         table_bytes = len(held["users"]) * 4 * (4 + 4 + 3)  # rows, accumulators, ids and stamps
         for server in ps.servers:  # restored: back to what a push needs
             assert server.endpoint.max_message_bytes == server.shard.largest_message_bytes() < table_bytes / 2
-        assert held_state(ps, "users").keys() == held["users"].keys()  # saved in chunks of 64, sent in 16s
+        assert held_state(ps.servers, "users").keys() == held["users"].keys()  # saved in chunks of 64, sent in 16s
 
 
 def announce(
@@ -296,3 +301,45 @@ def test_a_damaged_chunk_is_found_when_read_and_a_resume_without_its_tables_is_r
                 client.initialize(DENSE, job_spec(), RULE, restore=ckpt.load(path), tables=(USERS,))
         finally:
             client.close()
+
+
+def test_a_lost_ps_brings_the_tables_back_from_the_last_checkpoint(tmp_path: Path) -> None:
+    transport = ZmqTransport(
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5)), context=zmq.Context()
+    )
+    shards = [Shard(transport, 0), Shard(transport, 1)]
+    cluster = ClusterSpec({"ps": [s.address for s in shards], "worker": ["localhost"]})
+    timeouts = TransportOptions(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, request_timeout_s=30.0, init_timeout_s=30.0
+    )
+    options = ClientOptions(transport=timeouts, recovery_timeout_s=30.0, table_chunk_rows=64)
+    client = ParameterClient(transport, cluster, 0, options)
+    rng = np.random.default_rng(2)
+    try:
+        assert client.initialize(DENSE, job_spec(), RULE, tables=TABLES)
+        client.pull()
+        train(client, 3, rng)
+        path = saved(client, tmp_path)
+        held = {spec.name: held_state([s.server for s in shards], spec.name) for spec in TABLES}
+        client.recovery_source = lambda: ckpt.load(path)
+        train(client, 2, rng)  # the rows move on past the checkpoint
+        assert held_state([s.server for s in shards], "users") != held["users"]
+        shards[1].kill()
+        shards[1] = Shard(transport, 1, shards[1].address)  # restarted, empty, on the same address
+        users = rng.integers(0, 1 << 40, 100)
+        result = client.push_pull(rows={"users": (users, np.ones((100, 4), np.float32))})
+        assert result.outcome == "resync" and client.recoveries[0]["global_step"] == 3
+        for spec in TABLES:
+            now = held_state([s.server for s in shards], spec.name)
+            assert now.keys() == held[spec.name].keys()
+            for row_id, (row, total, shard) in held[spec.name].items():
+                np.testing.assert_array_equal(now[row_id][0], row)
+                np.testing.assert_array_equal(now[row_id][1], total)
+                assert now[row_id][2] == shard
+        assert all(not s.server.shard.table_restores for s in shards)
+        train(client, 1, rng)  # and the job goes on
+    finally:
+        client.close()
+        for s in shards:
+            s.kill()
+        transport.context.destroy(linger=0)

@@ -13,6 +13,7 @@ import logging
 from psdk.errors import ProtocolError, RefusedError
 from psdk.ps.consistency import make_policy
 from psdk.ps.shard import ServedShard, restore_state, take_finished
+from psdk.ps.tables.chunks import restores_of
 from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.ps.server")
@@ -32,7 +33,10 @@ def on_restore(shard: ServedShard, peer: bytes, message: Message) -> None:
         raise RefusedError(f"restore must name this shard's variables {names}")
     restore = restore_state(message.fields["restore"], names, message.arrays)
     assert restore is not None  # the protocol declares the field an object
+    table_restores = restores_of(message.fields["restore"], store.tables)  # checked before anything changes
     store.reset(dict(zip(names, message.arrays, strict=False)), restore)
+    shard.table_restores = table_restores
+    shard.limit_incoming()
     take_finished(shard.membership, message.fields.get("finished"), shard.job.num_workers)
     shard.epoch = message.fields["epoch"]
     why = f"the chief restored the job at version {restore.version} (restore epoch {shard.epoch})"

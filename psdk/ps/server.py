@@ -424,6 +424,7 @@ class ParameterServer:
             "version": self.store.version,
             "done": self.done,
             "initialized": self.store.initialized,
+            "restoring": sorted(self.shard.table_restores),
             "epoch": self.epoch,
             "boot": self.shard.boot,
             "failure": self.failure,
