@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from psdk.client.checkpoint import Checkpoint
-from psdk.client.shards import Requests
 from psdk.client.tablefile import SLOT, CheckpointWriter, TableChunks
 from psdk.errors import CheckpointAbandoned, PeerTimeoutError, PsdkError
 from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH, as_wire, from_wire, sketch_piece
@@ -35,13 +34,27 @@ from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.transport.wire import Message
 
 log = logging.getLogger("psdk.client.client")
+
+
+class Asking(Protocol):
+    """What the chief's table steps use of the client (both :class:`Requests` and the recovery's view have it)."""
+
+    names: list[str]
+
+    def message(self, op: str, arrays: list[np.ndarray] | None = None, **fields: Any) -> Message: ...
+
+    def request(
+        self, messages: Mapping[int, Message], what: str, timeout_s: float | None = None, watch: bool = True
+    ) -> dict[int, Message]: ...
+
+
 DEFAULT_CHUNK_ROWS = 1 << 14
 """Rows per chunk unless ``ClientOptions.table_chunk_rows`` says otherwise: 16384 rows of dim 64 with two
 slots are 12 MiB."""
 
 
 def read_tables(
-    client: Requests,
+    client: Asking,
     shards: Sequence[int],
     tables: Mapping[str, TableSpec],
     writer: CheckpointWriter,
@@ -134,7 +147,7 @@ def same_placement(old: TableSpec, old_num_ps: int, new: TableSpec, new_num_ps: 
 class ChunkSender:
     """One table's ``table_restore`` requests, numbered per shard; a round lost to a timeout is sent once more."""
 
-    def __init__(self, client: Requests, name: str, num_ps: int, slots: list[str], chunk_rows: int) -> None:
+    def __init__(self, client: Asking, name: str, num_ps: int, slots: list[str], chunk_rows: int) -> None:
         self.client, self.name, self.num_ps, self.slots, self.chunk_rows = client, name, num_ps, slots, chunk_rows
         self.numbers = [0] * num_ps
         self.sent = [0] * num_ps
@@ -187,7 +200,7 @@ class ChunkSender:
         self.send(commits)
 
 
-def _with_retry(client: Requests, build: Callable[[], dict[int, Message]], what: str) -> dict[int, Message]:
+def _with_retry(client: Asking, build: Callable[[], dict[int, Message]], what: str) -> dict[int, Message]:
     """One round of requests, sent again once if it timed out: the ps takes a chunk number only once."""
     try:
         return client.request(build(), what)
@@ -196,7 +209,7 @@ def _with_retry(client: Requests, build: Callable[[], dict[int, Message]], what:
 
 
 def restore_tables(
-    client: Requests, saved: TableChunks, tables: Sequence[TableSpec], num_ps: int, chunk_rows: int
+    client: Asking, saved: TableChunks, tables: Sequence[TableSpec], num_ps: int, chunk_rows: int
 ) -> dict[str, list[int]]:
     """Every saved table's rows, slots, stamps and sketch onto the shards by the new placement; rows per shard."""
     restored: dict[str, list[int]] = {}
