@@ -22,7 +22,7 @@ from psdk.client import ClientOptions, ParameterClient
 from psdk.client import checkpoint as ckpt
 from psdk.client.layout import init_requests
 from psdk.config.options import TransportOptions
-from psdk.errors import DataError, PeerTimeoutError, PsdkError, RemoteError
+from psdk.errors import ConfigError, DataError, PeerTimeoutError, PsdkError, RemoteError
 from psdk.protocol.chunks import SKETCH_PIECE_MIN
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -299,8 +299,18 @@ def test_a_damaged_chunk_is_found_when_read_and_a_resume_without_its_tables_is_r
         try:
             with pytest.raises(PsdkError, match="does not declare"):
                 client.initialize(DENSE, job_spec(), RULE, restore=ckpt.load(path), tables=(USERS,))
+            wider = (dataclasses.replace(USERS, dim=8), ITEMS)
+            with pytest.raises(PsdkError, match="has dim 4 in the checkpoint but 8 in this job"):
+                client.initialize(DENSE, job_spec(), RULE, restore=ckpt.load(path), tables=wider)
+            assert not ps.servers[0].store.initialized  # refused before anything was sent
         finally:
             client.close()
+
+
+def test_the_chunk_size_is_checked() -> None:
+    for rows in (0, 1 << 21, 2.5):
+        with pytest.raises(ConfigError, match="table_chunk_rows"):
+            ClientOptions(table_chunk_rows=rows)  # type: ignore[arg-type]
 
 
 def test_a_lost_ps_brings_the_tables_back_from_the_last_checkpoint(tmp_path: Path) -> None:
