@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,9 +21,10 @@ import zmq
 
 from psdk.client import ClientOptions, ParameterClient
 from psdk.client import checkpoint as ckpt
+from psdk.client.cut import checkpoint_cut
 from psdk.client.layout import init_requests
 from psdk.config.options import TransportOptions
-from psdk.errors import ConfigError, DataError, PeerTimeoutError, PsdkError, RemoteError
+from psdk.errors import CheckpointAbandoned, ConfigError, DataError, PeerTimeoutError, PsdkError, RemoteError
 from psdk.protocol.chunks import SKETCH_PIECE_MIN
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
@@ -30,7 +32,7 @@ from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import Adagrad
 from psdk.ps.server import ParameterServer
-from psdk.transport.wire import MAX_HEADER_BYTES
+from psdk.transport.wire import MAX_HEADER_BYTES, Message
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
 from .conftest import PsCluster, running_ps
@@ -353,3 +355,36 @@ def test_a_lost_ps_brings_the_tables_back_from_the_last_checkpoint(tmp_path: Pat
         for s in shards:
             s.kill()
         transport.context.destroy(linger=0)
+
+
+class ResumingMidway:
+    """The chief's requests, but the shards are resumed right after the first table chunk is read (a lapsed pause)."""
+
+    def __init__(self, client: ParameterClient) -> None:
+        self.client, self.names, self.task_index, self.resumed = client, client.names, client.task_index, False
+
+    def message(self, op: str, arrays: list[np.ndarray] | None = None, **fields: Any) -> Message:
+        return self.client.message(op, arrays, **fields)
+
+    def to_all(self, op: str, **fields: Any) -> dict[int, Message]:
+        return self.client.to_all(op, **fields)
+
+    def request(
+        self, messages: Mapping[int, Message], what: str, timeout_s: float | None = None, watch: bool = True
+    ) -> dict[int, Message]:
+        replies = self.client.request(messages, what, timeout_s, watch)
+        if not self.resumed and any(m.op == "table_state" for m in messages.values()):
+            self.resumed = True
+            self.client.request(self.client.to_all("resume"), "resuming behind the cut's back")
+        return replies
+
+
+def test_a_pause_that_ends_while_the_tables_are_read_skips_the_checkpoint_and_leaves_no_file(tmp_path: Path) -> None:
+    with chief(2) as (_, client):
+        train(client, 1, np.random.default_rng(3))
+        asking = ResumingMidway(client)
+        with pytest.raises(CheckpointAbandoned, match="pause ended"):
+            checkpoint_cut(asking, client.shards, ["w"], 50, client.tables, tmp_path, 64)
+        assert asking.resumed and list(tmp_path.iterdir()) == []
+        path = saved(client, tmp_path)  # the next one is written
+        assert [p.name for p in tmp_path.iterdir()] == [path.name]
