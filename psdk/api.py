@@ -154,7 +154,7 @@ class WorkerSession:
             raise PsdkError("only the chief (worker 0) writes checkpoints")
         began = time.perf_counter()
         try:
-            state = self.client.checkpoint_state()
+            state = self.client.checkpoint_state(folder=Path(folder))  # tables stream into a file there
         except (PeerDeadError, PeerRestartedError) as exc:
             if self.client.options.recovery_timeout_s is None:
                 raise

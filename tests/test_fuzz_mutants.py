@@ -37,9 +37,9 @@ def drop_every_second_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every second update applies zeros instead of its gradient; the version still advances."""
     original, calls = FlatStore.apply, [0]
 
-    def apply(self: FlatStore, grad: np.ndarray, grad_bound: float | None = None) -> None:
+    def apply(self: FlatStore, grad: np.ndarray, grad_bound: float | None = None, *rows: Any) -> None:
         calls[0] += 1
-        original(self, np.zeros_like(grad) if calls[0] % 2 == 0 else grad, grad_bound)
+        original(self, np.zeros_like(grad) if calls[0] % 2 == 0 else grad, grad_bound, *rows)
 
     monkeypatch.setattr(FlatStore, "apply", apply)
 
@@ -48,9 +48,9 @@ def apply_a_gradient_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """An update is applied twice, the version advanced once."""
     original = FlatStore.apply
 
-    def apply(self: FlatStore, grad: np.ndarray, grad_bound: float | None = None) -> None:
-        original(self, grad, grad_bound)
-        original(self, grad, grad_bound)
+    def apply(self: FlatStore, grad: np.ndarray, grad_bound: float | None = None, *rows: Any) -> None:
+        original(self, grad, grad_bound, *rows)
+        original(self, grad, grad_bound, *rows)
         self._version -= 1
 
     monkeypatch.setattr(FlatStore, "apply", apply)
@@ -58,7 +58,11 @@ def apply_a_gradient_twice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def flip_the_sign(monkeypatch: pytest.MonkeyPatch) -> None:
     original = FlatStore.apply
-    monkeypatch.setattr(FlatStore, "apply", lambda self, grad, grad_bound=None: original(self, -grad, grad_bound))
+
+    def apply(self: FlatStore, grad: np.ndarray, grad_bound: float | None = None, *rows: Any) -> None:
+        original(self, -grad, grad_bound, *rows)
+
+    monkeypatch.setattr(FlatStore, "apply", apply)
 
 
 def scale_the_learning_rate(monkeypatch: pytest.MonkeyPatch) -> None:

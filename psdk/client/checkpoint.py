@@ -8,7 +8,10 @@ with another number of ps tasks, and canonical names and layouts let a
 checkpoint written by torch workers resume on TensorFlow workers. The chief
 collects the state over the transport (no shared file system is assumed) and
 writes the file atomically: a reader sees the old file or the new one, and
-the folder is fsynced so the rename survives a power cut.
+the folder is fsynced so the rename survives a power cut. Embedding tables
+go into the same file by name, chunk by chunk (``tables/<name>/<chunk>/...``,
+see :mod:`psdk.client.tablefile`): the chief streams them in while the
+shards are paused, and a load reads them only when they are restored.
 
 Every checkpoint belongs to one run: it records the run's id (the launcher
 gives each run one, kept across task restarts) and the fingerprint of the
@@ -29,13 +32,11 @@ they skipped and why, and ``keep`` counts only those that pass.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import secrets
-import tempfile
 import time
 import zipfile
 import zlib
@@ -46,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from psdk.client.tablefile import CheckpointWriter, TableChunks, tables_problem
 from psdk.errors import DataError, PsdkError
 from psdk.plugins.registry import rule_from_json
 from psdk.protocol.numerics import all_finite
-from psdk.runtime.access import file_mode
 from psdk.runtime.disks import WriteError, probe_folder
 
 if TYPE_CHECKING:
@@ -89,6 +90,10 @@ class Checkpoint:
     """The run that wrote it (``None``: written before runs had ids)."""
     fingerprint: str = ""
     """A digest of the config that made the job (:func:`psdk.config.build.fingerprint`), when it had one."""
+    tables: TableChunks | None = None
+    """The embedding tables by name, in the checkpoint's file, read chunk by chunk (never held whole)."""
+    writer: CheckpointWriter | None = None
+    """A file the chief's cut has begun (the table chunks streamed in while paused): :func:`save` finishes it."""
 
     def check_matches(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Refuse to restore into a model with other variables, naming the differences."""
@@ -140,21 +145,33 @@ def _save(checkpoint: Checkpoint, path: Path) -> Path:
     arrays: dict[str, Any] = {f"params/{n}": np.asarray(v) for n, v in checkpoint.variables.items()}
     for slot, values in checkpoint.slots.items():
         arrays.update({f"slots/{slot}/{n}": np.asarray(v) for n, v in values.items()})
-    arrays[META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    writer = checkpoint.writer or CheckpointWriter(path.parent)
     try:
-        os.fchmod(fd, file_mode())  # mkstemp's 0600, widened only where file_access says so
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if checkpoint.writer is None and checkpoint.tables is not None:
+            copy_tables(checkpoint.tables, writer)
+        if writer.tables:
+            meta["tables"] = writer.tables
+        arrays[META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        writer.finish(path, arrays)
         _fsync_folder(path.parent)
     finally:
-        with contextlib.suppress(OSError):  # a write that failed leaves no partial file
-            os.unlink(tmp)
+        writer.discard()  # a write that failed leaves no partial file (a finished one has nothing left to discard)
+    checkpoint.writer = None
+    checkpoint.tables = TableChunks(path, writer.tables) if writer.tables else None
     _checked[path] = _stamp(path)  # written from memory this process holds: known good
     return path
+
+
+def copy_tables(tables: TableChunks, writer: CheckpointWriter) -> None:
+    """Another checkpoint's tables into ``writer``, one chunk at a time."""
+    for name in tables.names:
+        writer.table(tables.specs[name], tables.num_ps(name), tables.slots(name), int(tables.meta[name]["chunk_rows"]))
+        for shard, record in enumerate(tables.shards(name)):
+            writer.header(name, shard, record["config"], record["counters"])
+            for offset, piece in tables.sketch(name, shard):
+                writer.sketch(name, shard, offset, piece)
+        for shard, chunk in tables.rows(name):
+            writer.rows(name, shard, chunk)
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -235,8 +252,14 @@ def _read(path: Path) -> Checkpoint:
             str(slot): {str(n): np.array(data[f"slots/{slot}/{n}"]) for n in names}
             for slot, names in dict(meta["slots"]).items()
         }
+        tables = None
+        if meta.get("tables"):  # only the record: the chunks are read (and their CRCs checked) when restored
+            problem = tables_problem(meta["tables"], {f + ".npy" for f in data.files})
+            if problem is not None:
+                raise DataError(f"{path} is damaged or not from a real job: {problem}")
+            tables = TableChunks(path, meta["tables"])
     known = {"format", "format_version", "global_step", "variables", "slots", "rule", "rule_step", "config"}
-    known |= {"run_id", "fingerprint"}
+    known |= {"run_id", "fingerprint", "tables"}
     run_id = meta.get("run_id")
     return Checkpoint(
         global_step=_count(meta["global_step"], "global_step"),
@@ -248,6 +271,7 @@ def _read(path: Path) -> Checkpoint:
         extra={k: v for k, v in meta.items() if k not in known},
         run_id=str(run_id) if run_id is not None else None,
         fingerprint=str(meta.get("fingerprint") or ""),
+        tables=tables,
     )
 
 

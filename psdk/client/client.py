@@ -1,11 +1,10 @@
 """The worker's side of the ps: the shard map, pipelined push-and-pull, heartbeats.
 
 Each step is one combined push-and-pull request per shard, all in flight at
-once. Gradients and parameters of a shard each travel as one contiguous
-float32 buffer; the client keeps one preallocated buffer of each per shard
-and hands out named views of them, so a step allocates no large array. A
-wait gives up when the ps it waits for stops answering heartbeats, or at the
-request timeout, and the error names that ps.
+once. A shard's gradients and parameters each travel as one float32 buffer,
+preallocated, with named views handed out: a step allocates no large array.
+A wait gives up when its ps stops answering heartbeats, or at the request
+timeout, and the error names that ps.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -28,6 +28,7 @@ from psdk.client.options import ClientOptions
 from psdk.client.partitions import Joined, chosen_plan
 from psdk.client.rows import PullPlan, RowPush, plan_tables, pulled_rows, with_tables
 from psdk.client.shards import Basis, Shard, StepResult
+from psdk.client.tablestate import announce, check_tables, restore_tables
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
     PeerDeadError,
@@ -196,6 +197,7 @@ class ParameterClient:
         if rule != given:  # asynchrony adds momentum of its own (sync.scale_momentum)
             log.info("worker 0: %d async workers: the ps runs %s, not %s", job.num_workers, rule, given)
         variables = checked_variables(variables, rule, restore)
+        restored = check_tables(restore, tables, rule.slot_names())
         self._creation_order = list(variables)
         self.rule_json = rule.to_json()
         self.fallback = initial_state(variables, rule, restore)
@@ -204,6 +206,7 @@ class ParameterClient:
         messages = init_requests(
             self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, tables, plan=plan
         )
+        announce(messages, restored, self.options.table_chunk_rows)
         replies = self._rejoining(
             lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
         )
@@ -217,6 +220,8 @@ class ParameterClient:
         if len(fresh) > 1:  # a ps was lost while the chief was down too: one cut for all, as after any loss
             self.recover("some ps shards held the job and others were empty (a ps was lost with the chief)")
             return False
+        if fresh == {True} and restore is not None and restore.tables is not None and restored:
+            restore_tables(self, restore.tables, restored, self.cluster.num_ps, self.options.table_chunk_rows)
         return fresh == {True}
 
     def wait_initialized(self) -> None:
@@ -291,10 +296,8 @@ class ParameterClient:
     def pull_rows(self, ids: Mapping[str, Any], read: bool = False) -> dict[str, np.ndarray]:
         """The parameters, and the rows of ``ids`` by table, in the order given (duplicates repeated).
 
-        A training pull creates the rows it names (first touch), counts them
-        for admission and marks them used; ``read=True`` changes nothing on
-        the ps and reads zeros for ids without a row (evaluation, serving).
-        """
+        A training pull creates, counts and stamps the rows it names; ``read=True`` changes nothing (zeros for
+        ids without a row)."""
         return self._pull(ids, read)
 
     def _pull(self, ids: Mapping[str, Any] | None = None, read: bool = False) -> dict[str, np.ndarray]:
@@ -314,13 +317,8 @@ class ParameterClient:
         rows: Mapping[str, RowPush] | None = None,
         pull: Mapping[str, Any] | None = None,
     ) -> StepResult:
-        """Push one gradient per shard and take back the fresh parameters.
-
-        ``grads`` defaults to what was written into :attr:`grads`. ``rows``:
-        row gradients by table, ``(ids, grads)``; ``pull``: ids by table whose
-        rows the result carries (:attr:`StepResult.rows`), read after this
-        push was applied, in one round trip.
-        """
+        """Push one gradient per shard (default: :attr:`grads`) and ``rows`` (by table, ``(ids, grads)``), and
+        take back the fresh parameters and the rows of ``pull`` (ids by table: :attr:`StepResult.rows`)."""
         return self.finish_push_pull(self.start_push_pull(grads, rows=rows, pull=pull))
 
     def basis(self) -> Basis:
@@ -472,9 +470,11 @@ class ParameterClient:
         """Not the chief: wait until the chief has this worker's report (see :mod:`psdk.client.wrapup`)."""
         return wrapup.wait_collected(self, timeout_s)
 
-    def checkpoint_state(self, max_rounds: int = 50) -> Checkpoint:
-        """Chief: a consistent cut of every shard at one global step (see :mod:`psdk.client.cut`)."""
-        cut = checkpoint_cut(self, self.shards, self._joined.part_order(self._creation_order), max_rounds)
+    def checkpoint_state(self, max_rounds: int = 50, folder: Path | None = None) -> Checkpoint:
+        """Chief: a consistent cut of every shard (:mod:`psdk.client.cut`); tables stream into a file in ``folder``."""
+        order = self._joined.part_order(self._creation_order)
+        chunk_rows = self.options.table_chunk_rows
+        cut = checkpoint_cut(self, self.shards, order, max_rounds, self.tables, folder, chunk_rows)
         return self._joined.join_state(cut)
 
     def stop_at(self, version: int) -> int:

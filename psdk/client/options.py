@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psdk.config.options import TransportOptions
+from psdk.errors import ConfigError
+from psdk.protocol.chunks import MAX_CHUNK_ROWS
 
 __all__ = ["ClientOptions"]
 
@@ -27,6 +29,14 @@ class ClientOptions:
     ZeroMQ frames), doorbells and ZeroMQ I/O threads."""
     recovery_timeout_s: float | None = None
     """When set, a lost ps or a restored job is waited out (this long at most) instead of failing."""
+    table_chunk_rows: int = 1 << 14
+    """Rows per message when the chief checkpoints or restores an embedding table (docs/tables.md): what a
+    checkpoint holds in memory per shard, and what the ps's cap on incoming messages follows during a restore."""
+
+    def __post_init__(self) -> None:
+        rows = self.table_chunk_rows
+        if not (isinstance(rows, int) and not isinstance(rows, bool) and 1 <= rows <= MAX_CHUNK_ROWS):
+            raise ConfigError("table_chunk_rows", f"must be an integer in 1 .. {MAX_CHUNK_ROWS}, got {rows!r}")
 
 
 def _saying_where_transport_settings_are(init: Callable[..., None]) -> Callable[..., None]:

@@ -23,6 +23,7 @@ from psdk.client import checkpoint
 from psdk.client.checkpoint import Checkpoint
 from psdk.client.partitions import split_state
 from psdk.client.shards import StepResult
+from psdk.client.tablestate import announce, restore_tables
 from psdk.client.view import ClientView
 from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, TransportError
 from psdk.runtime.liveness import beat
@@ -163,6 +164,11 @@ def lead(client: ClientView, deadline: float) -> int:
     reached = max(int(s["version"]) for s in shards.values())
     for index, status in shards.items():  # the shards as they are now (a restarted one has a new boot id)
         client.set_boot(index, status.get("boot"))
+    tables = list(client.tables.values())
+    restored = [spec for spec in tables if state.tables is not None and spec.name in state.tables.names]
+    if len(restored) < len(tables):
+        log.warning("worker 0: tables %s are in no checkpoint: they keep their rows (a restarted ps starts them empty)",
+                    sorted(spec.name for spec in tables if spec not in restored))  # fmt: skip
     messages = {}
     for index, shard in enumerate(client.shards):
         names = [spec.name for spec in shard.specs]
@@ -180,8 +186,14 @@ def lead(client: ClientView, deadline: float) -> int:
         else:
             assert client.job is not None
             fields.update(job=client.job.to_json(), rule=client.rule_json)
+            if tables:
+                specs = [spec.to_json() for spec in tables]
+                fields["tables"] = {"shard": index, "num_ps": client.cluster.num_ps, "specs": specs}
             messages[index] = client.message("init", arrays, **fields)
+    announce(messages, restored, client.options.table_chunk_rows)
     client.request(messages, "restoring the shards from the latest checkpoint")
+    if restored and state.tables is not None:  # the shards answer no worker until every table committed
+        restore_tables(client, state.tables, restored, client.cluster.num_ps, client.options.table_chunk_rows)
     client.epoch = epoch
     log.warning(
         "worker 0: restored every shard to global step %d (restore epoch %d) from %s",
@@ -198,7 +210,8 @@ def follow(client: ClientView, deadline: float) -> None:
     while True:
         shards = statuses(client, deadline, "the chief to restore the job")
         epochs = {int(s["epoch"]) for s in shards.values()}
-        if all(s["initialized"] for s in shards.values()) and len(epochs) == 1 and min(epochs) > client.epoch:
+        restored = all(s["initialized"] and not s.get("restoring") for s in shards.values())
+        if restored and len(epochs) == 1 and min(epochs) > client.epoch:
             client.epoch = min(epochs)
             for index, status in shards.items():
                 client.set_boot(index, status.get("boot"))

@@ -19,6 +19,7 @@ from psdk.client.heartbeat import Heartbeat
 from psdk.client.shards import Shard, StepResult
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.tables import TableSpec
 from psdk.transport import ClientEndpoint, Pending
 from psdk.transport.wire import Message
 
@@ -41,6 +42,9 @@ class TimeoutOptions(Protocol):
     @property
     def recovery_timeout_s(self) -> float | None: ...
 
+    @property
+    def table_chunk_rows(self) -> int: ...
+
 
 class ClientView(Protocol):
     """The attributes and requests of a :class:`~psdk.client.client.ParameterClient` its parts use."""
@@ -61,6 +65,7 @@ class ClientView(Protocol):
     recovery_source: Callable[[], Checkpoint | None] | None
     reports: dict[int, dict[str, Any]]
     report: dict[str, Any]
+    tables: dict[str, TableSpec]
 
     @property
     def options(self) -> TimeoutOptions: ...

@@ -56,6 +56,10 @@ def _boolean(value: Any) -> bool:
     return isinstance(value, bool)
 
 
+def _string(value: Any) -> bool:
+    return isinstance(value, str)
+
+
 def _anything(value: Any) -> bool:
     return True
 
@@ -73,6 +77,7 @@ INTEGER = FieldType("integer", _integer)
 LIST = FieldType("list", _list)
 OBJECT = FieldType("object", _object)
 BOOLEAN = FieldType("true or false", _boolean)
+STRING = FieldType("string", _string)
 ANY = FieldType("any JSON value", _anything)
 
 
@@ -156,7 +161,8 @@ OPS: dict[str, Op] = {
                       required=False, nullable=True),
                 Field("names", LIST, "this shard's variable names, unique non-empty strings, in frame order"),
                 Field("epoch", NATURAL, "the job's restore epoch (0 for a new job)", required=False),
-                Field("restore", OBJECT, "{version, rule_step, slots}: start from a checkpoint", required=False,
+                Field("restore", OBJECT, "{version, rule_step, slots}: start from a checkpoint; with tables "
+                      "(names) and chunk_rows, those tables are then restored by table_restore", required=False,
                       nullable=True),
                 FINISHED,
                 Field("tables", OBJECT, "the job's embedding tables: {shard: this ps's index, num_ps, specs: "
@@ -204,6 +210,40 @@ OPS: dict[str, Op] = {
            ("paused", "passed"), action="pauses the store", parks="until the shard reaches the version"),
         Op("state", "The shard's variables, slots and rule step, while paused.", Sender.CHIEF, (), "none",
            ("state",), action="reads the state"),
+        Op(
+            "table_state",
+            "One chunk of this shard's part of a table, while paused: rows from a slot cursor, or sketch counters.",
+            Sender.CHIEF,
+            (
+                Field("table", STRING, "the table's name"),
+                Field("part", STRING, "rows (ids, rows, stamps, slots) or sketch (admission counters)"),
+                Field("cursor", NATURAL, "where this chunk starts: 0, then the reply's next"),
+                Field("rows", NATURAL, "the chunk size: at most this many slots (or rows x dim sketch counters)",
+                      label="chunk rows"),
+            ),
+            "none",
+            ("table_state",),
+            action="reads the state",
+        ),
+        Op(
+            "table_restore",
+            "Load one chunk of a table into a staging table; commit swaps it in (after an init that restores it).",
+            Sender.CHIEF,
+            (
+                Field("table", STRING, "the table's name, one the init's restore.tables named"),
+                Field("part", STRING, "rows, sketch or commit"),
+                Field("chunk", NATURAL, "the chunk's number in this restore: a number already taken is "
+                      "acknowledged and not loaded again (a retry)"),
+                Field("slots", LIST, "rows: the slot names, in the order of their arrays", required=False),
+                Field("offset", NATURAL, "sketch: the first counter's position", required=False),
+                Field("counters", LIST, "commit: [clock, evicted, created, rows], rows being how many were sent",
+                      required=False),
+            ),
+            "rows: ids (int64, strictly increasing, this shard's), rows (float32, ids x dim), last_used (uint32), "
+            "then one float32 ids x dim array per slot; sketch: one uint32 array; commit: none",
+            ("chunk_taken",),
+            action="restores the store",
+        ),
         Op("resume", "End the checkpoint pause: held pushes are applied.", Sender.CHIEF, (), "none", ("ok",),
            action="resumes the store"),
         Op("stop_at", "End training early: the job is done once the shard reaches version.", Sender.CHIEF,
@@ -215,7 +255,7 @@ OPS: dict[str, Op] = {
             Sender.CHIEF,
             (
                 Field("names", LIST, "this shard's variable names, as it holds them"),
-                Field("restore", OBJECT, "{version, rule_step, slots}"),
+                Field("restore", OBJECT, "{version, rule_step, slots}; with tables and chunk_rows, as init's"),
                 Field("epoch", NATURAL, "the new restore epoch"),
                 FINISHED,
             ),
@@ -239,14 +279,20 @@ REPLIES: dict[str, Reply] = {
         Reply("resync", "the push belongs to an abandoned timeline: wait for the chief's restore, pull again",
               ("why", "initialized", "epoch", "boot", "version")),
         Reply("status", "to status; reports when the chief asked for them",
-              ("version", "done", "initialized", "epoch", "boot", "failure", "workers", "collected", "leaving",
-               "reports")),
+              ("version", "done", "initialized", "restoring", "epoch", "boot", "failure", "workers", "collected",
+               "leaving", "reports")),
         Reply("stats", "to stats", ("task", "version", "size", "variables", "stats", "workers", "reports", "job",
                                     "process", "tables")),
         Reply("paused", "the shard stands at the pause version", ("version",)),
         Reply("passed", "the shard is already past the pause version (or done before it)", ("version",)),
         Reply("state", "a paused shard's state", (*LAYOUT_FIELDS, "slots", "rule_step", "rule"),
               "the flat variables, then one flat array per slot"),
+        Reply("table_state", "one chunk of a paused shard's table",
+              ("table", "part", "version", "config", "counters", "slots", "cursor", "next"),
+              "rows: ids (int64), rows (float32), last_used (uint32), one float32 array per slot (in slots' "
+              "order); sketch: one uint32 array of counters from cursor"),
+        Reply("chunk_taken", "to table_restore: the chunk is loaded (or was already), or the table committed",
+              ("table", "chunk", "rows", "again", "committed")),
         Reply("error", "a refusal or failure, any request", ("error", "kind")),
     )
 }  # fmt: skip
@@ -269,7 +315,7 @@ ERROR_KINDS: dict[str, str] = {
     NON_FINITE: "the push's update would leave NaN or Inf in the store: refused, the store unchanged",
     "failed": "the job has failed: the reason follows",
     "internal": "a bug in the ps (logged there); the ps goes on",
-    "not_paused": "state without a held pause: the chief skips that checkpoint",
+    "not_paused": "state or table_state without a held pause: the chief skips that checkpoint",
 }
 
 CHIEF_ONLY = frozenset(name for name, op in OPS.items() if op.sender is Sender.CHIEF)

@@ -16,6 +16,7 @@ from psdk.errors import RefusedError
 from psdk.protocol import BUSY
 from psdk.ps.sessions import session_of
 from psdk.ps.shard import MAX_WAITS_PER_WORKER, ServedShard
+from psdk.ps.tables.chunks import state_chunk
 from psdk.runtime.failpoints import PS_STATE, failpoint
 from psdk.transport.wire import Message
 
@@ -67,14 +68,20 @@ class Checkpoints:
             self.outbox.error(peer, rid, f"the checkpoint pause ended: {why}", "not_paused")
         self.release_held()
 
+    def _refuse_unpaused(self, peer: bytes, message: Message) -> bool:
+        """Answer ``not_paused`` (and say so) unless the pause holds: the chief's pause lapsed, or was never held."""
+        self.shard.require_init()
+        if self.paused or self.shard.done:
+            return False
+        # kind "not_paused": the chief skips this checkpoint
+        self.outbox.error(peer, message.rid, "the shard is not paused (pause_at first, within ps.pause_lease_s)",
+                          "not_paused")  # fmt: skip
+        return True
+
     def on_state(self, peer: bytes, message: Message, worker: int) -> None:
         """The shard's variables, slots and rule step, for a checkpoint (only while paused)."""
         shard, store = self.shard, self.shard.store
-        shard.require_init()
-        if not self.paused and not shard.done:
-            # kind "not_paused": the chief's pause lapsed (or was never held); it skips this checkpoint
-            self.outbox.error(peer, message.rid, "the shard is not paused (pause_at first, within ps.pause_lease_s)",
-                              "not_paused")  # fmt: skip
+        if self._refuse_unpaused(peer, message):
             return
         failpoint(PS_STATE)
         slots = store.slots()
@@ -86,6 +93,18 @@ class Checkpoints:
         }
         arrays = [store.snapshot(), *(slot.copy() for slot in slots.values())]
         self.outbox.send(peer, message.rid, "state", fields, arrays)
+
+    def on_table_state(self, peer: bytes, message: Message, worker: int) -> None:
+        """One chunk of one table, for a checkpoint (only while paused: the cursor is a slot position)."""
+        if self._refuse_unpaused(peer, message):
+            return
+        store = self.shard.store
+        name = message.fields["table"]
+        table = store.tables.get(name)
+        if table is None:
+            raise RefusedError(f"this shard holds no table {name!r} (it holds {sorted(store.tables) or 'none'})")
+        fields, arrays = state_chunk(table, message.fields["part"], message.fields["cursor"], message.fields["rows"])
+        self.outbox.send(peer, message.rid, "table_state", {**fields, "version": store.version}, arrays)
 
     def on_resume(self, peer: bytes, message: Message, worker: int) -> None:
         for waiter_peer, waiter_rid in self.pause.end():  # a pause_at still waiting: the chief gave up on it

@@ -152,6 +152,8 @@ class ParameterServer:
             "resume": checkpoints.on_resume,
             "stop_at": shard.on_stop_at,
             "restore": lambda peer, message, worker: restore.on_restore(shard, peer, message),
+            "table_state": checkpoints.on_table_state,
+            "table_restore": lambda peer, message, worker: restore.on_table_restore(shard, peer, message),
         }
         assert self._handlers.keys() == protocol.OPS.keys(), "every declared op has one handler"
 
@@ -422,6 +424,7 @@ class ParameterServer:
             "version": self.store.version,
             "done": self.done,
             "initialized": self.store.initialized,
+            "restoring": sorted(self.shard.table_restores),
             "epoch": self.epoch,
             "boot": self.shard.boot,
             "failure": self.failure,

@@ -34,6 +34,7 @@ from psdk.ps.pause import PauseLease
 from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
 from psdk.ps.store import ParameterStore, RestoreState
+from psdk.ps.tables.chunks import ChunkedRestore, chunk_bytes, restores_of
 from psdk.ps.tables.requests import TablePull, pulled_rows, table_request
 from psdk.ps.tables.setup import place_tables, tables_bytes
 from psdk.runtime.failpoints import PS_UPDATE, failpoint
@@ -106,6 +107,8 @@ class ServedShard:
         self.failure: str | None = None
         self.init_waiters: list[tuple[bytes, int, int]] = []  # peer, rid, worker
         self._reply_buffers: dict[int, np.ndarray] = {}
+        self.table_restores: dict[str, ChunkedRestore] = {}
+        """Tables the chief's init announced it restores (``table_restore``): ``wait_init`` waits for them."""
         self._grad_copy = np.zeros(0, np.float32)
         """A borrowed gradient (in a worker's memory) is copied here when the rule must read it twice."""
 
@@ -140,7 +143,16 @@ class ServedShard:
         It carries every variable and every slot of the shard (a push carries
         the variables' size once), and a header.
         """
-        return max(largest_message_bytes(self.store.size, len(self.store.slots())), self.largest_push_bytes())
+        dense = largest_message_bytes(self.store.size, len(self.store.slots()))
+        restores = self.table_restores.values()
+        chunk = max((chunk_bytes([r.table], r.chunk_rows) for r in restores), default=0)
+        return max(dense, self.largest_push_bytes(), chunk)
+
+    def limit_incoming(self) -> None:
+        """Cap what peers may send: the largest legitimate message, and what every worker's pushes hold at once."""
+        assert self.job is not None
+        largest, push = self.largest_message_bytes(), self.largest_push_bytes()
+        self.endpoint.limit_incoming(largest, largest + self.job.num_workers * push)
 
     def largest_push_bytes(self) -> int:
         """A push: the flat gradient, and for every table its most ids with their rows, and as many ids to pull."""
@@ -204,12 +216,13 @@ class ServedShard:
         if len(message.arrays) != len(names) * (1 + (len(restore.slots) if restore else 0)):
             raise ProtocolError("init needs one array per variable (and per slot when restoring)")
         tables = place_tables(message.fields.get("tables"), self.index, rule)  # checked before anything changes
+        table_restores = restores_of(message.fields.get("restore"), tables)
         self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
         self.store.place_tables(tables)
+        self.table_restores = table_restores
         self.epoch = message.fields.get("epoch") or 0
         self.job = job
-        largest, push = self.largest_message_bytes(), self.largest_push_bytes()
-        self.endpoint.limit_incoming(largest, largest + job.num_workers * push)
+        self.limit_incoming()
         self.policy = make_policy(self.store, job.sync, self.membership.live)
         self.membership.expect(job.num_workers)
         if self.epoch > 0:  # restored after a ps was lost: the workers were running, their heartbeats come at once
@@ -228,6 +241,11 @@ class ServedShard:
             f", restored at version {self.store.version}" if restore else "",
         )
         self.outbox.send(peer, message.rid, "ok", self.layout())
+        if not self.table_restores:
+            self.release_init_waiters()
+
+    def release_init_waiters(self) -> None:
+        """The job is placed (and its tables restored): the workers waiting for it get the layout."""
         for waiter_peer, rid, _ in self.init_waiters:
             self.outbox.send(waiter_peer, rid, "layout", self.layout())
         self.init_waiters.clear()
@@ -235,7 +253,7 @@ class ServedShard:
     def on_wait_init(self, peer: bytes, message: Message, worker: int) -> None:
         if self.failure:
             self.outbox.error(peer, message.rid, self.failure, "failed")
-        elif self.store.initialized:
+        elif self.store.initialized and not self.table_restores:
             self.outbox.send(peer, message.rid, "layout", self.layout())
         elif sum(1 for waiter in self.init_waiters if waiter[2] == worker) >= MAX_WAITS_PER_WORKER:
             raise RefusedError(f"worker {worker} already waits for the chief {MAX_WAITS_PER_WORKER} times", BUSY)

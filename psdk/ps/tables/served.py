@@ -83,15 +83,20 @@ class ServedTable:
                 self.rows.lookup(np.arange(start, min(start + PREALLOCATE_CHUNK, high), dtype=np.int64))
 
     # ------------------------------------------------------------ checks
-    def check_ids(self, ids: np.ndarray, what: str) -> np.ndarray:
-        """``ids`` if this shard may be sent them; a :class:`RefusedError` naming the problem otherwise."""
+    def check_ids(self, ids: np.ndarray, what: str, most: int | None = None) -> np.ndarray:
+        """``ids`` if this shard may be sent them; a :class:`RefusedError` naming the problem otherwise.
+
+        ``most``: the most ids allowed (the table's ``max_ids`` unless given: a restore's chunk size).
+        """
         name = self.spec.name
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise RefusedError(
                 f"{what} of table {name!r}: ids must be a 1-D int64 array, not {ids.dtype}{list(ids.shape)}"
             )
-        if len(ids) > self.spec.max_ids:
-            raise RefusedError(f"{what} of table {name!r}: {len(ids)} ids, more than its max_ids={self.spec.max_ids}")
+        most = self.spec.max_ids if most is None else most
+        if len(ids) > most:
+            limit = f"max_ids={most}" if most == self.spec.max_ids else f"the restore's chunk_rows={most}"
+            raise RefusedError(f"{what} of table {name!r}: {len(ids)} ids, more than its {limit}")
         if len(ids) == 0:
             return ids
         if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):

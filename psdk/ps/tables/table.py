@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH
 from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
 from psdk.ps.tables.index import RowIndex, check_ids
 
@@ -57,8 +58,8 @@ class RowTable:
         slot_names: Sequence[str] = (),
         admit_after: int = 0,
         name: str = "",
-        sketch_depth: int = 4,
-        sketch_width: int = 1 << 18,
+        sketch_depth: int = SKETCH_DEPTH,
+        sketch_width: int = SKETCH_WIDTH,
         slot_init: Mapping[str, float] | None = None,
     ) -> None:
         if dim < 1:
@@ -242,6 +243,32 @@ class RowTable:
             state.update(sketch=self.sketch.counts.reshape(-1).copy(), sketch_offset=np.array([0], np.int64))
         return state
 
+    def header(self) -> dict[str, np.ndarray]:
+        """``config`` ([dim, sketch depth, sketch width]) and ``counters`` ([clock, evicted, created, rows])."""
+        return self._header()
+
+    def rows_from(self, cursor: int, chunk_rows: int) -> tuple[dict[str, np.ndarray], int | None]:
+        """The live rows of slots ``[cursor, cursor + chunk_rows)`` (copies), and the next chunk's cursor.
+
+        ``None``: that was the last. A cursor is a slot position, so a reader
+        can stop and go on later, as long as nothing changed the table since
+        (the ps reads the chunks while paused).
+        """
+        if chunk_rows < 1 or cursor < 0:
+            raise ValueError(f"a chunk needs chunk_rows >= 1 and cursor >= 0, not {chunk_rows} and {cursor}")
+        end = self.index.next_slot  # slot_ids past it were never handed out, and read 0
+        stop = min(cursor + chunk_rows, end)
+        block = cursor + np.flatnonzero(self.index.slot_ids[cursor:stop] >= 0) if cursor < end else np.zeros(0, int)
+        return self._row_chunk(block), (stop if stop < end else None)
+
+    def sketch_from(self, offset: int, count: int) -> tuple[np.ndarray, int | None]:
+        """Up to ``count`` sketch counters from ``offset`` (a copy) and the next piece's offset (``None``: the last)."""
+        if self.sketch is None:
+            return np.zeros(0, np.uint32), None
+        flat = self.sketch.counts.reshape(-1)
+        stop = min(offset + count, len(flat))
+        return flat[offset:stop].copy(), (stop if stop < len(flat) else None)
+
     def export_chunks(self, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
         """The state in pieces of at most ``chunk_rows`` rows (or ``chunk_rows * dim`` sketch counters).
 
@@ -251,15 +278,16 @@ class RowTable:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
         yield self._header()
-        end = self.index.next_slot  # slot_ids past it were never handed out, and read 0
-        for start in range(0, end, chunk_rows):
-            block = start + np.flatnonzero(self.index.slot_ids[start : min(start + chunk_rows, end)] >= 0)
-            if len(block):
-                yield self._row_chunk(block)
-        if self.sketch is not None:
-            flat, step = self.sketch.counts.reshape(-1), chunk_rows * self.dim
-            for start in range(0, len(flat), step):
-                yield {"sketch": flat[start : start + step].copy(), "sketch_offset": np.array([start], np.int64)}
+        cursor: int | None = 0
+        while cursor is not None:
+            chunk, cursor = self.rows_from(cursor, chunk_rows)
+            if len(chunk["ids"]):
+                yield chunk
+        offset: int | None = 0 if self.sketch is not None else None
+        while offset is not None:
+            start = offset
+            piece, offset = self.sketch_from(start, chunk_rows * self.dim)
+            yield {"sketch": piece, "sketch_offset": np.array([start], np.int64)}
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of every row, by increasing id: the table for serving."""
@@ -301,6 +329,10 @@ class TableRestore:
         self._counters: np.ndarray | None = None
         self._sketch_filled = 0
 
+    def __len__(self) -> int:
+        """The rows loaded so far."""
+        return len(self._staging)
+
     def add(self, chunk: dict[str, np.ndarray]) -> None:
         """Load one chunk (any of: header, rows, sketch piece)."""
         staging = self._staging
@@ -330,6 +362,12 @@ class TableRestore:
         given = {key for key in chunk if key == "rows" or key == "last_used" or key.startswith(SLOT)} | {"ids"}
         if given != expected:
             raise ValueError(f"a row chunk holds {sorted(given)}, this table needs {sorted(expected)}")
+        for key in ("rows", *(SLOT + slot for slot in staging.slots)):
+            if np.shape(chunk[key]) != (len(ids), staging.dim):
+                raise ValueError(f"{key} of a chunk of {len(ids)} rows is {np.shape(chunk[key])}, not "
+                                 f"{(len(ids), staging.dim)}")  # fmt: skip
+        if np.shape(chunk["last_used"]) != (len(ids),):
+            raise ValueError(f"last_used of a chunk of {len(ids)} rows has shape {np.shape(chunk['last_used'])}")
         if len(np.unique(ids)) != len(ids) or (staging.index.find(ids) >= 0).any():
             raise ValueError("the state repeats ids")
         slots = staging.index.insert(ids)
