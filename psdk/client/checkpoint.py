@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psdk.client.tablefile import CheckpointWriter, TableChunks, tables_problem
+from psdk.client.tablefile import CheckpointWriter, TableChunks, check_crcs, tables_problem
 from psdk.errors import DataError, PsdkError
 from psdk.plugins.registry import rule_from_json
 from psdk.protocol.numerics import all_finite
@@ -253,10 +253,11 @@ def _read(path: Path) -> Checkpoint:
             for slot, names in dict(meta["slots"]).items()
         }
         tables = None
-        if meta.get("tables"):  # only the record: the chunks are read (and their CRCs checked) when restored
+        if meta.get("tables"):  # the record, and every chunk's CRC; the values are checked when restored
             problem = tables_problem(meta["tables"], {f + ".npy" for f in data.files})
             if problem is not None:
                 raise DataError(f"{path} is damaged or not from a real job: {problem}")
+            check_crcs(path)
             tables = TableChunks(path, meta["tables"])
     known = {"format", "format_version", "global_step", "variables", "slots", "rule", "rule_step", "config"}
     known |= {"run_id", "fingerprint", "tables"}
