@@ -310,7 +310,12 @@ class Adam(UpdateRule):
 
 @dataclass(frozen=True)
 class Adagrad(UpdateRule):
-    """Adagrad as torch applies it: ``p -= lr * g / (sqrt(sum g^2) + eps)``."""
+    """Adagrad as torch applies it: ``p -= lr * g / (sqrt(sum g^2) + eps)``.
+
+    TensorFlow 1.x's ``AdagradOptimizer`` is the same rule with
+    ``initial_accumulator_value=0.1, eps=0``: its bounds then come from the
+    smallest accumulator (:meth:`slot_floors`), so its applies stay cheap.
+    """
 
     name: ClassVar[str] = "adagrad"
     nonnegative_slots: ClassVar[tuple[str, ...]] = ("sum",)
