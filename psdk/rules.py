@@ -6,6 +6,6 @@ want the ps's rule stated outright. Rules that plugins add are found with
 :func:`psdk.plugins.installed_rules`; see :mod:`psdk.ps.rules` for the semantics.
 """
 
-from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, RuleState, UpdateRule
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, RuleState, UpdateRule, floor_key
 
-__all__ = ["SGD", "Adagrad", "Adam", "RMSProp", "RuleState", "UpdateRule"]
+__all__ = ["SGD", "Adagrad", "Adam", "RMSProp", "RuleState", "UpdateRule", "floor_key"]

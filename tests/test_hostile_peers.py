@@ -30,7 +30,7 @@ from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.numerics import all_finite, magnitude
 from psdk.ps.consistency import SyncSpec
-from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp
+from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, floor_key
 from psdk.ps.server import ParameterServer, ServerOptions
 from psdk.ps.stats import STALENESS_CAP
 from psdk.ps.store import FlatStore, RestoreState
@@ -337,6 +337,7 @@ BOUNDED_RULES = [
     Adam(lr=0.01, weight_decay=0.1),
     Adam(lr=0.01, epsilon_mode="tf"),
     Adagrad(lr=0.1, initial_accumulator_value=0.1),
+    Adagrad(lr=0.1, initial_accumulator_value=0.1, eps=0.0),  # TensorFlow 1.x's: bounded by its smallest sum
     RMSProp(lr=0.01, momentum=0.5),
     RMSProp(lr=0.01, centered=True),  # gives no bounds: always the backup and check
 ]
@@ -363,6 +364,7 @@ def test_the_bounds_that_skip_the_check_are_never_wrong(
         assert all_finite(store.params()) and float(np.abs(store.params()).max()) <= params_bound
         for name, slot in store.slots().items():
             assert all_finite(slot) and float(np.abs(slot).max()) <= slot_bounds[name]
+            assert float(slot.min()) >= slot_bounds.get(floor_key(name), -np.inf)
 
 
 def test_ordinary_updates_are_proven_finite_without_a_backup_and_huge_ones_are_checked() -> None:

@@ -44,7 +44,16 @@ from psdk.errors import ConfigError
 from psdk.protocol.numerics import SAFE_MAGNITUDE, all_finite
 
 Bounds = tuple[float, dict[str, float]]
-"""Upper bounds on ``|x|`` for a shard's parameters and for each of its slots, by name."""
+"""Upper bounds on ``|x|`` for a shard's parameters and for each of its slots, by name.
+
+The slots' dict may also hold lower bounds on a slot's values, under
+:func:`floor_key`, for the rules that ask for them (:meth:`UpdateRule.slot_floors`).
+"""
+
+
+def floor_key(slot: str) -> str:
+    """Where :data:`Bounds` keeps a lower bound on the values of ``slot`` (not on their magnitude)."""
+    return f"{slot}:floor"
 
 
 DECAYS = ("exponential", "cosine")
@@ -137,6 +146,17 @@ class UpdateRule(ABC):
             if name in self.nonnegative_slots and values.size and float(values.min()) < 0.0:
                 return f"slot {name!r} holds negative values ({self.name} takes its square root)"
         return None
+
+    def slot_floors(self, slots: dict[str, np.ndarray]) -> dict[str, float]:
+        """Lower bounds on slots' values that :meth:`bounds_after` relies on, by :func:`floor_key`.
+
+        The store measures them from the slots themselves whenever it
+        measures its bounds (after ``initialize``, a restore and every
+        checked apply), so a floor holds for whatever the slots hold, a
+        checkpoint's included; :meth:`bounds_after` carries it over applies
+        that cannot lower it. None by default.
+        """
+        return {}
 
     def new_state(self, size: int) -> RuleState:
         slots = {name: np.zeros(size, np.float32) for name in self.slot_names()}
@@ -290,7 +310,12 @@ class Adam(UpdateRule):
 
 @dataclass(frozen=True)
 class Adagrad(UpdateRule):
-    """Adagrad as torch applies it: ``p -= lr * g / (sqrt(sum g^2) + eps)``."""
+    """Adagrad as torch applies it: ``p -= lr * g / (sqrt(sum g^2) + eps)``.
+
+    TensorFlow 1.x's ``AdagradOptimizer`` is the same rule with
+    ``initial_accumulator_value=0.1, eps=0``: its bounds then come from the
+    smallest accumulator (:meth:`slot_floors`), so its applies stay cheap.
+    """
 
     name: ClassVar[str] = "adagrad"
     nonnegative_slots: ClassVar[tuple[str, ...]] = ("sum",)
@@ -311,13 +336,25 @@ class Adagrad(UpdateRule):
         if self.eps < 0:
             raise ConfigError("optimizer.eps", f"must be >= 0, got {self.eps}")
 
+    def slot_floors(self, slots: dict[str, np.ndarray]) -> dict[str, float]:
+        """The smallest accumulator: sums only grow, so every later denominator is at least its root."""
+        acc = slots["sum"]
+        return {floor_key("sum"): float(acc.min())} if acc.size else {}
+
     def bounds_after(self, params: float, slots: dict[str, float], grad: float) -> Bounds | None:
-        if self.eps < SMALLEST_EPS:
-            return None
+        floor = slots.get(floor_key("sum"), 0.0)
+        # sqrt(sum) + eps, with sum >= its floor (TensorFlow 1.x's eps=0 with initial_accumulator_value > 0
+        # is bounded by the floor alone); float32's rounding of the root and the sum taken off.
+        low = (math.sqrt(max(floor, 0.0)) + self.eps) / ROUNDING
+        if not low >= SMALLEST_EPS:  # also NaN
+            return None  # a zero denominator is possible: only the check can tell
         g = grad + abs(self.weight_decay) * params
         total = slots["sum"] + g * g
-        ratio = g / self.eps  # the denominator sqrt(sum) + eps is at least eps
-        return _within(params + self.lr * ratio, {"sum": total}, g * g, math.sqrt(total) + self.eps, ratio)
+        ratio = g / low
+        after = _within(params + self.lr * ratio, {"sum": total}, g * g, math.sqrt(total) + self.eps, ratio)
+        if after is not None and floor_key("sum") in slots:
+            after[1][floor_key("sum")] = floor  # adding squares never lowers a float32 sum
+        return after
 
     def new_state(self, size: int) -> RuleState:
         state = super().new_state(size)

@@ -23,6 +23,10 @@ it so, the cheap one whenever it can prove its case:
   applies, and every buffer is checked; a result with NaN or Inf anywhere
   is undone from the copy and refused (:class:`~psdk.errors.NonFiniteError`).
   The check also measures the buffers again, which tightens the bounds.
+  A rule may ask for lower bounds on its slots' values too, measured with
+  them (:meth:`~psdk.ps.rules.UpdateRule.slot_floors`): Adagrad's smallest
+  accumulator bounds its denominator when ``eps=0`` (TensorFlow 1.x's
+  configuration), and a checkpoint's smaller sums lower it as they arrive.
 
 A gradient's bound holds only while nobody changes it: the ps copies a
 gradient out of a worker's shared memory before it measures it, unless the
@@ -260,7 +264,10 @@ class FlatStore(ParameterStore):
         return self.rule_state.step
 
     def _measure(self) -> Bounds:
-        return magnitude(self._flat), {name: magnitude(slot) for name, slot in self.rule_state.slots.items()}
+        assert self.rule is not None
+        slots = self.rule_state.slots
+        bounds = {name: magnitude(slot) for name, slot in slots.items()}
+        return magnitude(self._flat), bounds | self.rule.slot_floors(slots)
 
     def needs_stable_gradient(self) -> bool:
         """Whether an apply is proven finite only for a gradient that stays as it was measured."""
