@@ -292,7 +292,7 @@ def test_a_damaged_chunk_makes_the_checkpoint_invalid_and_a_resume_without_its_t
     at = info.header_offset + 30 + len(info.filename) + len(info.extra) + 200
     data[at] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    with pytest.raises(DataError, match="CRC|damaged|cannot be read"):  # every table entry's CRC is read
+    with pytest.raises(DataError, match=r"CRC|damaged|cannot be read"):  # every table entry's CRC is read
         ckpt.load(damaged)
     assert not ckpt.is_valid(damaged) and ckpt.is_valid(path)  # resume and recovery pass over it
     with running_ps(2) as ps:
