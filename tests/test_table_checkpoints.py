@@ -9,6 +9,8 @@ on others; each refused chunk is shown to leave the table as it was.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -387,3 +389,23 @@ def test_a_pause_that_ends_while_the_tables_are_read_skips_the_checkpoint_and_le
         assert asking.resumed and list(tmp_path.iterdir()) == []
         path = saved(client, tmp_path)  # the next one is written
         assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_export_writes_each_tables_ids_and_rows_for_serving(original: Original, tmp_path: Path) -> None:
+    path, held = original
+    out = tmp_path / "served"
+    run = subprocess.run(
+        [sys.executable, "-m", "psdk", "export", str(path), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    for name, rows in held.items():
+        assert f"{name}: {len(rows)} rows" in run.stdout
+        ids, values = np.load(out / name / "ids.npy"), np.load(out / name / "rows.npy")
+        assert sorted(ids.tolist()) == sorted(rows)
+        for row_id, row in zip(ids.tolist(), values, strict=True):
+            np.testing.assert_array_equal(row, rows[row_id][0])
+    refused = subprocess.run(
+        [sys.executable, "-m", "psdk", "export", str(path), str(out), "table=nope"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "holds no table ['nope']" in refused.stderr

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("psdk")
 
 TASK_COMMANDS = ("run", "ps", "worker", "task", "evaluate")
-COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz", "data")
+COMMANDS = (*TASK_COMMANDS, "report", "plugins", "bench", "keys", "fuzz", "data", "export")
 # Commands people type from other tools, and psdk's.
 COMMAND_ALIASES = {"train": "run", "start": "run", "launch": "run", "download": "data", "eval": "evaluate"}
 # Config groups chosen in config.yaml's defaults list: `+model=...` would be refused as a second value.
@@ -64,6 +64,8 @@ commands:
   bench     psdk against TensorFlow's and PyTorch's own parameter servers (conf/bench.yaml)
   data      fetch the workload's data and check it, nothing else; MNIST: download it (or check a folder:
             data.dir=...) and verify its checksums
+  export    a checkpoint's embedding tables as ids.npy + rows.npy per table, for serving:
+            export CHECKPOINT [OUT] [table=NAME]
 
 examples:
   python -m psdk run backend=torch
@@ -439,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command not in COMMANDS:
             raise ConfigError("command", unknown_command(command), COMMANDS)
         access.apply(access.from_args(args[1:]))  # before anything is written, by this process or its tasks
-        if command in ("plugins", "fuzz", "keys", "data", "bench"):
+        if command in ("plugins", "fuzz", "keys", "data", "bench", "export"):
             from psdk.launch.commands import run_command
 
             return run_command(command, normalize_args(args[1:], meant_config_key if command == "data" else None))

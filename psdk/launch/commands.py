@@ -138,6 +138,21 @@ def list_plugins() -> int:
     return 0
 
 
+def export(args: Sequence[str]) -> int:
+    """``export CHECKPOINT [OUT] [table=NAME]``: a checkpoint's tables as ids.npy and rows.npy per table."""
+    places = [a for a in args if "=" not in a]
+    options = _options([a for a in args if "=" in a], {"table": ""})
+    if not 1 <= len(places) <= 2:
+        raise ConfigError("export", "usage: python -m psdk export CHECKPOINT [OUT] [table=NAME]")
+    from psdk.client.export import export_tables
+
+    out = Path(places[1]) if len(places) == 2 else Path(places[0]).with_suffix("")
+    names = [options["table"]] if options["table"] else None
+    for name, count in export_tables(Path(places[0]), out, names).items():
+        print(f"{name}: {count} rows -> {out / name}/ids.npy, rows.npy")
+    return 0
+
+
 def run_command(command: str, args: list[str]) -> int:
     """Run ``command`` (one of this module's) with its arguments; its exit status."""
     if command == "plugins":
@@ -148,5 +163,7 @@ def run_command(command: str, args: list[str]) -> int:
         return make_keys(args)
     if command == "data":
         return check_data(args)
+    if command == "export":
+        return export(args)
     run_bench(args)
     return 0
