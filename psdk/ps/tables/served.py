@@ -50,10 +50,11 @@ class RowGrad:
 
 @dataclass
 class StagedRows:
-    """An update computed but not yet written: the rows that had a row to update, their new values and slots."""
+    """An update computed but not yet written: where the updated rows live, their new values and slots."""
 
     table: ServedTable
-    ids: np.ndarray
+    where: np.ndarray
+    """The rows' positions in the table (found once, when staged: nothing moves rows before the commit)."""
     rows: np.ndarray
     slots: dict[str, np.ndarray]
 
@@ -136,14 +137,14 @@ class ServedTable:
         gradient first (a sync round's mean). Raises NonFiniteError, with
         nothing changed, when a result would hold NaN or Inf.
         """
-        keep = self.rows.admitted(grad.ids)
-        ids, rows = grad.ids, grad.rows
+        where, rows = self.rows.index.find(grad.ids), grad.rows
+        keep = where >= 0
         if not bool(keep.all()):
-            self.dropped_rows += int(len(ids) - np.count_nonzero(keep))
-            ids, rows = ids[keep], rows[keep]
-        block, slots = self.rows.gather(ids)
-        if not len(ids):
-            return StagedRows(self, ids, block, slots)
+            self.dropped_rows += int(len(where) - np.count_nonzero(keep))
+            where, rows = where[keep], rows[keep]
+        block, slots = self.rows.gather_slots(where)
+        if not len(where):
+            return StagedRows(self, where, block, slots)
         g = rows.reshape(-1) if scale == 1.0 else (rows * np.float32(scale)).reshape(-1)
         flat_slots = {name: values.reshape(-1) for name, values in slots.items()}
         scratch = [np.empty(block.size, np.float32) for _ in range(rule.scratch_count())]
@@ -154,11 +155,11 @@ class ServedTable:
             raise NonFiniteError(
                 f"the update of table {self.spec.name!r} would leave NaN or Inf in its rows: refused, rows unchanged"
             )
-        return StagedRows(self, ids, block, slots)
+        return StagedRows(self, where, block, slots)
 
     def commit(self, staged: StagedRows) -> None:
-        if len(staged.ids):
-            self.rows.scatter(staged.ids, staged.rows, staged.slots)
+        if len(staged.where):
+            self.rows.scatter_slots(staged.where, staged.rows, staged.slots)
 
     def stats(self) -> dict[str, int | float]:
         table = self.rows

@@ -97,16 +97,23 @@ class RowTable:
         used and creates the rows of admitted ids; ``create=False`` (a read)
         changes nothing.
         """
-        unique, inverse = np.unique(check_ids(ids), return_inverse=True)
+        check_ids(ids)
+        if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):  # unique and sorted already (a served pull): no sort
+            unique, inverse = ids, None
+        else:
+            unique, inverse = np.unique(ids, return_inverse=True)
         slots = self.index.find(unique)
         if create:
             self._count_stamp_create(unique, inverse, slots)
-        found = np.zeros((len(unique), self.dim), np.float32)
         have = slots >= 0
-        found[have] = self.rows[slots[have]]
-        return found[inverse]
+        if bool(have.all()):
+            found = self.rows[slots]
+        else:
+            found = np.zeros((len(unique), self.dim), np.float32)
+            found[have] = self.rows[slots[have]]
+        return found if inverse is None else found[inverse]
 
-    def _count_stamp_create(self, unique: np.ndarray, inverse: np.ndarray, slots: np.ndarray) -> None:
+    def _count_stamp_create(self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray) -> None:
         """A creating lookup's changes, after the one check that can refuse it, so a refusal changes nothing.
 
         An id is admitted on its count before this lookup plus its occurrences
@@ -115,7 +122,7 @@ class RowTable:
         """
         present = slots >= 0
         wanted = ~present
-        counts = np.bincount(inverse, minlength=len(unique))
+        counts = np.ones(len(unique), np.int64) if inverse is None else np.bincount(inverse, minlength=len(unique))
         if self.sketch is not None:
             wanted &= self.sketch.estimate(unique).astype(np.int64) + counts >= self.admit_after
         new = np.flatnonzero(wanted)
@@ -146,6 +153,16 @@ class RowTable:
         """Copies of the rows and slots of ``ids`` (all with rows), as one block for a rule to update."""
         slots = self._slots_of(ids)
         return self.rows[slots], {slot: values[slots] for slot, values in self.slots.items()}
+
+    def gather_slots(self, where: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Copies of the rows and rule slots at slot positions ``where`` (from ``index.find``: all >= 0)."""
+        return self.rows[where], {slot: values[where] for slot, values in self.slots.items()}
+
+    def scatter_slots(self, where: np.ndarray, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> None:
+        """Write a block from :meth:`gather_slots` back to the same distinct positions (nothing moved since)."""
+        self.rows[where] = rows
+        for slot, values in slots.items():
+            self.slots[slot][where] = values
 
     def scatter(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray] | None = None) -> None:
         """Write back a block from ``gather``: ``ids`` distinct and with rows, each array ``len(ids) x dim``."""
