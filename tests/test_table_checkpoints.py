@@ -409,3 +409,41 @@ def test_export_writes_each_tables_ids_and_rows_for_serving(original: Original, 
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert refused.returncode == 2 and "holds no table ['nope']" in refused.stderr
+
+
+def test_a_chief_restarted_in_the_middle_of_a_restore_finishes_it(
+    original: Original, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first chief dies after some chunks (no commit); the next one's init is "already" and sends the rest."""
+    from psdk.client import tablestate
+
+    path, held = original
+    sent = [0]
+    real_send = tablestate.ChunkSender.send
+
+    def dies_after_two_rounds(self: Any, pieces: Any) -> None:
+        sent[0] += 1
+        if sent[0] > 2:
+            raise ConnectionAbortedError("the chief died in the restore")
+        real_send(self, pieces)
+
+    with running_ps(2, heartbeat_timeout_s=1.0, recovery=True) as ps:  # the ps waits for a restarted chief
+        first = ParameterClient(ps.transport, ps.cluster(2), 0, FAST)
+        monkeypatch.setattr(tablestate.ChunkSender, "send", dies_after_two_rounds)
+        with pytest.raises(ConnectionAbortedError):
+            first.initialize(DENSE, job_spec(2), RULE, restore=ckpt.load(path), tables=TABLES)
+        first.close()
+        assert any(server.shard.table_restores for server in ps.servers), "the shards wait for the rest"
+        monkeypatch.setattr(tablestate.ChunkSender, "send", real_send)
+        second = ParameterClient(ps.transport, ps.cluster(2), 0, FAST)
+        try:
+            assert not second.initialize(DENSE, job_spec(2), RULE, restore=ckpt.load(path), tables=TABLES)
+            assert not any(server.shard.table_restores for server in ps.servers)
+            for spec in TABLES:
+                now = held_state(ps.servers, spec.name)
+                assert now.keys() == held[spec.name].keys()
+                for row_id, (row, accum, _) in held[spec.name].items():
+                    np.testing.assert_array_equal(now[row_id][0], row)
+                    np.testing.assert_array_equal(now[row_id][1], accum)
+        finally:
+            second.close()

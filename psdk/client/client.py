@@ -28,7 +28,7 @@ from psdk.client.options import ClientOptions
 from psdk.client.partitions import Joined, chosen_plan
 from psdk.client.rows import PullPlan, RowPush, plan_tables, pulled_rows, with_tables
 from psdk.client.shards import Basis, Shard, StepResult
-from psdk.client.tablestate import announce, check_tables, restore_tables
+from psdk.client.tablestate import announce, check_tables, finish_restore
 from psdk.client.waiting import ReplyWait, rejoining
 from psdk.errors import (
     PeerDeadError,
@@ -220,8 +220,8 @@ class ParameterClient:
         if len(fresh) > 1:  # a ps was lost while the chief was down too: one cut for all, as after any loss
             self.recover("some ps shards held the job and others were empty (a ps was lost with the chief)")
             return False
-        if fresh == {True} and restore is not None and restore.tables is not None and restored:
-            restore_tables(self, restore.tables, restored, self.cluster.num_ps, self.options.table_chunk_rows)
+        if restore is not None and restore.tables is not None and restored:
+            finish_restore(self, restore.tables, restored, fresh == {True}, self.cluster.num_ps, self.options)
         return fresh == {True}
 
     def wait_initialized(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from psdk.client.checkpoint import Checkpoint
+from psdk.client.options import ClientOptions
 from psdk.client.tablefile import SLOT, CheckpointWriter, TableChunks
 from psdk.errors import CheckpointAbandoned, PeerTimeoutError, PsdkError
 from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH, as_wire, from_wire, sketch_piece
@@ -237,6 +238,24 @@ def restore_tables(
         restored[name] = list(sender.sent)
     log.info("worker 0: tables restored from the checkpoint (rows per shard): %s", restored)
     return restored
+
+
+def finish_restore(
+    client: Asking, saved: TableChunks, tables: Sequence[TableSpec], fresh: bool, num_ps: int, options: ClientOptions
+) -> None:
+    """After the ``init`` that announced them, the tables' chunks; also for a chief restarted mid-restore.
+
+    That chief's ``init`` is answered "already", and the shards still wait
+    for the rest of the restore (their status names the tables): the chunks
+    go again (a shard acknowledges a chunk number it has) and the commit ends
+    it, instead of the workers waiting out their timeout.
+    """
+    if not fresh:
+        replies = client.request({i: client.message("status") for i in range(num_ps)}, "the shards' restores")
+        if not any(reply.fields.get("restoring") for reply in replies.values()):
+            return
+        log.warning("worker 0: the shards wait for the rest of a table restore (a chief died in it): sending it")
+    restore_tables(client, saved, tables, num_ps, options.table_chunk_rows)
 
 
 def _send_sketch(sender: ChunkSender, saved: TableChunks, name: str, spec: TableSpec, same: bool) -> None:
