@@ -48,6 +48,7 @@ import numpy as np
 
 from psdk.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
 from psdk.fuzz.model import Model
+from psdk.fuzz.rows import RowRequest
 from psdk.protocol import ops as protocol
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import POLICIES, SyncSpec
@@ -63,6 +64,7 @@ except ImportError:  # pragma: no cover - the CLI says how to install it
 
 from psdk.fuzz.draws import (
     ASKED,
+    BAD_TABLES,
     CHIEF_STEPS,
     COVERAGE,
     FIRST_FAILURES,
@@ -72,11 +74,14 @@ from psdk.fuzz.draws import (
     RULES,
     SPREAD_MODES,
     SPREAD_RULES,
+    SPREAD_TABLES,
     STEPS,
     SYNC_MODES,
+    TABLE_SETS,
     TARGETS,
 )
 from psdk.fuzz.following import ModelFollowing
+from psdk.fuzz.table_rules import TableRules
 
 
 class PsMachine(ModelFollowing, RuleBasedStateMachine):
@@ -95,6 +100,8 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         self.shapes = [(4, 5), (4,)]
         self.model = Model()
         self.saved: Message | None = None
+        self.declared: dict[str, Any] | None = None
+        """The tables the chief's init declared (a restarted ps is initialised with them again)."""
         self.bounded: dict[tuple[int | None, int], tuple[int, int]] = {}
         """Applied pushes whose answer the staleness bound may hold: (connection's worker, rid) -> (worker,
         its iterations once applied); each answer is checked against the bound when it comes."""
@@ -106,11 +113,11 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         mode=SPREAD_MODES,
         rule_index=SPREAD_RULES,
     )
-    def start(self, start: str, mode: str, rule_index: int) -> None:
+    def start(self, start: str, mode: str, rule_index: int, tables: str = "none") -> None:
         """Most sequences begin with a job the chief initialised (and memory lent): the handlers past init."""
         if start == "nothing":
             return
-        self.init(0, mode, rule_index, 10**6, False, 1.0)
+        self.init(0, mode, rule_index, 10**6, False, 1.0, tables)
         for who in range(1, WORKERS):
             self.wait_init(who)
         if start == "init+attach" and self.MODE.shared_memory and shm.available():
@@ -139,7 +146,9 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         restore=st.booleans(),
         scale=st.sampled_from([1.0, 1e30, float("nan")]),
     )
-    def init(self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float) -> None:
+    def init(
+        self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float, tables: str = "none"
+    ) -> None:
         actor = self.actors[who]
         rule = RULES[rule_index]
         rounds = POLICIES[mode].waits_for_rounds  # two of the three workers' gradients make a round: one is a backup
@@ -155,7 +164,15 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
                 for j, _ in enumerate(slots)
                 for i, shape in enumerate(self.shapes)
             ]
-        must_fail = actor.worker != 0 or (math.isnan(scale) and not self.ps.server.store.initialized)
+        specs = TABLE_SETS.get(tables)
+        if specs:  # rows by hash on this one ps; an init with tables the ps must refuse names another shard, ...
+            fields["tables"] = {"shard": 0, "num_ps": 1, "specs": specs}
+            if actor.worker == 0 and not self.ps.server.store.initialized:
+                self.declared = fields["tables"]
+        elif tables in BAD_TABLES:
+            fields["tables"] = BAD_TABLES[tables]
+        refused = math.isnan(scale) or tables in BAD_TABLES
+        must_fail = actor.worker != 0 or (refused and not self.ps.server.store.initialized)
         self.send(actor, Message("init", fields, arrays, actor.rid()), must_fail=must_fail)
 
     @precondition(lambda self: self.ps.serving)
@@ -201,7 +218,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
             actor.buffers.grads[...] = grad
             rid = self.harness.knock(actor, at, number, self.harness.epoch)
             if rid is not None:
-                self._follow_push(actor, rid, at, grad)
+                self._follow_push(actor, rid, at, grad, rows=RowRequest())
             return
         if channel == "shm" and actor.buffers is not None:
             actor.buffers.grads[...] = grad
@@ -319,6 +336,8 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         saved = self.saved.fields
         fields = chief.fields(job=saved["job"], rule=saved["rule"], names=saved["names"], restore=restore)
         fields["epoch"] = self.harness.epoch + 1
+        if self.declared is not None:  # the tables again, empty: a checkpoint's state holds no rows
+            fields["tables"] = self.declared
         self.send(chief, Message("init", fields, arrays, chief.rid()))
         if self.model.initialized:
             COVERAGE["lifecycle: a ps restarted from a checkpoint the fuzzer took"] += 1
@@ -459,6 +478,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         if not store.initialized:
             return
         problems = self.model.compare(store.version, store.params(), store.slots(), store.rule_step)
+        problems += self.model.compare_tables(self.table_states())
         if problems:
             self._disagree("; ".join(problems))
 
@@ -478,6 +498,41 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
                 self.harness.check_exit(self.ended)
         finally:
             self.harness.close()
+
+
+class TablesMachine(PsMachine, TableRules):
+    """Every sequence's job declares embedding tables, and the rules that push and pull rows join the others.
+
+    A machine of its own, so that :class:`PsMachine`'s sequences (and what
+    its budgets catch) stay as they were: hypothesis draws every sequence
+    from the list of rules. The chief's ``init`` here also declares tables,
+    some of which the ps must refuse (another shard's, a bad spec, a name
+    twice).
+    """
+
+    @initialize(
+        start=st.sampled_from(["init", "init+attach"]),
+        mode=SPREAD_MODES,
+        rule_index=SPREAD_RULES,
+        tables=SPREAD_TABLES.filter(lambda name: TABLE_SETS[name] is not None),
+    )
+    def start(self, start: str, mode: str, rule_index: int, tables: str = "none") -> None:
+        super().start(start, mode, rule_index, tables)
+
+    @precondition(lambda self: self.ps.serving)
+    @rule(
+        who=st.integers(0, WORKERS),
+        mode=st.sampled_from(SYNC_MODES),
+        rule_index=st.integers(0, len(RULES) - 1),
+        steps=st.sampled_from([3, 20, 10**6]),
+        restore=st.booleans(),
+        scale=st.sampled_from([1.0, 1e30, float("nan")]),
+        tables=st.one_of(SPREAD_TABLES, st.sampled_from(list(BAD_TABLES))),
+    )
+    def init(
+        self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float, tables: str = "none"
+    ) -> None:
+        super().init(who, mode, rule_index, steps, restore, scale, tables)
 
 
 def _ill_typed(op: str, key: str, value: Any) -> bool:
