@@ -54,6 +54,8 @@ class ModelFollowing:
     def _follow_pull(self, actor: Actor, message: Message) -> None:
         """A pull answered with parameters read (and, for a training pull, created) the rows it names."""
         reply = self.harness.answers.pop((actor.worker, message.rid), None)
+        if reply is not None and reply.op == "error" and reply.fields.get("kind") == "failed":
+            self.model.fail()
         if reply is None or reply.op != "params" or not self.model.initialized:
             return  # refused (a bad table part, a stranger, ...): nothing changed
         rows = row_request(message.fields.get("tables"), message.arrays)

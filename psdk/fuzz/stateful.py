@@ -29,6 +29,11 @@ sent:
   shutdown or abort), with its reason logged and the matching exit code,
   never with a traceback, and never hangs.
 
+:class:`TablesMachine` adds embedding tables: every sequence's job declares
+some, and rules push and pull rows, valid or with a fault the ps must
+refuse (:mod:`psdk.fuzz.table_rules`); the model follows their rows too
+(:mod:`psdk.fuzz.rows`).
+
 
 The live ps, the connections and the books are the harness's
 (:mod:`psdk.fuzz.harness`); this module holds the rules that draw
@@ -167,13 +172,14 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         specs = TABLE_SETS.get(tables)
         if specs:  # rows by hash on this one ps; an init with tables the ps must refuse names another shard, ...
             fields["tables"] = {"shard": 0, "num_ps": 1, "specs": specs}
-            if actor.worker == 0 and not self.ps.server.store.initialized:
-                self.declared = fields["tables"]
         elif tables in BAD_TABLES:
             fields["tables"] = BAD_TABLES[tables]
         refused = math.isnan(scale) or tables in BAD_TABLES
         must_fail = actor.worker != 0 or (refused and not self.ps.server.store.initialized)
+        initialized = self.model.initialized
         self.send(actor, Message("init", fields, arrays, actor.rid()), must_fail=must_fail)
+        if self.model.initialized and not initialized:  # this init made the job: a restart declares its tables
+            self.declared = fields.get("tables")
 
     @precondition(lambda self: self.ps.serving)
     @rule(who=st.integers(0, WORKERS))
