@@ -121,3 +121,13 @@ PULL_FAULTS = [*ROW_FAULTS, "read without pull", "a push in a pull"]
 def half_faulty(faults: list[str]) -> st.SearchStrategy[str | None]:
     """No fault (``None``) half the time, else one of ``faults``, spread as the modes are."""
     return st.integers(0, 1 << 16).map(lambda i: faults[i // 2 % len(faults)] if i % 2 else None)
+
+
+def ill_typed(op: str, key: str, value: Any) -> bool:
+    """Whether ``value`` breaks the type the protocol declares for ``op``'s field ``key`` (then it must be refused)."""
+    if key == "worker":
+        return not protocol.WORKER_FIELD.type.accepts(value)
+    declared = {f.name: f for f in protocol.OPS[op].fields}.get(key)
+    if declared is None:
+        return False
+    return not (value is None and declared.nullable) and not declared.type.accepts(value)

@@ -22,14 +22,24 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from psdk.ps.tables.hashing import initial_rows, table_key
 
-if TYPE_CHECKING:
-    from psdk.fuzz.model import RuleModel
+
+class RuleModel(Protocol):
+    """What a table needs of :class:`psdk.fuzz.model.RuleModel` (named so, not imported: it imports this)."""
+
+    def slot_names(self) -> tuple[str, ...]: ...
+
+    def initial_slots(self, size: int) -> dict[str, np.ndarray]: ...
+
+    def step(
+        self, p: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray], t: int
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...
+
 
 ROUNDING = 2.0**-20
 """As the dense model's: what float32 may lose on one update, relative to its largest value."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from psdk.fuzz.draws import FIRST_FAILURES, STEPS
 from psdk.fuzz.harness import Mode
-from psdk.fuzz.stateful import PsMachine, TablesMachine
+from psdk.fuzz.stateful import PsMachine
+from psdk.fuzz.table_rules import TablesMachine
 
 
 def machine(mode: Mode, tables: bool = False) -> type[PsMachine]:
@@ -35,7 +36,7 @@ class StatefulReport:
     failure: str | None = None
     caught_at: int | None = None
     tables: bool = False
-    """Every sequence declared embedding tables (:class:`psdk.fuzz.stateful.TablesMachine`)."""
+    """Every sequence declared embedding tables (:class:`psdk.fuzz.table_rules.TablesMachine`)."""
     """The step that saw the first violation, counting every sequence's steps."""
 
     def line(self) -> str:
@@ -52,7 +53,7 @@ def run(
     ``seed`` fixes the sequences (the same seed, the same sequences); ``None``
     derives them from the test itself, as the test suite does. ``shrink``:
     on a failure, look for the shortest sequence that fails too. ``tables``:
-    every sequence declares embedding tables (:class:`psdk.fuzz.stateful.TablesMachine`).
+    every sequence declares embedding tables (:class:`psdk.fuzz.table_rules.TablesMachine`).
     """
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis import seed as fixed_seed

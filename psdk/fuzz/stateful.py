@@ -29,10 +29,9 @@ sent:
   shutdown or abort), with its reason logged and the matching exit code,
   never with a traceback, and never hangs.
 
-:class:`TablesMachine` adds embedding tables: every sequence's job declares
-some, and rules push and pull rows, valid or with a fault the ps must
-refuse (:mod:`psdk.fuzz.table_rules`); the model follows their rows too
-(:mod:`psdk.fuzz.rows`).
+:class:`psdk.fuzz.table_rules.TablesMachine` adds embedding tables: every
+sequence's job declares some, and rules push and pull rows, valid or with a
+fault the ps must refuse; the model follows their rows too (:mod:`psdk.fuzz.rows`).
 
 
 The live ps, the connections and the books are the harness's
@@ -54,7 +53,6 @@ import numpy as np
 from psdk.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
 from psdk.fuzz.model import Model
 from psdk.fuzz.rows import RowRequest
-from psdk.protocol import ops as protocol
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import POLICIES, SyncSpec
 from psdk.ps.rules import SGD
@@ -79,14 +77,13 @@ from psdk.fuzz.draws import (
     RULES,
     SPREAD_MODES,
     SPREAD_RULES,
-    SPREAD_TABLES,
     STEPS,
     SYNC_MODES,
     TABLE_SETS,
     TARGETS,
+    ill_typed,
 )
 from psdk.fuzz.following import ModelFollowing
-from psdk.fuzz.table_rules import TableRules
 
 
 class PsMachine(ModelFollowing, RuleBasedStateMachine):
@@ -169,11 +166,8 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
                 for j, _ in enumerate(slots)
                 for i, shape in enumerate(self.shapes)
             ]
-        specs = TABLE_SETS.get(tables)
-        if specs:  # rows by hash on this one ps; an init with tables the ps must refuse names another shard, ...
-            fields["tables"] = {"shard": 0, "num_ps": 1, "specs": specs}
-        elif tables in BAD_TABLES:
-            fields["tables"] = BAD_TABLES[tables]
+        if TABLE_SETS.get(tables) or tables in BAD_TABLES:  # rows by hash on this one ps, or tables it must refuse
+            fields["tables"] = BAD_TABLES.get(tables) or {"shard": 0, "num_ps": 1, "specs": TABLE_SETS[tables]}
         refused = math.isnan(scale) or tables in BAD_TABLES
         must_fail = actor.worker != 0 or (refused and not self.ps.server.store.initialized)
         initialized = self.model.initialized
@@ -435,7 +429,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
             return  # a valid init in disguise: the init rule covers it, and the model would not follow
         if op == "restore" and actor.worker == 0 and key != "worker":
             return  # a chief's restore with one odd field may still be valid: the restore rule covers that
-        self.send(actor, Message(op, fields, grads, actor.rid()), must_fail=_ill_typed(op, key, value))
+        self.send(actor, Message(op, fields, grads, actor.rid()), must_fail=ill_typed(op, key, value))
 
     @precondition(lambda self: self.ps.serving)
     @rule(
@@ -504,48 +498,3 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
                 self.harness.check_exit(self.ended)
         finally:
             self.harness.close()
-
-
-class TablesMachine(PsMachine, TableRules):
-    """Every sequence's job declares embedding tables, and the rules that push and pull rows join the others.
-
-    A machine of its own, so that :class:`PsMachine`'s sequences (and what
-    its budgets catch) stay as they were: hypothesis draws every sequence
-    from the list of rules. The chief's ``init`` here also declares tables,
-    some of which the ps must refuse (another shard's, a bad spec, a name
-    twice).
-    """
-
-    @initialize(
-        start=st.sampled_from(["init", "init+attach"]),
-        mode=SPREAD_MODES,
-        rule_index=SPREAD_RULES,
-        tables=SPREAD_TABLES.filter(lambda name: TABLE_SETS[name] is not None),
-    )
-    def start(self, start: str, mode: str, rule_index: int, tables: str = "none") -> None:
-        super().start(start, mode, rule_index, tables)
-
-    @precondition(lambda self: self.ps.serving)
-    @rule(
-        who=st.integers(0, WORKERS),
-        mode=st.sampled_from(SYNC_MODES),
-        rule_index=st.integers(0, len(RULES) - 1),
-        steps=st.sampled_from([3, 20, 10**6]),
-        restore=st.booleans(),
-        scale=st.sampled_from([1.0, 1e30, float("nan")]),
-        tables=st.one_of(SPREAD_TABLES, st.sampled_from(list(BAD_TABLES))),
-    )
-    def init(
-        self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float, tables: str = "none"
-    ) -> None:
-        super().init(who, mode, rule_index, steps, restore, scale, tables)
-
-
-def _ill_typed(op: str, key: str, value: Any) -> bool:
-    """Whether ``value`` breaks the type the protocol declares for ``op``'s field ``key`` (then it must be refused)."""
-    if key == "worker":
-        return not protocol.WORKER_FIELD.type.accepts(value)
-    declared = {f.name: f for f in protocol.OPS[op].fields}.get(key)
-    if declared is None:
-        return False
-    return not (value is None and declared.nullable) and not declared.type.accepts(value)

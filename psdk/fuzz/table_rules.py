@@ -1,6 +1,7 @@
 """The stateful fuzzer's rules for embedding tables: rows pushed and pulled, valid and hostile.
 
-A mixin of :class:`psdk.fuzz.stateful.TablesMachine`. ``push_rows`` sends a
+:class:`TableRules` is a mixin of :class:`TablesMachine`, the state machine
+whose every sequence's job declares tables. ``push_rows`` sends a
 ``push_pull`` whose ``tables`` part pushes rows of one table (and may pull
 or read rows back), ``pull_rows`` a ``pull`` of rows (a training pull or a
 ``read``). About half of each are valid: strictly increasing int64 ids,
@@ -24,14 +25,27 @@ from typing import Any
 
 import numpy as np
 
-from psdk.fuzz.draws import PULL_FAULTS, PUSH_FAULTS, ROW_IDS, TABLE_SETS, half_faulty
+from psdk.fuzz.draws import (
+    BAD_TABLES,
+    PULL_FAULTS,
+    PUSH_FAULTS,
+    ROW_IDS,
+    RULES,
+    SPREAD_MODES,
+    SPREAD_RULES,
+    SPREAD_TABLES,
+    SYNC_MODES,
+    TABLE_SETS,
+    half_faulty,
+)
 from psdk.fuzz.following import ModelFollowing
 from psdk.fuzz.harness import WORKERS, Actor
+from psdk.fuzz.stateful import PsMachine
 from psdk.transport.wire import Message
 
 try:
     from hypothesis import strategies as st
-    from hypothesis.stateful import precondition, rule
+    from hypothesis.stateful import initialize, precondition, rule
 except ImportError:  # pragma: no cover - the CLI says how to install it
     raise ImportError("the stateful fuzzer needs hypothesis: pip install 'psdk[fuzz]'") from None
 
@@ -181,3 +195,38 @@ class TableRules(ModelFollowing):
         fields = actor.fields(tables=[entry])
         must_fail = actor.worker is None or not self.ps.server.store.initialized or not self._holds(spec["name"])
         self._send_faulty(actor, Message("pull", fields, arrays, actor.rid()), fault, must_fail)
+
+
+class TablesMachine(PsMachine, TableRules):
+    """Every sequence's job declares embedding tables, and the rules that push and pull rows join the others.
+
+    A machine of its own, so that :class:`PsMachine`'s sequences (and what
+    its budgets catch) stay as they were: hypothesis draws every sequence
+    from the list of rules. The chief's ``init`` here also declares tables,
+    some of which the ps must refuse (another shard's, a bad spec, a name
+    twice).
+    """
+
+    @initialize(
+        start=st.sampled_from(["init", "init+attach"]),
+        mode=SPREAD_MODES,
+        rule_index=SPREAD_RULES,
+        tables=SPREAD_TABLES.filter(lambda name: TABLE_SETS[name] is not None),
+    )
+    def start(self, start: str, mode: str, rule_index: int, tables: str = "none") -> None:
+        super().start(start, mode, rule_index, tables)
+
+    @precondition(lambda self: self.ps.serving)
+    @rule(
+        who=st.integers(0, WORKERS),
+        mode=st.sampled_from(SYNC_MODES),
+        rule_index=st.integers(0, len(RULES) - 1),
+        steps=st.sampled_from([3, 20, 10**6]),
+        restore=st.booleans(),
+        scale=st.sampled_from([1.0, 1e30, float("nan")]),
+        tables=st.one_of(SPREAD_TABLES, st.sampled_from(list(BAD_TABLES))),
+    )
+    def init(
+        self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float, tables: str = "none"
+    ) -> None:
+        super().init(who, mode, rule_index, steps, restore, scale, tables)
