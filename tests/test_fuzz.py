@@ -52,10 +52,11 @@ def test_the_fuzz_command_runs_every_stage_and_reports_a_pass(capsys: object) ->
 
     assert main(["fuzz", "sequences=5", "steps=10", "count=2000", "seed=3"]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
-    for stage in ("stateful (plain, frames)", "stateful (plain, shared memory)", "stateful (curve, shared memory)"):
+    stages = ("stateful (plain, frames)", "stateful (plain, shared memory)", "stateful (curve, shared memory)")
+    for stage in (*stages, "stateful (plain, frames, tables)"):
         assert f"{stage}: 5 sequences" in out
     assert "alongside a real job" in out and "store hash unchanged: True" in out
-    assert out.count("PASS") == 5
+    assert out.count("PASS") == 6
 
 
 def test_single_messages_mutate_every_op_the_protocol_declares() -> None:

@@ -3,7 +3,8 @@
 Each test patches the ps with one bug of the kind the model exists for (a
 lost update, a doubled one, a wrong sign, a wrong learning rate, a sync
 round one replica short, a checkpoint's slots restored into the wrong
-variable, bounded staleness without its bound) and runs the stateful fuzzer over frames with the budget the test
+variable, bounded staleness without its bound, row gradients applied the
+wrong way or to the wrong rows) and runs the stateful fuzzer over frames with the budget the test
 suite gives one mode (``tests/test_fuzz_stateful.py``): it must fail, and
 say the ps and the model disagree. The real ps passes that budget in
 ``tests/test_fuzz_stateful.py``. Each prints the step that caught it,
@@ -24,11 +25,14 @@ from psdk.ps import store as store_module
 from psdk.ps.consistency import SSPPolicy, SyncPolicy
 from psdk.ps.rules import UpdateRule
 from psdk.ps.store import FlatStore
+from psdk.ps.tables.served import RowGrad, ServedTable
 
 pytestmark = pytest.mark.timeout(300)
 
 EXAMPLES, STEPS = 80, 40
 """The budget of one mode in tests/test_fuzz_stateful.py."""
+TABLE_EXAMPLES, TABLE_STEPS = 30, 30
+"""The budget of the sequences that all declare tables there (the table mutants run with it)."""
 
 Patch = Callable[[pytest.MonkeyPatch], None]
 
@@ -109,6 +113,26 @@ def no_staleness_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SSPPolicy, "release_ready", release_ready)
 
 
+def flip_the_rows_sign(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push's row gradients go the wrong way (the dense part is right)."""
+    original = ServedTable.stage_update
+
+    def stage_update(self: ServedTable, grad: RowGrad, *args: Any, **kwargs: Any) -> Any:
+        return original(self, RowGrad(grad.ids, -grad.rows), *args, **kwargs)
+
+    monkeypatch.setattr(ServedTable, "stage_update", stage_update)
+
+
+def rows_into_their_neighbours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pushed row gradient lands on the next id's row (rotated within the push)."""
+    original = ServedTable.stage_update
+
+    def stage_update(self: ServedTable, grad: RowGrad, *args: Any, **kwargs: Any) -> Any:
+        return original(self, RowGrad(grad.ids, np.roll(grad.rows, 1, axis=0)), *args, **kwargs)
+
+    monkeypatch.setattr(ServedTable, "stage_update", stage_update)
+
+
 MUTANTS: dict[str, Patch] = {
     "drop every second gradient": drop_every_second_gradient,
     "apply a gradient twice": apply_a_gradient_twice,
@@ -117,13 +141,18 @@ MUTANTS: dict[str, Patch] = {
     "a sync round one replica short": one_replica_too_few,
     "restore slots into the wrong variable": slots_into_the_wrong_variable,
     "answer beyond the staleness bound": no_staleness_bound,
+    "flip the rows' sign": flip_the_rows_sign,
+    "rows into their neighbours": rows_into_their_neighbours,
 }
+TABLE_MUTANTS = {"flip the rows' sign", "rows into their neighbours"}
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_the_fuzzer_catches_the_mutant(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     MUTANTS[name](monkeypatch)
-    report = runner.run(Mode(shared_memory=False), examples=EXAMPLES, steps=STEPS, shrink=False)
-    print(f"\nmutant {name!r}: caught at step {report.caught_at} of at most {EXAMPLES * (STEPS + 1)}")
+    tables = name in TABLE_MUTANTS
+    examples, steps = (TABLE_EXAMPLES, TABLE_STEPS) if tables else (EXAMPLES, STEPS)
+    report = runner.run(Mode(shared_memory=False), examples=examples, steps=steps, shrink=False, tables=tables)
+    print(f"\nmutant {name!r}: caught at step {report.caught_at} of at most {examples * (steps + 1)}")
     assert report.failure is not None, f"the fuzzer passed a ps that does {name!r}"
     assert "the ps and the reference model disagree" in report.failure, report.failure

@@ -48,6 +48,20 @@ def test_sequences_of_every_op_keep_the_books_the_store_and_the_ps(mode: Mode) -
         assert any(key.startswith("knock -> params") for key in stateful.COVERAGE)
 
 
+def test_sequences_with_tables_keep_the_rows_the_models_and_refuse_bad_row_requests() -> None:
+    """Every sequence declares tables: rows pushed and pulled follow the reference model, bad ones are refused."""
+    stateful.COVERAGE.clear()
+    report = runner.run(Mode(shared_memory=False), examples=30, steps=30, tables=True)
+    print(report.line())
+    assert report.failure is None, report.failure
+    reached = set(stateful.COVERAGE)
+    assert {"rows: push_pull -> params applied", "rows: pull -> params pulled"} <= reached
+    refused = {key for key in reached if key.startswith("rows: ") and " -> error rejected" in key}
+    assert any(key.startswith("rows: push_pull") for key in refused) and any(
+        key.startswith("rows: pull") for key in refused
+    )
+
+
 def test_a_real_job_trains_to_the_end_while_a_workers_key_is_fuzzed() -> None:
     report = run_alongside(steps=1500, seed=0, curve=True)
     print(report.line())

@@ -73,3 +73,61 @@ COVERAGE: Counter[str] = Counter()
 """What the sequences reached, over every run in this process: ``request -> reply`` (outcome, or error kind)."""
 RULES: list[UpdateRule] = [SGD(lr=0.1), SGD(lr=0.5, momentum=0.9), Adam(lr=0.01), Adagrad(lr=0.1), RMSProp(lr=0.01)]
 SPREAD_RULES = st.integers(0, 1 << 16).map(lambda i: i % len(RULES))
+
+# Embedding tables the chief's init may declare (one ps: num_ps=1, hash placement), and the ids drawn for them.
+_USERS: dict[str, Any] = {"name": "users", "dim": 3, "capacity": 64, "init_scale": 0.05, "seed": 3, "max_ids": 16}
+_ITEMS: dict[str, Any] = {
+    "name": "items",
+    "dim": 2,
+    "capacity": 64,
+    "initializer": "uniform",
+    "init_scale": 0.1,
+    "max_ids": 16,
+}
+_ITEMS["admit_after"] = 2
+TABLE_SETS: dict[str, list[dict[str, Any]] | None] = {
+    "none": None,
+    "one": [_USERS],
+    "two, one admitting after 2 pulls": [_USERS, _ITEMS],
+    "capped at 8 rows": [{**_USERS, "capacity": 8}],
+}
+"""What an init declares (its ``tables`` specs); the ids below overflow the capped one, which then evicts."""
+SPREAD_TABLES = st.integers(0, 1 << 16).map(lambda i: list(TABLE_SETS)[i % len(TABLE_SETS)])
+"""A sequence's tables, spread as its mode is (``sampled_from`` would favour none)."""
+BAD_TABLES: dict[str, dict[str, Any]] = {
+    "another shard's": {"shard": 1, "num_ps": 2, "specs": [_USERS]},
+    "a bad spec": {"shard": 0, "num_ps": 1, "specs": [{**_USERS, "dim": 0}]},
+    "a name twice": {"shard": 0, "num_ps": 1, "specs": [_USERS, _USERS]},
+}
+"""An init's tables the ps must refuse (before anything changes)."""
+ROW_IDS = st.sets(st.sampled_from([*range(20), 2**40 + 1, 2**62 + 7]), min_size=1, max_size=10).map(sorted)
+"""A request's ids of one table (strictly increasing), from few enough that rows are pulled, pushed and read
+again; a capped table's limit cuts them."""
+ROW_FAULTS = [
+    "int32 ids",
+    "unsorted ids",
+    "duplicate ids",
+    "a negative id",
+    "more than max_ids",
+    "an unknown table",
+    "an extra frame",
+    "a missing frame",
+]
+"""What makes a table request one the ps must refuse, pushes and pulls alike."""
+PUSH_FAULTS = [*ROW_FAULTS, "rows of the wrong shape", "NaN rows", "a NaN dense gradient"]
+PULL_FAULTS = [*ROW_FAULTS, "read without pull", "a push in a pull"]
+
+
+def half_faulty(faults: list[str]) -> st.SearchStrategy[str | None]:
+    """No fault (``None``) half the time, else one of ``faults``, spread as the modes are."""
+    return st.integers(0, 1 << 16).map(lambda i: faults[i // 2 % len(faults)] if i % 2 else None)
+
+
+def ill_typed(op: str, key: str, value: Any) -> bool:
+    """Whether ``value`` breaks the type the protocol declares for ``op``'s field ``key`` (then it must be refused)."""
+    if key == "worker":
+        return not protocol.WORKER_FIELD.type.accepts(value)
+    declared = {f.name: f for f in protocol.OPS[op].fields}.get(key)
+    if declared is None:
+        return False
+    return not (value is None and declared.nullable) and not declared.type.accepts(value)

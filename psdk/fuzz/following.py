@@ -15,7 +15,8 @@ import numpy as np
 
 from psdk import protocol
 from psdk.fuzz.harness import Actor, Harness, LivePs
-from psdk.fuzz.model import Model, Pushed
+from psdk.fuzz.model import ATOL, RTOL, Model, Pushed
+from psdk.fuzz.rows import RowRequest, TableState, row_request
 from psdk.transport.wire import Message
 
 
@@ -30,7 +31,7 @@ class ModelFollowing:
 
     def send(self, actor: Actor, message: Message, must_fail: bool = False) -> None:
         """Send ``message`` through the harness, then let the reference model follow what the ps did with it."""
-        grad = None
+        grad, rows = None, row_request(message.fields.get("tables"), message.arrays[1:])
         if message.op == "push_pull":
             if message.arrays:
                 grad = message.arrays[0]
@@ -42,9 +43,69 @@ class ModelFollowing:
             self.model.resume()
         if message.op == "push_pull":
             if grad is not None:
-                self._follow_push(actor, message.rid, message.fields.get("version"), grad, message.fields.get("worker"))
+                worker = message.fields.get("worker")
+                self._follow_push(actor, message.rid, message.fields.get("version"), grad, worker, rows)
+        elif message.op == "pull":
+            self._follow_pull(actor, message)
+        else:
+            self._follow(actor, message)
+        self._check_replied()
+
+    def _follow_pull(self, actor: Actor, message: Message) -> None:
+        """A pull answered with parameters read (and, for a training pull, created) the rows it names."""
+        reply = self.harness.answers.pop((actor.worker, message.rid), None)
+        if reply is not None and reply.op == "error" and reply.fields.get("kind") == "failed":
+            self.model.fail()
+        if reply is None or reply.op != "params" or not self.model.initialized:
+            return  # refused (a bad table part, a stranger, ...): nothing changed
+        rows = row_request(message.fields.get("tables"), message.arrays)
+        if rows is None:
+            self._disagree(f"the ps answered a pull whose tables the model cannot read: {message.fields}")
             return
-        self._follow(actor, message)
+        self._check_rows(rows, self.model.pull_rows(rows), reply)
+
+    def _check_replied(self) -> None:
+        """The rows every push the model answered this step carries, where its reply came; then forgotten.
+
+        A reply that did not come in the step the model answered it (a
+        staleness bound holds it) reads its rows at a time the model does not
+        know: it is not compared (the fuzzer sends no training pulls there).
+        """
+        for key, (request, want) in self.model.replied.items():
+            reply = self.harness.answers.get(key)
+            if reply is not None and reply.op == "params":
+                self._check_rows(request, want, reply)
+        self.model.replied.clear()
+
+    def _check_rows(self, request: RowRequest, want: list[np.ndarray | None], reply: Message) -> None:
+        got = reply.arrays[1:]
+        if len(got) != len(want):
+            self._disagree(f"a reply carried {len(got)} tables' rows, the request pulled {len(want)}")
+            return
+        problems = [
+            problem
+            for (name, _, _), rows, expected in zip(request.pulls, got, want, strict=True)
+            for problem in self.model.tables[name].check_reply(rows, expected, RTOL, ATOL)
+        ]
+        if problems:
+            self._disagree("; ".join(problems))
+
+    def refused_table_chunks(self, chief: Actor) -> None:
+        """A table no job declares: its chunk is refused whether paused or not, and so is a restore no init
+        announced (tests/test_table_checkpoints.py covers both with tables)."""
+        chunk = chief.fields(table="t", part="rows", cursor=0, rows=16)
+        self.send(chief, Message("table_state", chunk, [], chief.rid()), must_fail=True)
+        restore = chief.fields(table="t", part="commit", chunk=0, counters=[0, 0, 0, 0])
+        self.send(chief, Message("table_restore", restore, [], chief.rid()), must_fail=True)
+
+    def table_states(self) -> dict[str, TableState]:
+        """The rows, slots and counters of every table the ps's shard holds (read while it is idle)."""
+        held = {}
+        for name, table in self.ps.server.store.tables.items():
+            ids, rows = table.rows.export()
+            slots = table.rows.gather(ids)[1] if len(ids) else {}
+            held[name] = TableState(ids, rows, slots, table.rows.evicted, table.dropped_rows)
+        return held
 
     def _pauses_ended(self) -> int:
         return sum("training goes on" in record.getMessage() for record in self.ps.tap.records)
@@ -75,7 +136,9 @@ class ModelFollowing:
             self._check_state(reply)
             self.saved = reply
 
-    def _follow_push(self, actor: Actor, rid: int, version: Any, grad: np.ndarray, worker: Any = None) -> None:
+    def _follow_push(
+        self, actor: Actor, rid: int, version: Any, grad: np.ndarray, worker: Any = None, rows: RowRequest | None = None
+    ) -> None:
         """A push the ps handled: if its checks let it through, the model submits it and must agree on the outcome."""
         model = self.model
         reply = self.harness.answers.pop((actor.worker, rid), None)
@@ -86,10 +149,14 @@ class ModelFollowing:
         if reply is not None and reply.op not in ("params",) and not overflow:
             return  # refused by the checks before the policy (a resync, a repeat, a stranger...): nothing changed
         worker = actor.worker if worker is None else worker  # the id the push claims is the one the ps counts
-        if not model.initialized or not isinstance(worker, int) or not isinstance(version, int):
+        if not model.initialized or not isinstance(worker, int) or not isinstance(version, int) or rows is None:
             self._disagree(f"the ps took a push the model cannot place: {reply.op if reply else 'parked'}")
             return
-        outcomes = dict(model.submit(Pushed(worker, version, np.asarray(grad, np.float64).copy())))
+        pushed = Pushed(worker, version, np.asarray(grad, np.float64).copy(), rows, (actor.worker, rid))
+        outcomes = dict(model.submit(pushed))
+        answered = model.replied.pop(pushed.key, None)  # its own reply was taken out of the answers above
+        if answered is not None and reply is not None and reply.op == "params":
+            self._check_rows(*answered, reply)
         expected = outcomes.get(worker)
         got = "refused" if overflow else reply.fields.get("outcome") if reply is not None else None
         if expected == "applied" and not model.rounds:

@@ -444,6 +444,11 @@ class Harness:
             for name, slot in store.slots().items():
                 if not all_finite(slot):
                     self._violation(f"slot {name} holds NaN or Inf")
+            for name, table in store.tables.items():
+                ids, rows = table.rows.export()
+                slots = table.rows.gather(ids)[1] if len(ids) else {}
+                if not (all_finite(rows) and all(all_finite(values) for values in slots.values())):
+                    self._violation(f"table {name!r} holds NaN or Inf in its rows or slots")
 
     def check_exit(self, ended: str | None) -> None:
         """The ps serves, or it exited as ``ended`` (the chief's shutdown or abort) asks, its reason logged."""

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from psdk.fuzz.rows import RowRequest, TableModel, TableState
 from psdk.ps.consistency import POLICIES
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -154,6 +155,10 @@ class Pushed:
     worker: int
     version: int
     grad: np.ndarray
+    rows: RowRequest = field(default_factory=RowRequest)
+    """The rows it pushes, and the rows its reply carries (read, and created, when it is answered)."""
+    key: Any = None
+    """Which request it was (the connection's worker, request id): the key of the rows its reply must carry."""
 
 
 @dataclass
@@ -181,6 +186,11 @@ class Model:
     clock: dict[int, int] = field(default_factory=dict)
     """Iterations each worker has finished (its pushes answered applied or dropped), as the policy counts them."""
     failed: bool = False
+    tables: dict[str, TableModel] = field(default_factory=dict)
+    """The shard's embedding tables (:mod:`psdk.fuzz.rows`), declared by the init; a restore keeps them."""
+    replied: dict[Any, tuple[RowRequest, list[np.ndarray | None]]] = field(default_factory=dict)
+    """Each push answered since the fuzzer last looked, by its key: its table part and the rows its reply must
+    carry (``None`` for a table not followed)."""
     log: list[str] = field(default_factory=list)
     """What the model did, for the report of a disagreement."""
 
@@ -219,6 +229,9 @@ class Model:
         self.slots, self.version, self.rule_step = self.rule.initial_slots(self.params.size), 0, 0
         if fields.get("restore"):
             self._restore_state(fields["restore"], arrays)
+        declared = fields.get("tables") or {}
+        self.tables = {str(spec["name"]): TableModel(spec, self.rule) for spec in declared.get("specs", [])}
+        self.replied = {}
         self.round, self.held, self.pause, self.failed, self.clock, self.slack = [], [], None, False, {}, {}
         self._note(f"init at version {self.version}, {self.rule.name}, {self.mode}, {self.steps} steps")
 
@@ -268,8 +281,24 @@ class Model:
     def stop_at(self, target: int) -> int:
         self.steps = min(self.steps, max(target, self.version))
         if self.done:
-            self.round = []
+            self._release_round()
         return self.steps
+
+    def _release_round(self) -> None:
+        """The round's pushes are answered "done" (the job reached its target): their replies read rows."""
+        released, self.round = self.round, []
+        for push in released:
+            self._answer(push)
+
+    def _answer(self, push: Pushed) -> None:
+        """A push answered with parameters: the rows its reply carries, read (and created) now."""
+        rows = self.pull_rows(push.rows)
+        if push.key is not None:
+            self.replied[push.key] = (push.rows, rows)
+
+    def pull_rows(self, request: RowRequest) -> list[np.ndarray | None]:
+        """The rows a reply to ``request`` carries, read now in order (a training pull creates rows)."""
+        return [self.tables[name].lookup(ids, create) for name, ids, create in request.pulls]
 
     def fail(self) -> None:
         self.failed, self.round, self.held = True, [], []
@@ -282,19 +311,22 @@ class Model:
         an error and changes nothing).
         """
         if self.done:
+            self._answer(push)
             return [(push.worker, "done")]
         if self.pause is not None and self.version >= self.pause:
             self.held.append(push)
             self._note(f"held worker {push.worker}'s push")
             return []
         if not self.rounds:  # applied on arrival (a staleness bound only holds the reply back)
-            if not self._apply(push.grad):
+            if not self._apply(push.grad, push.rows.pushes):
                 return [(push.worker, "refused")]
             self._tick(push.worker)
+            self._answer(push)
             return [(push.worker, "applied")]
         if push.version < self.version or any(p.worker == push.worker for p in self.round):
             self._note(f"dropped worker {push.worker}'s push from version {push.version}")
             self._tick(push.worker)
+            self._answer(push)
             return [(push.worker, "dropped")]
         total = sum((p.grad for p in self.round), push.grad)
         if _overflows(total):
@@ -304,11 +336,12 @@ class Model:
             return []
         mean = total / self.replicas
         answered, self.round = self.round, []
-        outcome = "applied" if self._apply(mean) else "dropped"
+        outcome = "applied" if self._apply(mean, self._round_rows(answered), 1.0 / self.replicas) else "dropped"
         for p in answered:
             self._tick(p.worker)
+            self._answer(p)
         if self.done:
-            self.round = []
+            self._release_round()
         return [(p.worker, outcome) for p in answered]
 
     def _tick(self, worker: int) -> None:
@@ -319,22 +352,45 @@ class Model:
         has finished ``slowest`` breaks the staleness bound (``ssp``; the other modes have none)."""
         return self.mode == "ssp" and iterations - self.staleness > slowest
 
-    def _apply(self, grad: np.ndarray) -> bool:
+    @staticmethod
+    def _round_rows(pushes: list[Pushed]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """A round's row gradients by table: each id once, its rows summed over the round's pushes."""
+        sums: dict[str, dict[int, np.ndarray]] = {}
+        for push in pushes:
+            for name, (ids, rows) in push.rows.pushes.items():
+                table = sums.setdefault(name, {})
+                for i, row in zip(ids.tolist(), rows, strict=True):
+                    table[i] = table[i] + row if i in table else row.copy()
+        return {
+            name: (np.array(sorted(table), np.int64), np.array([table[i] for i in sorted(table)]))
+            for name, table in sums.items()
+        }
+
+    def _apply(
+        self, grad: np.ndarray, rows: dict[str, tuple[np.ndarray, np.ndarray]] | None = None, scale: float = 1.0
+    ) -> bool:
+        """One update: the dense gradient and each table's touched rows (times ``scale``), all or nothing."""
         assert self.rule is not None
         with np.errstate(all="ignore"):
             params, slots = self.rule.step(self.params, grad, self.slots, self.rule_step)
-        if _overflows(params, *slots.values()):
+            staged = [
+                self.tables[name].stage(ids, np.asarray(g, np.float64).reshape(len(ids), -1) * scale, self.rule_step)
+                for name, (ids, g) in (rows or {}).items()
+            ]
+        blocks = [a for s in staged if s is not None for a in (s.rows, *s.slots.values())]
+        if _overflows(params, *slots.values(), *blocks):
             self._note(f"refused an update at version {self.version} (it overflows float32)")
             return False
         for name, old, new in [("", self.params, params), *((n, self.slots[n], slots[n]) for n in slots)]:
             largest = max(abs_max(old), abs_max(new), abs_max(grad))
             self.slack[name] = self.slack.get(name, 0.0) + ROUNDING * largest
         self.params, self.slots = params, slots
+        for stage in staged:
+            if stage is not None:
+                stage.table.commit(stage)
         self.version += 1
         self.rule_step += 1
         self._note(f"applied, now version {self.version}")
-        if self.done:
-            self.round = []
         return True
 
     # ------------------------------------------------------------ comparing
@@ -353,6 +409,14 @@ class Model:
         for name in sorted(set(slots) & set(self.slots)):
             problems += _differs(f"slot {name}", slots[name], self.slots[name], self.slack.get(name, 0.0))
         return problems
+
+    def compare_tables(self, held: dict[str, TableState]) -> list[str]:
+        """Where the ps's tables (their rows, slots and dropped gradients) differ from the model's."""
+        if not self.initialized:
+            return []
+        if set(held) != set(self.tables):
+            return [f"the ps holds tables {sorted(held)}, the model {sorted(self.tables)}"]
+        return [problem for name in sorted(held) for problem in self.tables[name].compare(held[name], RTOL, ATOL)]
 
 
 def abs_max(values: np.ndarray) -> float:

@@ -29,6 +29,8 @@ sent:
   shutdown or abort), with its reason logged and the matching exit code,
   never with a traceback, and never hangs.
 
+:class:`psdk.fuzz.table_rules.TablesMachine` adds embedding tables: rows pushed and pulled, valid or
+with a fault the ps must refuse; the model follows their rows too (:mod:`psdk.fuzz.rows`).
 
 The live ps, the connections and the books are the harness's
 (:mod:`psdk.fuzz.harness`); this module holds the rules that draw
@@ -48,7 +50,7 @@ import numpy as np
 
 from psdk.fuzz.harness import ENDINGS, WORKERS, Harness, Mode
 from psdk.fuzz.model import Model
-from psdk.protocol import ops as protocol
+from psdk.fuzz.rows import RowRequest
 from psdk.protocol.jobspec import JobSpec
 from psdk.ps.consistency import POLICIES, SyncSpec
 from psdk.ps.rules import SGD
@@ -63,6 +65,7 @@ except ImportError:  # pragma: no cover - the CLI says how to install it
 
 from psdk.fuzz.draws import (
     ASKED,
+    BAD_TABLES,
     CHIEF_STEPS,
     COVERAGE,
     FIRST_FAILURES,
@@ -74,7 +77,9 @@ from psdk.fuzz.draws import (
     SPREAD_RULES,
     STEPS,
     SYNC_MODES,
+    TABLE_SETS,
     TARGETS,
+    ill_typed,
 )
 from psdk.fuzz.following import ModelFollowing
 
@@ -95,6 +100,8 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         self.shapes = [(4, 5), (4,)]
         self.model = Model()
         self.saved: Message | None = None
+        self.declared: dict[str, Any] | None = None
+        """The tables the chief's init declared (a restarted ps is initialised with them again)."""
         self.bounded: dict[tuple[int | None, int], tuple[int, int]] = {}
         """Applied pushes whose answer the staleness bound may hold: (connection's worker, rid) -> (worker,
         its iterations once applied); each answer is checked against the bound when it comes."""
@@ -106,11 +113,11 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         mode=SPREAD_MODES,
         rule_index=SPREAD_RULES,
     )
-    def start(self, start: str, mode: str, rule_index: int) -> None:
+    def start(self, start: str, mode: str, rule_index: int, tables: str = "none") -> None:
         """Most sequences begin with a job the chief initialised (and memory lent): the handlers past init."""
         if start == "nothing":
             return
-        self.init(0, mode, rule_index, 10**6, False, 1.0)
+        self.init(0, mode, rule_index, 10**6, False, 1.0, tables)
         for who in range(1, WORKERS):
             self.wait_init(who)
         if start == "init+attach" and self.MODE.shared_memory and shm.available():
@@ -139,7 +146,9 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         restore=st.booleans(),
         scale=st.sampled_from([1.0, 1e30, float("nan")]),
     )
-    def init(self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float) -> None:
+    def init(
+        self, who: int, mode: str, rule_index: int, steps: int, restore: bool, scale: float, tables: str = "none"
+    ) -> None:
         actor = self.actors[who]
         rule = RULES[rule_index]
         rounds = POLICIES[mode].waits_for_rounds  # two of the three workers' gradients make a round: one is a backup
@@ -155,8 +164,14 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
                 for j, _ in enumerate(slots)
                 for i, shape in enumerate(self.shapes)
             ]
-        must_fail = actor.worker != 0 or (math.isnan(scale) and not self.ps.server.store.initialized)
+        if TABLE_SETS.get(tables) or tables in BAD_TABLES:  # rows by hash on this one ps, or tables it must refuse
+            fields["tables"] = BAD_TABLES.get(tables) or {"shard": 0, "num_ps": 1, "specs": TABLE_SETS[tables]}
+        refused = math.isnan(scale) or tables in BAD_TABLES
+        must_fail = actor.worker != 0 or (refused and not self.ps.server.store.initialized)
+        initialized = self.model.initialized
         self.send(actor, Message("init", fields, arrays, actor.rid()), must_fail=must_fail)
+        if self.model.initialized and not initialized:  # this init made the job: a restart declares its tables
+            self.declared = fields.get("tables")
 
     @precondition(lambda self: self.ps.serving)
     @rule(who=st.integers(0, WORKERS))
@@ -201,7 +216,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
             actor.buffers.grads[...] = grad
             rid = self.harness.knock(actor, at, number, self.harness.epoch)
             if rid is not None:
-                self._follow_push(actor, rid, at, grad)
+                self._follow_push(actor, rid, at, grad, rows=RowRequest())
             return
         if channel == "shm" and actor.buffers is not None:
             actor.buffers.grads[...] = grad
@@ -319,6 +334,8 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         saved = self.saved.fields
         fields = chief.fields(job=saved["job"], rule=saved["rule"], names=saved["names"], restore=restore)
         fields["epoch"] = self.harness.epoch + 1
+        if self.declared is not None:  # the tables again, empty: a checkpoint's state holds no rows
+            fields["tables"] = self.declared
         self.send(chief, Message("init", fields, arrays, chief.rid()))
         if self.model.initialized:
             COVERAGE["lifecycle: a ps restarted from a checkpoint the fuzzer took"] += 1
@@ -372,12 +389,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         chief = self.actors[0]
         self.send(chief, Message("pause_at", chief.fields(version=self._store_version()), [], chief.rid()))
         self.send(chief, Message("state", chief.fields(), [], chief.rid()))
-        # The fuzzed jobs hold no embedding table: a table's chunk is refused whether paused or not, and a
-        # table restore no init announced is refused (tests/test_table_checkpoints.py covers them with tables).
-        chunk = chief.fields(table="t", part="rows", cursor=0, rows=16)
-        self.send(chief, Message("table_state", chunk, [], chief.rid()), must_fail=True)
-        restore = chief.fields(table="t", part="commit", chunk=0, counters=[0, 0, 0, 0])
-        self.send(chief, Message("table_restore", restore, [], chief.rid()), must_fail=True)
+        self.refused_table_chunks(chief)
         self.send(chief, Message("resume", chief.fields(), [], chief.rid()))
 
     @precondition(lambda self: self.ps.serving)
@@ -416,7 +428,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
             return  # a valid init in disguise: the init rule covers it, and the model would not follow
         if op == "restore" and actor.worker == 0 and key != "worker":
             return  # a chief's restore with one odd field may still be valid: the restore rule covers that
-        self.send(actor, Message(op, fields, grads, actor.rid()), must_fail=_ill_typed(op, key, value))
+        self.send(actor, Message(op, fields, grads, actor.rid()), must_fail=ill_typed(op, key, value))
 
     @precondition(lambda self: self.ps.serving)
     @rule(
@@ -465,6 +477,7 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
         if not store.initialized:
             return
         problems = self.model.compare(store.version, store.params(), store.slots(), store.rule_step)
+        problems += self.model.compare_tables(self.table_states())
         if problems:
             self._disagree("; ".join(problems))
 
@@ -484,13 +497,3 @@ class PsMachine(ModelFollowing, RuleBasedStateMachine):
                 self.harness.check_exit(self.ended)
         finally:
             self.harness.close()
-
-
-def _ill_typed(op: str, key: str, value: Any) -> bool:
-    """Whether ``value`` breaks the type the protocol declares for ``op``'s field ``key`` (then it must be refused)."""
-    if key == "worker":
-        return not protocol.WORKER_FIELD.type.accepts(value)
-    declared = {f.name: f for f in protocol.OPS[op].fields}.get(key)
-    if declared is None:
-        return False
-    return not (value is None and declared.nullable) and not declared.type.accepts(value)

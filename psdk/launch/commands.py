@@ -83,8 +83,9 @@ def _fuzz_stages(options: dict[str, str]) -> int:
     from psdk.fuzz.harness import Mode
 
     seed, ok = int(options["seed"]), True
-    for mode in (Mode(False, False), Mode(False, True), Mode(True, True)):
-        result = runner.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed)
+    stages = [(Mode(False, False), False), (Mode(False, True), False), (Mode(True, True), False)]
+    for mode, tables in [*stages, (Mode(False, False), True)]:  # then sequences that all declare tables
+        result = runner.run(mode, int(options["sequences"]), int(options["steps"]), seed=seed, tables=tables)
         print(result.line(), flush=True)
         ok = ok and result.failure is None
     alongside = run_alongside(steps=3000, seed=seed, curve=True)
