@@ -130,10 +130,12 @@ def backward(
     d_logits: np.ndarray,
 ) -> np.ndarray:  # fmt: skip
     """Accumulate the dense gradients into ``grads``; return the rows' gradients [B, 26, dim]."""
-    d_top_in = _mlp_backward(weights, grads, "top", fwd.top, d_logits[:, None].astype(np.float32), last_relu=False)
+    d_top_in = _mlp_backward(
+        weights, grads, "top", fwd.top, d_logits[:, None].astype(fwd.vectors.dtype), last_relu=False
+    )
     dim, n = spec.dim, len(d_logits)
     upper = np.triu_indices(FIELDS + 1, 1)
-    d_products = np.zeros((n, FIELDS + 1, FIELDS + 1), np.float32)
+    d_products = np.zeros((n, FIELDS + 1, FIELDS + 1), fwd.vectors.dtype)
     d_products[:, upper[0], upper[1]] = d_top_in[:, dim:]
     d_vectors = np.matmul(d_products + d_products.transpose(0, 2, 1), fwd.vectors)
     d_bottom = d_top_in[:, :dim] + d_vectors[:, 0]
