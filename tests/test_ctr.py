@@ -130,7 +130,7 @@ def test_a_folder_of_criteo_files_is_streamed_to_the_workers(tmp_path: Path):
     other = next(shards[1].batches(32, 0))
     assert not np.array_equal(other.inputs["cat"], seen[0].inputs["cat"])
     assert "best_auc" not in workload.score(np.zeros(25, np.float32), shards[0].test)
-    with pytest.raises(ConfigError, match="workload.criteo_dir: no folder"):
+    with pytest.raises(ConfigError, match=r"workload\.criteo_dir: no folder"):
         workload.shard(ShardRequest(0, 1, {}, DlrmSpec(), {"criteo_dir": str(tmp_path / "none")}, 0))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no Criteo TSV files"):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from psdk.testing.jobs import run_job
+from psdk.testing.jobs import psdk_command, run_job
 
 from .test_ctr import criteo_lines
 
@@ -51,11 +52,8 @@ def test_a_ctr_job_trains_on_criteo_files(tmp_path: Path) -> None:
 
 
 def test_mnist_models_are_refused_for_ctr(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     done = subprocess.run(
-        [sys.executable, "-m", "psdk", "run", "workload=ctr", "model=mlp", "backend=numpy", f"hydra.run.dir={tmp_path}"],
+        psdk_command("run", "workload=ctr", "model=mlp", "backend=numpy", out=tmp_path),
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
