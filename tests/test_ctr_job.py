@@ -37,6 +37,20 @@ def test_a_short_ctr_job_beats_chance_and_reports_its_table(tmp_path: Path) -> N
     assert "validation AUC" in stdout
     points = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(p.get("auc") is not None for p in points)
+    # psdk evaluate scores the final checkpoint's rows as the job did; params.npz holds no rows: refused
+    same = [
+        o for o in SMALL if o.split("=")[0] in ("workload", "model.capacity", "workload.vocab", "workload.test_size")
+    ]
+    evaluate = psdk_command(
+        "evaluate", *same, "backend=numpy", f"weights={tmp_path / 'checkpoints'}", out=tmp_path / "e"
+    )
+    done = subprocess.run(evaluate, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    scored = json.loads((tmp_path / "e" / "evaluation.json").read_text())["metrics"]
+    assert scored["auc"] == pytest.approx(metrics["auc"], abs=1e-6), (scored, metrics)
+    evaluate[evaluate.index(f"weights={tmp_path / 'checkpoints'}")] = f"weights={tmp_path / 'params.npz'}"
+    done = subprocess.run(evaluate, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "holds no embedding tables" in done.stdout + done.stderr
 
 
 def test_a_ctr_job_trains_on_criteo_files(tmp_path: Path) -> None:
