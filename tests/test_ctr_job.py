@@ -72,3 +72,8 @@ def test_mnist_models_are_refused_for_ctr(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert "use model=dlrm" in done.stdout + done.stderr
+    done = subprocess.run(
+        psdk_command("run", "workload=ctr", "train.overlap=true", "backend=numpy", out=tmp_path / "o"),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "train.overlap: is not supported with embedding tables" in done.stdout + done.stderr

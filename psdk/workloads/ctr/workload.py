@@ -189,6 +189,8 @@ def check(cfg: Any) -> None:
     """Refuse, before any task starts, options no data can come from and a model without a table."""
     options = CtrOptions.of(cfg.workload)
     check_model(cfg.model)
+    if cfg.get("train") is not None and cfg.train.get("overlap"):
+        raise ConfigError("train.overlap", "is not supported with embedding tables yet: use train.overlap=false")
     if options.criteo_dir:
         try:
             tsv_files(str(options.criteo_dir))
