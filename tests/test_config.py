@@ -27,6 +27,7 @@ from psdk.ps import main as ps_main
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD, UpdateRule
 from psdk.ps.server import ServerOptions
+from psdk.workloads.ctr.model import DlrmSpec
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
@@ -69,6 +70,8 @@ def test_every_option_of_every_group_composes_and_instantiates(group: str, optio
         "topology": Topology,
         "launcher": LocalLauncher,
     }[group]
+    if (group, option) == ("model", "dlrm"):  # the click-through workload's model: a spec of its own
+        expected = DlrmSpec
     assert isinstance(obj, expected)
 
 

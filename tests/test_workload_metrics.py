@@ -38,7 +38,7 @@ CTR_METRICS = (
     MetricSpec("log_loss", higher_is_better=False, format=".3f"),
 )
 CTR = WorkloadRecord(
-    "ctr",
+    "clicks",  # not "ctr": psdk's own click-through workload has that name
     "a click-through model on generated clicks",
     trainers={"*": "tests.test_workloads:toy_worker"},
     worker="tests.test_workloads:toy_worker",
@@ -74,7 +74,7 @@ def ctr_run(folder: Path, aucs: list[float], losses: list[float], final: dict[st
     fields = metric_fields(final, CTR_METRICS)
     summary.update(fields if recorded else {"metrics": fields["metrics"]})  # a summary without its specs, too
     (folder / "summary.json").write_text(json.dumps(summary))
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml({"workload": {"name": "ctr"}, "report": {"target": None}}))
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml({"workload": {"name": "clicks"}, "report": {"target": None}}))
     return folder
 
 
@@ -187,6 +187,6 @@ def test_a_scripts_summary_writer_records_declared_metrics_and_draws_them(tmp_pa
     ],
 )
 def test_a_workload_whose_metrics_no_report_could_read_is_refused(metrics: tuple[Any, ...], problem: str) -> None:
-    with pytest.raises(PluginError, match=f"workload 'ctr' {problem}"):
+    with pytest.raises(PluginError, match=f"workload 'clicks' {problem}"):
         dataclasses.replace(CTR, metrics=metrics)
     assert dataclasses.replace(CTR, metrics=list(CTR_METRICS)).metrics == CTR_METRICS  # a list is kept as a tuple

@@ -63,7 +63,8 @@ def manager(*answers: list[Any]) -> pluggy.PluginManager:
 
 def test_the_mnist_workload_is_built_in_and_its_entries_load() -> None:
     mnist = plugins.installed_workloads()["mnist"]
-    (built_in,) = builtins.psdk_register_workloads()
+    built_in, ctr = builtins.psdk_register_workloads()  # MNIST, and the click-through workload (test_ctr*.py)
+    assert ctr.name == "ctr"
     # The installed record is the built-in one with the trainers framework plugins give it (TrainerRecord).
     assert dataclasses.replace(mnist, trainers=built_in.trainers) == built_in
     assert dict(built_in.trainers).items() <= dict(mnist.trainers).items()
@@ -81,7 +82,7 @@ def test_a_config_that_names_no_workload_is_the_mnist_job() -> None:
 def test_a_plugins_workload_is_found_through_the_hook_and_its_entry_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     pm = manager([TOY])
     monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
-    assert sorted(plugins.installed_workloads()) == ["mnist", "toy"]
+    assert sorted(plugins.installed_workloads()) == ["ctr", "mnist", "toy"]
     cfg = OmegaConf.create({"workload": {"name": "toy", "noise": 0.1}})
     CALLS.clear()
     assert plugins.run_entry(cfg, "worker") == "trained" and CALLS == ["toy"]
@@ -107,7 +108,7 @@ def test_a_plugin_registering_no_workload_record_is_skipped_and_named(monkeypatc
     pm = manager([{"name": "toy"}])
     monkeypatch.setattr(registry, "get_plugin_manager", lambda: pm)
     monkeypatch.setattr(registry, "BROKEN", {})
-    assert sorted(plugins.installed_workloads()) == ["mnist"]
+    assert sorted(plugins.installed_workloads()) == ["ctr", "mnist"]
     assert "fake_workload_plugin_0" in " ".join(registry.BROKEN.values())
 
 
@@ -115,8 +116,8 @@ def test_an_unknown_workload_is_refused_naming_the_installed_ones() -> None:
     prepare_hydra()
     with pytest.raises(ConfigError, match=r"workload: has no option 'mnsit'; did you mean workload=mnist\?"):
         OverrideChecker(config_dir()).check(["workload=mnsit"])
-    with pytest.raises(ConfigError, match="no installed workload is called 'ctr'") as info:
-        plugins.workload_of(OmegaConf.create({"workload": {"name": "ctr"}}))
+    with pytest.raises(ConfigError, match="no installed workload is called 'clicks'") as info:
+        plugins.workload_of(OmegaConf.create({"workload": {"name": "clicks"}}))
     assert "mnist" in str(info.value)
 
 

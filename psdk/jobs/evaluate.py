@@ -21,11 +21,34 @@ from psdk.config.options import options_from
 from psdk.errors import ConfigError
 from psdk.jobs.summary import test_fields
 from psdk.jobs.workload import Workload, workload_options
+from psdk.plugins.backend import Backend
 from psdk.plugins.batches import ShardRequest
 from psdk.plugins.loading import load_backend, workload_of
+from psdk.plugins.variables import tables_of
 from psdk.report.metrics import write_json_atomic
 
 log = logging.getLogger(__name__)
+
+
+def load_rows(backend: Backend, model: Any, weights: str) -> None:
+    """A model with embedding tables takes the checkpoint's rows, a chunk at a time; an id no batch
+    trained on keeps zeros, as a training job's evaluation reads it (docs/ctr.md)."""
+    tables = tables_of(backend.variable_records(model))
+    if not tables:
+        return
+    path = Path(weights).expanduser()
+    state = None if path.suffix == ".npz" and path.name == "params.npz" else checkpoint.load(path)
+    if state is None or state.tables is None:
+        raise ConfigError(
+            "weights",
+            f"{weights} holds no embedding tables, and the model has {sorted(tables)}: evaluate a checkpoint "
+            "(weights=<run folder>/checkpoints)",
+        )
+    for name in tables:
+        if name not in state.tables.names:
+            raise ConfigError("weights", f"{weights} holds no table {name!r} (its tables: {state.tables.names})")
+        for _, chunk in state.tables.rows(name):
+            backend.write_rows(model, name, chunk["ids"], chunk["rows"])
 
 
 def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -47,6 +70,7 @@ def run_evaluate(cfg: DictConfig) -> dict[str, Any]:
     request = ShardRequest(0, 1, cfg.data, spec, options_of_workload, int(cfg.get("seed") or 0))
     test = workload.shard(request).test  # every worker's test set is the same: asked for as the only worker
     model = workload.trainer.build_model(spec, weights)
+    load_rows(backend, model, cfg.weights)
     metrics = workload.score(model, test)
     head = workload.primary.name if workload.primary is not None else None
     result: dict[str, Any] = {

@@ -163,7 +163,22 @@ def ps_summary(
                 "dropped": s["stats"]["dropped"],
                 "rejected": s["stats"]["rejected"],
                 "max_rss_mb": s.get("process", {}).get("max_rss_mb"),
+                "tables": s.get("tables") or {},
             }
             for s in shards
         ],
+        "tables": table_totals(shards),
     }
+
+
+def table_totals(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each embedding table over every ps: rows held, created, evicted and dropped, summed; bytes per row
+    (rows and slots) as the ps counts it."""
+    totals: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        for name, stats in (shard.get("tables") or {}).items():
+            entry = totals.setdefault(name, {"rows": 0, "created": 0, "evicted": 0, "dropped_rows": 0})
+            for key in ("rows", "created", "evicted", "dropped_rows"):
+                entry[key] += int(stats.get(key) or 0)
+            entry["bytes_per_row"] = stats.get("bytes_per_row")
+    return totals

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from psdk.api import DistributedOptimizer, PendingStep, WorkerSession, connect
 from psdk.client import StepResult, checkpoint
 from psdk.config import build
 from psdk.config.options import PlacementOptions
-from psdk.errors import TrainingResumed
+from psdk.errors import ConfigError, TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
 from psdk.jobs.setup import WorkerSetup, worker_setup
@@ -43,7 +44,7 @@ from psdk.launch.placement import (
     pin_to_cpu,
     visible_gpus,
 )
-from psdk.plugins.batches import Shard, ShardRequest
+from psdk.plugins.batches import Batch, Shard, ShardRequest
 from psdk.plugins.loading import load_backend, workload_of
 from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
@@ -146,7 +147,7 @@ def run_worker(cfg: DictConfig) -> None:
             run_id=setup.run_id,
         ) as session:
             # The rule is named directly: no framework optimizer to build and inspect.
-            optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=setup.rule)
+            optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=setup.rule, seed=setup.seed)
             tune_compute_thread(placement, cluster.local_rank(task))
             optimizer.broadcast_parameters(resume)
             if optimizer.restored_step is not None:
@@ -166,6 +167,11 @@ def run_worker(cfg: DictConfig) -> None:
     unwritten = unwritten or job.unwritten
     if unwritten is not None:  # every result that could be written is, and the ps tasks are shut down
         raise unwritten
+
+
+def ids_of(batch: Batch) -> dict[str, np.ndarray]:
+    """A batch's unique ids by table: the rows its forward pass reads."""
+    return {name: ids.unique() for name, ids in batch.ids.items()}
 
 
 def record_sinks(setup: WorkerSetup) -> list[RecordSink]:
@@ -259,13 +265,24 @@ class WorkerJob:
         ones; evaluating them here costs no round trip (tens of milliseconds
         on MNIST's 10,000 test images), and the figures go into its report.
         """
-        self.report.test_metrics = self.workload.score(self.model, self.data.test)
+        self.report.test_metrics = self.score(self.data.test)
         log.info(
             "worker %d: %s of the parameters it pulled last (global step %d)",
             self.task,
             self.workload.shown("test", self.report.test_metrics),
             self.session.global_step,
         )
+
+    def score(self, batch: Batch) -> dict[str, float]:
+        """The workload's metrics of the model on ``batch``; with tables, the ps's rows of its ids are read
+        first (a read: no row is created, an unseen id reads zeros)."""
+        for name, ids in ids_of(batch).items():
+            most = self.optimizer.tables[name].max_ids  # what one request may name
+            for start in range(0, len(ids), most):
+                part = ids[start : start + most]
+                rows = self.session.client.pull_rows({name: part}, read=True)[name]
+                self.backend.write_rows(self.model, name, part, rows)
+        return self.workload.score(self.model, batch)
 
     def train(self) -> None:
         train = self.train_options
@@ -276,6 +293,11 @@ class WorkerJob:
         upcoming = iter(batches)
         batch = next(upcoming)
         overlap = train.overlap
+        tables = bool(self.optimizer.tables)  # each batch's rows come in with the step before it
+        if tables and overlap:
+            raise ConfigError("train.overlap", "is not supported with embedding tables yet: use train.overlap=false")
+        if tables:
+            self.optimizer.pull_rows(ids_of(batch))
         client = self.session.client
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
@@ -304,8 +326,12 @@ class WorkerJob:
                 result = in_flight.wait()
                 in_flight = None
             else:
-                pending = self.optimizer.start_step()
-                batch = next(upcoming)  # the next batch is cut while the ps works on this push
+                if tables:  # the next batch is cut first: its rows come back with this push's reply
+                    batch = next(upcoming)
+                    pending = self.optimizer.start_step(next_ids=ids_of(batch))
+                else:
+                    pending = self.optimizer.start_step()
+                    batch = next(upcoming)  # the next batch is cut while the ps works on this push
                 waited = clock()
                 result = pending.wait()
             self.report.wait_s += clock() - waited
@@ -354,7 +380,7 @@ class WorkerJob:
         epoch = self.epochs.at_step(result.global_step)  # the job's epochs, from the global step (psdk.jobs.epochs)
         target = self.train_options.epochs
         validation = self.data.validation
-        scored = self.workload.score(self.model, validation) if validate and validation is not None else {}
+        scored = self.score(validation) if validate and validation is not None else {}
         if scored:
             self.report.last_validation = scored
         self.metrics.write(
@@ -433,7 +459,7 @@ class WorkerJob:
                 log.warning("worker 0: worker %s died during the job: %s", index, state["reason"])
         client = self.session.client
         client.wrapping_up(self.optimizer.pull, "pulling the final parameters")
-        tested = self.workload.score(self.model, self.data.test)
+        tested = self.score(self.data.test)
         out = self.setup.output_dir
         save_params(out / "params.npz", client.params)
         stats = client.wrapping_up(client.stats, "reading the ps statistics")

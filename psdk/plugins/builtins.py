@@ -10,6 +10,7 @@ from __future__ import annotations
 from psdk.plugins.hookspecs import DatasetRecord, ModelRecord, WorkloadRecord, hookimpl
 from psdk.plugins.metrics import MetricSpec
 from psdk.ps.rules import SGD, Adagrad, Adam, NoOp, RMSProp, UpdateRule
+from psdk.workloads.ctr import workload as ctr
 
 MNIST_METRICS = (
     MetricSpec("loss", higher_is_better=False, held_out=False),
@@ -30,6 +31,11 @@ def psdk_register_models() -> list[ModelRecord]:
     return [
         ModelRecord("mlp", spec, description="784-100-10 with ReLU, the classic distributed MNIST network"),
         ModelRecord("softmax", spec, description="softmax regression, 784-10"),
+        ModelRecord(
+            "dlrm",
+            "psdk.workloads.ctr.model:DlrmSpec",
+            description="DLRM-style click model: an embedding table, bottom and top MLPs, pairwise dot products",
+        ),
     ]
 
 
@@ -65,5 +71,16 @@ def psdk_register_workloads() -> list[WorkloadRecord]:
             prepare="psdk.workloads.mnist.data:prepare",
             data="psdk.workloads.mnist.data:check_data",
             metrics=MNIST_METRICS,
-        )
+        ),
+        WorkloadRecord(
+            "ctr",
+            "click-through rate on a Criteo-shaped click log (generated, or Criteo TSV files): AUC (use model=dlrm)",
+            trainers={"psdk": "psdk.workloads.ctr.trainers:NumpyDlrm"},
+            shard="psdk.workloads.ctr.workload:shard",
+            score="psdk.workloads.ctr.workload:score",
+            check="psdk.workloads.ctr.workload:check",
+            train_size="psdk.workloads.ctr.workload:train_size",
+            options=ctr.OPTIONS,
+            metrics=ctr.METRICS,
+        ),
     ]

@@ -171,6 +171,11 @@ def summary_line(summary: Mapping[str, Any]) -> str:
         f"wall {float(summary.get('wall_s') or 0):.1f} s" + _training(summary),
         f"gradients applied {summary.get('gradients_applied')}, dropped {summary.get('gradients_dropped')}",
     ]
+    for name, table in sorted((summary.get("tables") or {}).items()):
+        parts.append(
+            f"table {name}: {table.get('rows')} rows held, {table.get('created')} created, "
+            f"{table.get('evicted')} evicted, {table.get('bytes_per_row')} bytes/row"
+        )
     divergence = summary.get("divergence")
     if divergence:
         parts.append(f"DIVERGED at global step {divergence.get('global_step')} (the log says why)")
