@@ -38,6 +38,7 @@ from psdk.plugins.trainer import Trainer
 from psdk.plugins.variables import Rows
 from psdk_torch.backend import TorchBackend
 from psdk_torch.models import Dense
+from psdk_torch.tables import ROWS_ATTRIBUTE
 
 TABLE = "emb"
 """The one table every categorical field looks its ids up in."""
@@ -95,6 +96,7 @@ class ClickModel(nn.Module):
         # The rows only ever come from the ps: torch.empty maps no page until rows are written.
         weight = torch.empty(table.capacity, table.dim, device=device)
         self.emb = nn.Embedding.from_pretrained(weight, freeze=False, sparse=True)
+        setattr(self.emb, ROWS_ATTRIBUTE, table)  # declared as the spec says: the ps draws rows at its init_scale
         self._pairs: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def pairs(self, vectors: int, device: torch.device) -> torch.Tensor:

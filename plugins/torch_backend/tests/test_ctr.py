@@ -180,11 +180,14 @@ def test_it_refuses_a_bridge_of_another_framework() -> None:
 
 
 def test_its_variables_are_the_contracts(backend: TorchBackend, trainer: TorchCtr) -> None:
-    model = trainer.build_model(SPEC, random_weights(SPEC, 0))
+    weights0 = random_weights(SPEC, 0)
+    model = trainer.build_model(SPEC, weights0)
     assert list(backend.variables(model).items()) == list(CONTRACT.items()) == SPEC.variables()
     records = backend.variable_records(model)
     assert records == {**{name: Dense(shape) for name, shape in CONTRACT.items()}, "emb": Rows(16, 4096)}
     assert isinstance(model.emb, torch.nn.Embedding) and model.emb.sparse
+    scaled = Rows(dim=16, capacity=4096, initializer="uniform", init_scale=0.05)  # as the spec says, not torch's
+    assert backend.variable_records(trainer.build_model(Spec(tables_given={"emb": scaled}), weights0))["emb"] == scaled
     weights = random_weights(SPEC, 1)
     backend.write_weights(model, weights)
     read = backend.read_weights(model)
