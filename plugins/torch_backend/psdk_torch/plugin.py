@@ -1,4 +1,4 @@
-"""psdk's entry point for this plugin: registers the backend and MNIST's torch trainer without importing torch."""
+"""psdk's entry point for this plugin: registers the backend and its trainers for psdk's workloads, no torch."""
 
 from __future__ import annotations
 
@@ -22,5 +22,8 @@ def psdk_register_backends() -> list[BackendRecord]:
 
 @hookimpl
 def psdk_register_trainers() -> list[TrainerRecord]:
-    """psdk's MNIST workload names no framework: its torch trainer is this plugin's."""
-    return [TrainerRecord("mnist", "torch", "psdk_torch.mnist:TorchClassifier")]
+    """psdk's MNIST and click-through (``ctr``) workloads name no framework: their torch trainers are this plugin's."""
+    return [
+        TrainerRecord("mnist", "torch", "psdk_torch.mnist:TorchClassifier"),
+        TrainerRecord("ctr", "torch", "psdk_torch.ctr:TorchCtr"),
+    ]

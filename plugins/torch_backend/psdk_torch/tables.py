@@ -30,6 +30,13 @@ from psdk.plugins.variables import Rows
 
 TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 """The modules that can be tables (with ``sparse=True``)."""
+ROWS_ATTRIBUTE = "psdk_rows"
+"""A table module's own :class:`~psdk.plugins.variables.Rows`, when it sets one: how the ps draws its rows.
+
+torch's embeddings carry no initializer the ps could read, so without it a
+table is declared with psdk's default (N(0, 0.01²)); a model whose spec says
+otherwise (the ``ctr`` workload's ``model.init_scale``) sets it.
+"""
 
 
 @dataclass(frozen=True)
@@ -42,9 +49,13 @@ class Table:
     """``nn.Embedding`` or ``nn.EmbeddingBag``."""
     padding_idx: int | None = None
     """The id whose row torch keeps at zeros and never trains (its gradient leaves it out)."""
+    declared: Rows | None = None
+    """The module's own record (:data:`ROWS_ATTRIBUTE`), if it set one."""
 
     @property
     def record(self) -> Rows:
+        if self.declared is not None:
+            return self.declared
         capacity, dim = self.weight.shape
         return Rows(dim=int(dim), capacity=int(capacity))
 
@@ -63,7 +74,15 @@ def find_tables(model: nn.Module) -> dict[str, Table]:
             continue  # a module registered twice under two paths: one table
         seen.add(id(module.weight))
         kind = f"nn.{type(module).__name__}"
-        table = Table(path.replace(".", "/") or "weight", module.weight, kind, module.padding_idx)
+        declared = getattr(module, ROWS_ATTRIBUTE, None)
+        table = Table(path.replace(".", "/") or "weight", module.weight, kind, module.padding_idx, declared)
+        shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
+        if declared is not None and (not isinstance(declared, Rows) or (declared.capacity, declared.dim) != shape):
+            raise ConfigError(
+                "model",
+                f"{table}'s {ROWS_ATTRIBUTE} must be a psdk.Rows of its weight's capacity and dim {shape}, "
+                f"got {declared!r}",
+            )
         if module.max_norm is not None:
             raise ConfigError(
                 "model",

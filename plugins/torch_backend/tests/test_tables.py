@@ -100,6 +100,16 @@ def test_a_table_is_named_by_its_module_path(backend: TorchBackend) -> None:
     }
 
 
+def test_a_module_declares_how_the_ps_draws_its_rows(backend: TorchBackend) -> None:
+    """torch's embeddings name no initializer: a module's psdk_rows does, checked against its weight."""
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
+    model[0].psdk_rows = Rows(dim=3, capacity=10, initializer="uniform", init_scale=0.05)
+    assert backend.variable_records(model) == {"0": Rows(dim=3, capacity=10, initializer="uniform", init_scale=0.05)}
+    model[0].psdk_rows = Rows(dim=4, capacity=10)
+    with pytest.raises(ConfigError, match=r"table '0' \(nn.Embedding\)'s psdk_rows must be a psdk.Rows of .*\(10, 3\)"):
+        backend.variable_records(nn.Sequential(*model))  # a new model: the view of one is kept beside it
+
+
 def test_a_dense_gradient_on_a_table_is_refused_naming_it(backend: TorchBackend) -> None:
     """A table's weight also used outside its module (tied) gets a dense gradient: refused, never pushed whole."""
     model = Net()

@@ -1,0 +1,230 @@
+"""The click-through workload's trainer on torch: a DLRM-style model, mean BCE with logits, logits out.
+
+psdk's ``ctr`` workload names no framework; this plugin gives it a torch
+trainer through ``psdk_register_trainers`` (:mod:`psdk_torch.plugin`), as it
+gives MNIST one. The model is the workload's: one shared table ``emb`` that
+every categorical field looks its ids up in, a bottom MLP over the dense
+features (ReLU after each layer), the pairwise dot products ``i < j`` of the
+27 vectors ``[bottom output, row of field 0, ..., row of field 25]``, and a
+top MLP over ``[bottom output, the dots]`` (ReLU between its layers) to one
+logit: the order of Facebook's DLRM and of the workload's numpy reference
+(:mod:`psdk.workloads.ctr.model`), which every framework's trainer matches.
+
+Its canonical variables are the workload's by construction: the dense layers
+are the plugin's :class:`~psdk_torch.models.Dense` (kernel stored (in, out),
+as the ps keeps it), named ``bottom<i>`` and ``top<i>``, and the table is a
+``sparse=True`` ``nn.Embedding`` attribute named ``emb``
+(:mod:`psdk_torch.tables`), whose local weight is ``torch.empty``: its values
+only ever come from the ps (``write_rows``), so a ten-million-row table maps
+no memory until rows arrive. The trainer sets no threads: the job does
+(``train.threads``). This module imports torch; psdk imports it only when a
+job trains ``ctr`` on torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psdk.errors import ConfigError, PluginError
+from psdk.plugins.batches import Batch
+from psdk.plugins.trainer import Trainer
+from psdk.plugins.variables import Rows
+from psdk_torch.backend import TorchBackend
+from psdk_torch.models import Dense
+from psdk_torch.tables import ROWS_ATTRIBUTE
+
+TABLE = "emb"
+"""The one table every categorical field looks its ids up in."""
+DENSE, CAT = "dense", "cat"
+"""The batch's inputs: float32 [B, dense features] and int64 [B, fields] ids into :data:`TABLE`."""
+
+_LAYER = re.compile(r"^(bottom|top)(\d+)/(kernel|bias)$")
+
+
+class Gram(torch.autograd.Function):
+    """``v @ v.T`` per example, whose backward is one ``bmm`` where autograd's is two.
+
+    The Gram matrix of a batch's 27 small vectors is a third of the step's
+    compute; its gradient ``(g + g.T) @ v`` needs one batched product, not
+    autograd's two (one for each operand of ``bmm``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vectors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(vectors)
+        return torch.bmm(vectors, vectors.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (vectors,) = ctx.saved_tensors
+        return torch.bmm(grad + grad.transpose(1, 2), vectors)
+
+
+class ClickModel(nn.Module):
+    """DLRM-style: ``emb``, the bottom MLP, the pairwise dots of the bottom output and the fields' rows, the top MLP.
+
+    The interaction's vectors are the bottom output, then the fields' rows in
+    field order; the top MLP reads the bottom output, then their dot products
+    ``i < j`` in the order of ``torch.triu_indices(n, n, 1)`` (row-major).
+    """
+
+    def __init__(
+        self,
+        table: Rows,
+        bottom: list[tuple[int, int]],
+        top: list[tuple[int, int]],
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if bottom[-1][1] != table.dim:
+            raise ConfigError(
+                "model",
+                f"the bottom MLP's output ({bottom[-1][1]}) meets the rows of table {TABLE!r} ({table.dim} wide) "
+                "in dot products: make them the same size",
+            )
+        self.bottom_names = [f"bottom{i}" for i in range(len(bottom))]
+        self.top_names = [f"top{i}" for i in range(len(top))]
+        for name, (fan_in, fan_out) in zip(self.bottom_names + self.top_names, bottom + top, strict=True):
+            self.add_module(name, Dense(fan_in, fan_out))  # in the spec's order: named_parameters follows
+        # The rows only ever come from the ps: torch.empty maps no page until rows are written.
+        weight = torch.empty(table.capacity, table.dim, device=device)
+        self.emb = nn.Embedding.from_pretrained(weight, freeze=False, sparse=True)
+        setattr(self.emb, ROWS_ATTRIBUTE, table)  # declared as the spec says: the ps draws rows at its init_scale
+        self._pairs: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def pairs(self, vectors: int, device: torch.device) -> torch.Tensor:
+        """Where the dot products ``i < j`` of ``vectors`` vectors sit in their flattened Gram matrix."""
+        key = (vectors, device)
+        if key not in self._pairs:
+            rows, cols = torch.triu_indices(vectors, vectors, offset=1, device=device)
+            self._pairs[key] = rows * vectors + cols
+        return self._pairs[key]
+
+    def forward(self, dense: torch.Tensor, cat: torch.Tensor) -> torch.Tensor:
+        """The logits, [B]."""
+        x = dense
+        for name in self.bottom_names:
+            x = F.relu(getattr(self, name)(x))
+        vectors = torch.cat([x.unsqueeze(1), self.emb(cat)], dim=1)  # [B, 1 + fields, dim]
+        gram: torch.Tensor = Gram.apply(vectors).flatten(1)
+        pairs = self.pairs(vectors.shape[1], vectors.device)
+        x = torch.cat([x, gram.index_select(1, pairs)], dim=1)
+        top0: Dense = self.top0
+        if x.shape[1] != top0.kernel.shape[0]:
+            raise ConfigError(
+                "model",
+                f"a batch of {cat.shape[1]} categorical fields gives the top MLP {x.shape[1] - len(pairs)} bottom "
+                f"outputs and {len(pairs)} dot products ({x.shape[1]} inputs), but top0 takes "
+                f"{top0.kernel.shape[0]}: the model's fields must be the data's",
+            )
+        last = len(self.top_names) - 1
+        for i, name in enumerate(self.top_names):
+            x = getattr(self, name)(x)
+            if i < last:
+                x = F.relu(x)
+        return x[:, 0]
+
+
+def table_of(spec: Any) -> Rows:
+    """The spec's table ``emb``: the ``psdk.Rows`` its ``tables()`` gives (the dense layers are its ``variables()``)."""
+    tables = getattr(spec, "tables", None)
+    declared = tables() if callable(tables) else None
+    if isinstance(declared, Mapping) and isinstance(declared.get(TABLE), Rows):
+        return declared[TABLE]
+    raise PluginError(
+        f"the ctr model on torch needs the spec's table {TABLE!r}: {type(spec).__name__}.tables() gives no "
+        f"psdk.Rows named {TABLE!r} (use model=dlrm)"
+    )
+
+
+def layers_of(spec: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(fan_in, fan_out) of the bottom and the top MLP's layers, from the spec's dense variables."""
+    sizes: dict[str, dict[int, tuple[int, int]]] = {"bottom": {}, "top": {}}
+    for name, shape in spec.variables():
+        match = _LAYER.match(name)
+        if match is None:
+            raise ConfigError("model", f"the ctr model on torch has dense layers bottom<i> and top<i>, not {name!r}")
+        if match[3] == "kernel":
+            fan_in, fan_out = (int(n) for n in shape)
+            sizes[match[1]][int(match[2])] = (fan_in, fan_out)
+    bottom, top = (_in_order(sizes["bottom"]), _in_order(sizes["top"]))
+    if not bottom or not top or top[-1][1] != 1:
+        raise ConfigError(
+            "model",
+            f"the ctr model needs dense layers bottom0.. and top0.., numbered from 0, the last giving one logit; "
+            f"got bottom {sorted(sizes['bottom'])}, top {sorted(sizes['top'])}",
+        )
+    return bottom, top
+
+
+def _in_order(layers: Mapping[int, tuple[int, int]]) -> list[tuple[int, int]]:
+    """The layers numbered 0, 1, ..., in that order; empty when a number is missing."""
+    return [layers[i] for i in range(len(layers))] if sorted(layers) == list(range(len(layers))) else []
+
+
+def build(spec: Any, weights: Mapping[str, np.ndarray], backend: TorchBackend) -> ClickModel:
+    """``spec``'s model on the backend's device, holding ``weights`` (dense only: the rows come from the ps)."""
+    bottom, top = layers_of(spec)
+    device = backend.torch_device
+    model = ClickModel(table_of(spec), bottom, top, device).to(device)
+    backend.write_weights(model, weights)
+    return model
+
+
+def tensor(array: np.ndarray, dtype: np.dtype[Any], device: torch.device) -> torch.Tensor:
+    """``array`` as ``dtype`` on ``device``; a read-only array (memory-mapped data) is copied, as torch wants."""
+    array = np.ascontiguousarray(array, dtype)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+class TorchCtr(Trainer):
+    """``ctr`` on torch: ``F.binary_cross_entropy_with_logits`` and ``backward()``, logits as float32 numpy [B]."""
+
+    bridge: TorchBackend
+
+    def __init__(self, bridge: TorchBackend, options: Mapping[str, Any] | None = None):
+        if not isinstance(bridge, TorchBackend):
+            raise PluginError(
+                f"{type(self).__name__} trains on the torch backend (psdk_torch.backend:TorchBackend), "
+                f"not on {type(bridge).__module__}.{type(bridge).__name__}"
+            )
+        super().__init__(bridge, options)
+
+    def build_model(self, spec: Any, weights: Mapping[str, np.ndarray]) -> ClickModel:
+        return build(spec, weights, self.bridge)
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.bridge.torch_device
+        return tensor(batch.inputs[DENSE], np.dtype(np.float32), device), tensor(
+            batch.inputs[CAT], np.dtype(np.int64), device
+        )
+
+    def forward_backward(self, model: ClickModel, batch: Batch) -> float:
+        """The mean BCE with logits; dense gradients in zeroed ``.grad`` tensors, the rows' as a fresh sparse one.
+
+        Dense gradients are zeroed in place so that, where the bridge shares
+        psdk's buffers, backward writes straight into what is pushed. The
+        table's gradient is dropped instead: backward then leaves this
+        batch's sparse gradient as it is, with nothing to add it to.
+        """
+        dense, cat = self.inputs(batch)
+        y = tensor(batch.targets, np.dtype(np.float32), self.bridge.torch_device)
+        model.emb.weight.grad = None
+        model.zero_grad(set_to_none=False)
+        loss = F.binary_cross_entropy_with_logits(model(dense, cat), y)
+        loss.backward()
+        return float(loss.item())
+
+    @torch.no_grad()
+    def predict(self, model: ClickModel, batch: Batch) -> np.ndarray:
+        """The logits of ``batch``, float32 [B]; the workload scores their AUC and log loss."""
+        return model(*self.inputs(batch)).to(torch.float32).cpu().numpy()
