@@ -505,6 +505,10 @@ def table_specs(
         )
     specs = {}
     for name, rows in declared.items():
+        if not isinstance(options.get(name, {}), Mapping):
+            raise PsdkError(
+                f"tables.{name} must be settings by key (sharding, admit_after, ...), not {options[name]!r}"
+            )
         fields: dict[str, Any] = {"capacity": rows.capacity, "initializer": rows.initializer,
                                   "init_scale": rows.init_scale, "seed": seed, **options.get(name, {})}  # fmt: skip
         try:

@@ -77,3 +77,19 @@ def test_mnist_models_are_refused_for_ctr(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "train.overlap: is not supported with embedding tables" in done.stdout + done.stderr
+
+
+def test_table_settings_come_from_the_config_a_preallocated_range_table_on_two_ps(tmp_path: Path) -> None:
+    summary, _ = run_job(
+        tmp_path, *SMALL, "model.capacity=30000", "topology.num_ps=2", "+tables.emb.sharding=range",
+        "+tables.emb.preallocate=true", "train.steps=20", "workload.validation_size=0", "train.validate_every=0",
+        timeout_s=100,
+    )  # fmt: skip
+    table = summary["tables"]["emb"]
+    assert table["rows"] == table["created"] == 30_000  # every row made on the ps at init, none by the pulls
+    assert sorted(ps["tables"]["emb"]["rows"] for ps in summary["ps"]) == [15_000, 15_000]
+    done = subprocess.run(
+        psdk_command("run", *SMALL, "train.steps=5", "+tables.users.sharding=range", out=tmp_path / "bad"),
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "tables= names ['users']" in done.stdout + done.stderr

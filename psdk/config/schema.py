@@ -282,6 +282,8 @@ class PsdkConfig:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     backend_options: dict[str, Any] = field(default_factory=lambda: backend_option_defaults())
+    tables: dict[str, Any] = field(default_factory=dict)
+    """Per embedding table of the model, ``TableSpec`` settings: ``tables.emb.sharding=range`` (docs/tables.md)."""
 
 
 def backend_option_defaults() -> dict[str, dict[str, Any]]:

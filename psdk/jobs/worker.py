@@ -147,7 +147,10 @@ def run_worker(cfg: DictConfig) -> None:
             run_id=setup.run_id,
         ) as session:
             # The rule is named directly: no framework optimizer to build and inspect.
-            optimizer = DistributedOptimizer(None, model, session, backend=backend, rule=setup.rule, seed=setup.seed)
+            tables: dict[str, Any] = dict(OmegaConf.to_container(cfg.get("tables") or {}, resolve=True))
+            optimizer = DistributedOptimizer(
+                None, model, session, backend=backend, rule=setup.rule, seed=setup.seed, tables=tables
+            )
             tune_compute_thread(placement, cluster.local_rank(task))
             optimizer.broadcast_parameters(resume)
             if optimizer.restored_step is not None:
