@@ -126,7 +126,12 @@ def read_row_gradients(table: Table) -> tuple[np.ndarray, np.ndarray]:
             "keep its module's sparse=True and look rows up only through the module (a weight also used elsewhere, "
             "e.g. tied to an output layer, gets a dense gradient)",
         )
-    grad = grad.coalesce()  # duplicate ids summed here, once, rather than on the wire
-    ids = grad.indices()[0].cpu().numpy().astype(np.int64, copy=True)
-    rows = grad.values().cpu().numpy().astype(np.float32, copy=True)
+    # Not coalesced: psdk's client sums duplicate ids anyway (one bincount per column), and coalescing cost a
+    # click batch's 26,624 rows about 7 ms of a 20 ms step.
+    if grad.is_coalesced():
+        indices, values = grad.indices(), grad.values()
+    else:
+        indices, values = grad._indices(), grad._values()
+    ids = indices[0].cpu().numpy().astype(np.int64, copy=True)
+    rows = values.cpu().numpy().astype(np.float32, copy=True)
     return ids, rows.reshape(len(ids), table.weight.shape[1])
