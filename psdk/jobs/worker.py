@@ -147,7 +147,10 @@ def run_worker(cfg: DictConfig) -> None:
             run_id=setup.run_id,
         ) as session:
             # The rule is named directly: no framework optimizer to build and inspect.
-            tables: dict[str, Any] = dict(OmegaConf.to_container(cfg.get("tables") or {}, resolve=True))
+            given = cfg.get("tables")  # +tables.<name>.<key>: the chief's count (an empty node when none is given)
+            tables: dict[str, Any] = (
+                dict(OmegaConf.to_container(given, resolve=True)) if isinstance(given, DictConfig) else {}
+            )
             optimizer = DistributedOptimizer(
                 None, model, session, backend=backend, rule=setup.rule, seed=setup.seed, tables=tables
             )
