@@ -45,7 +45,10 @@ def fails_with(tmp_path: Path, args: list[str], fragments: list[str], code: int 
     "args, fragments",
     [
         # A typo in a config group's name: the group meant, and its options.
-        (["run", "optimiser=adam"], ["optimiser", "the config group optimizer=", "adagrad, adagrad_ctr, adam", "momentum_cosine"]),
+        (
+            ["run", "optimiser=adam"],
+            ["optimiser", "the config group optimizer=", "adagrad, adagrad_ctr, adam", "momentum_cosine"],
+        ),
         # A typo in a group's option.
         (["run", "sync=asynch"], ["has no option 'asynch'", "did you mean sync=async?", "ssp"]),
         (["run", "model=mlpp"], ["has no option 'mlpp'", "did you mean model=mlp?", "softmax"]),
