@@ -163,7 +163,7 @@ def raw(ps: PsCluster, op: str, fields: dict[str, Any], arrays: list[np.ndarray]
         ("push_pull", {"worker": 5, "version": 0, "seq": 9}, [np.zeros(9, np.float32)], "not in this job"),
         ("push_pull", {"worker": -1, "version": 0, "seq": 9}, [np.zeros(9, np.float32)], "bad worker"),
         ("push_pull", {"worker": 1, "version": "0", "seq": 9}, [np.zeros(9, np.float32)], "bad version"),
-        ("push_pull", {"worker": 1, "version": 0, "seq": 9}, [], "exactly one"),
+        ("push_pull", {"worker": 1, "version": 0, "seq": 9}, [], "one flat gradient"),
         ("init", {"worker": 1, "names": []}, [], "only the chief"),
         ("shutdown", {"worker": 1}, [], "only the chief"),
         ("format_disk", {}, [], "unknown op"),

@@ -148,6 +148,11 @@ RANGES: dict[str, Range] = {
     "model.input_dim": DIM,
     "model.num_classes": _int(2, DIM_MAX, "int32"),
     "model.init_stddev": _positive(FLOAT32_MAX, "float32"),
+    "model.dim": DIM,  # model=dlrm: a table row's width
+    "model.capacity": _int(1, 2**40 - 1, "a table's rows (TableSpec)"),
+    "model.bottom": DIM,
+    "model.top": DIM,
+    "model.init_scale": _float(0.0, FLOAT32_MAX, "float32"),
     "optimizer.lr": _positive(FLOAT32_MAX, "float32, as the ps computes"),
     "optimizer.momentum": _float(0.0, 1.0, "above 1 the momentum grows without bound"),
     "optimizer.weight_decay": FLOAT32,
