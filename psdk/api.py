@@ -32,6 +32,7 @@ import numpy as np
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult, checkpoint
 from psdk.client.checkpoint import Checkpoint, new_run_id
 from psdk.client.recovery import latest_or_none
+from psdk.client.rows import table_specs
 from psdk.errors import (
     CheckpointAbandoned,
     ConfigError,
@@ -492,27 +493,3 @@ class PendingStep:
         for name, rows in result.rows.items():
             opt.backend.write_rows(opt.model, name, self.wanted[name], rows)
         return opt.session.record(result)
-
-
-def table_specs(
-    declared: Mapping[str, Rows], options: Mapping[str, Mapping[str, Any]], seed: int
-) -> dict[str, TableSpec]:
-    """The ps's table for each table variable a model declares, with the user's settings for it."""
-    unknown = set(options) - set(declared)
-    if unknown:
-        raise PsdkError(
-            f"tables= names {sorted(unknown)}, which the model does not declare (it has {sorted(declared)})"
-        )
-    specs = {}
-    for name, rows in declared.items():
-        if not isinstance(options.get(name, {}), Mapping):
-            raise PsdkError(
-                f"tables.{name} must be settings by key (sharding, admit_after, ...), not {options[name]!r}"
-            )
-        fields: dict[str, Any] = {"capacity": rows.capacity, "initializer": rows.initializer,
-                                  "init_scale": rows.init_scale, "seed": seed, **options.get(name, {})}  # fmt: skip
-        try:
-            specs[name] = TableSpec(name, rows.dim, **fields)
-        except TypeError as exc:
-            raise PsdkError(f"tables={{{name!r}: ...}}: {exc}") from None
-    return specs

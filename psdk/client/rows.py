@@ -153,3 +153,27 @@ def pulled_rows(plans: Mapping[str, PullPlan], replies: Mapping[int, Any]) -> di
                 by_shard[name][shard] = reply.arrays[at]
                 at += 1
     return {name: plan.assemble(by_shard[name]) for name, plan in plans.items()}
+
+
+def table_specs(
+    declared: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]], seed: int
+) -> dict[str, TableSpec]:
+    """The ps's table for each table variable a model declares (``psdk.Rows``), with the user's settings for it."""
+    unknown = set(options) - set(declared)
+    if unknown:
+        raise PsdkError(
+            f"tables= names {sorted(unknown)}, which the model does not declare (it has {sorted(declared)})"
+        )
+    specs = {}
+    for name, rows in declared.items():
+        if not isinstance(options.get(name, {}), Mapping):
+            raise PsdkError(
+                f"tables.{name} must be settings by key (sharding, admit_after, ...), not {options[name]!r}"
+            )
+        fields: dict[str, Any] = {"capacity": rows.capacity, "initializer": rows.initializer,
+                                  "init_scale": rows.init_scale, "seed": seed, **options.get(name, {})}  # fmt: skip
+        try:
+            specs[name] = TableSpec(name, rows.dim, **fields)
+        except TypeError as exc:
+            raise PsdkError(f"tables={{{name!r}: ...}}: {exc}") from None
+    return specs
