@@ -39,6 +39,8 @@ import numpy as np
 
 DEFAULT_DATA = os.environ.get("PSDK_DATA_DIR") or str(Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist")
 EXIT_FAILED = 2
+EXTRA_FLAGS = ("vocab", "capacity", "dim", "zipf", "init_acc", "test_size", "warmup", "num_ps", "threads")
+"""Flags some scripts add (the CTR peers'); passed on to the tasks when the script has them."""
 EXIT_TIMEOUT = 124
 
 
@@ -77,7 +79,7 @@ def task_argv(args: argparse.Namespace, role: str, index: int, run_dir: Path, po
     argv = [sys.executable, "-u", str(Path(sys.argv[0]).resolve())]
     for name in ("mode", "steps", "batch", "lr", "workers", "data", "seed", "timeout"):
         argv += [f"--{name}", str(getattr(args, name))]
-    for name in ("framework", "tp_transports", "tp_channels"):  # script-specific flags
+    for name in ("framework", "tp_transports", "tp_channels", *EXTRA_FLAGS):  # script-specific flags
         if hasattr(args, name):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--role", role, "--task-index", str(index), "--run-dir", str(run_dir)]
@@ -279,9 +281,11 @@ def cpu_per_update_ms(cpu: dict[str, tuple[float | None, float | None]], updates
     return "CPU ms per update: " + ", ".join(parts) if parts else ""
 
 
-def emit(result: dict[str, Any]) -> None:
+MNIST_KEYS = ("system", "framework", "mode", "steps", "updates_per_s", "test_accuracy", "wall_s", "ps_max_rss_mb")
+
+
+def emit(result: dict[str, Any], keys: Sequence[str] = MNIST_KEYS) -> None:
     """The contract's single JSON line, last on stdout."""
-    keys = ("system", "framework", "mode", "steps", "updates_per_s", "test_accuracy", "wall_s", "ps_max_rss_mb")
     line = {k: result.get(k) for k in keys}
     line["notes"] = result.get("notes", "")
     sys.stdout.write(json.dumps(line) + "\n")
@@ -463,11 +467,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise TaskFailed(str(exc)) from None
 
 
-def run_launcher(args: argparse.Namespace, system: str, framework: str, body: Any) -> int:
+def run_launcher(
+    args: argparse.Namespace,
+    system: str,
+    framework: str,
+    body: Any,
+    check: Any = check_args,
+    keys: Sequence[str] = MNIST_KEYS,
+) -> int:
     """Run ``body(launcher) -> result dict`` and print the JSON line; map failures to exit codes."""
-    mode = "single" if system == "single" else args.mode
+    mode = "single" if system.endswith("single") else args.mode
     try:
-        check_args(args)
+        check(args)
         with Launcher(system, args.timeout) as launcher:
             result = body(launcher)
             result.setdefault("system", system)
@@ -481,5 +492,5 @@ def run_launcher(args: argparse.Namespace, system: str, framework: str, body: An
     except KeyboardInterrupt:  # before the launcher's handlers were in place
         log(f"{system}: interrupted")
         return 130
-    emit(result)
+    emit(result, keys)
     return 0
