@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -35,7 +35,20 @@ PREDICT_BATCH = 5000
 class Trainer(ABC):
     """One workload on one framework. Made as ``Trainer(bridge, options)`` with the workload's ``workload.*`` keys."""
 
+    bridge_class: ClassVar[type[Backend] | None] = None
+    """The bridge this trainer's models need, if one: checked when the trainer is made, since on another
+    bridge its models would hold no tensors of its framework and it would fail mid-step instead."""
+
     def __init__(self, bridge: Backend, options: Mapping[str, Any] | None = None):
+        wanted = type(self).bridge_class
+        if wanted is not None and not isinstance(bridge, wanted):
+            from psdk.errors import PluginError
+            from psdk.plugins.registry import record_of
+
+            raise PluginError(
+                f"{type(self).__name__} trains on the {record_of(wanted).name} backend "
+                f"({wanted.__module__}:{wanted.__qualname__}), not on {type(bridge).__module__}.{type(bridge).__name__}"
+            )
         self.bridge = bridge
         self.options: Mapping[str, Any] = dict(options or {})
 

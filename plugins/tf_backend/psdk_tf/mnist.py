@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import PluginError
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
 from psdk.workloads.mnist.trainers import IMAGE
@@ -47,14 +46,7 @@ class TfClassifier(Trainer):
     """MNIST on the tf bridge: psdk's dense stacks and Keras models alike."""
 
     bridge: TfBackend
-
-    def __init__(self, bridge: TfBackend, options: Mapping[str, Any] | None = None):
-        if not isinstance(bridge, TfBackend):  # its models would be no tf.Variables: say so now, not mid-step
-            raise PluginError(
-                f"{type(self).__name__} trains on the tf backend (psdk_tf.backend:TfBackend), "
-                f"not on {type(bridge).__module__}.{type(bridge).__name__}"
-            )
-        super().__init__(bridge, options)
+    bridge_class = TfBackend
 
     def build_model(self, spec: Any, weights: Mapping[str, np.ndarray]) -> Any:
         """The model, with psdk's network's step and logits traced now, before any step is timed."""

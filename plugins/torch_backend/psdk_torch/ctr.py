@@ -190,14 +190,7 @@ class TorchCtr(Trainer):
     """``ctr`` on torch: ``F.binary_cross_entropy_with_logits`` and ``backward()``, logits as float32 numpy [B]."""
 
     bridge: TorchBackend
-
-    def __init__(self, bridge: TorchBackend, options: Mapping[str, Any] | None = None):
-        if not isinstance(bridge, TorchBackend):
-            raise PluginError(
-                f"{type(self).__name__} trains on the torch backend (psdk_torch.backend:TorchBackend), "
-                f"not on {type(bridge).__module__}.{type(bridge).__name__}"
-            )
-        super().__init__(bridge, options)
+    bridge_class = TorchBackend
 
     def build_model(self, spec: Any, weights: Mapping[str, np.ndarray]) -> ClickModel:
         return build(spec, weights, self.bridge)

@@ -11,15 +11,11 @@ it only when a job trains MNIST on torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psdk.errors import PluginError
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
 from psdk.workloads.mnist.trainers import IMAGE
@@ -30,14 +26,7 @@ class TorchClassifier(Trainer):
     """MNIST on torch: ``F.cross_entropy`` forward and ``backward()``, logits as float32 numpy."""
 
     bridge: TorchBackend
-
-    def __init__(self, bridge: TorchBackend, options: Mapping[str, Any] | None = None):
-        if not isinstance(bridge, TorchBackend):
-            raise PluginError(
-                f"{type(self).__name__} trains on the torch backend (psdk_torch.backend:TorchBackend), "
-                f"not on {type(bridge).__module__}.{type(bridge).__name__}"
-            )
-        super().__init__(bridge, options)
+    bridge_class = TorchBackend
 
     def forward_backward(self, model: nn.Module, batch: Batch) -> float:
         """The mean cross-entropy, its gradients added into zeroed ``.grad`` tensors.
