@@ -32,6 +32,7 @@ _LAZY = {
     "SyncSpec": "psdk.ps.consistency",
     "Backend": "psdk.plugins.backend",
     "Trainer": "psdk.plugins.trainer",
+    "WorkloadOptions": "psdk.plugins.options",
     "Batch": "psdk.plugins.batches",
     "JaggedIds": "psdk.plugins.batches",
     "Shard": "psdk.plugins.batches",
@@ -71,6 +72,7 @@ __all__ = [
     "TrainerRecord",
     "TransportOptions",
     "WorkerSession",
+    "WorkloadOptions",
     "WorkloadRecord",
     "__version__",
     "connect",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
     from psdk.plugins.backend import Backend
     from psdk.plugins.batches import ArrayShard, Batch, JaggedIds, Shard, ShardRequest
     from psdk.plugins.models import ModelSpec, init_weights
+    from psdk.plugins.options import WorkloadOptions
     from psdk.plugins.trainer import Trainer
     from psdk.plugins.variables import Dense, Rows
     from psdk.protocol.cluster import ClusterSpec, Topology

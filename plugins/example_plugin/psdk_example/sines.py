@@ -23,13 +23,12 @@ squared error; predictions are float32 ``[n]``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from psdk import ArrayShard, Batch, MetricSpec, ShardRequest
+from psdk import ArrayShard, Batch, MetricSpec, ShardRequest, WorkloadOptions
 from psdk.errors import ConfigError
 from psdk_example.regressor import RegressorSpec
 
@@ -47,7 +46,7 @@ determination, 1 - mse / var(y)."""
 
 
 @dataclass(frozen=True)
-class SinesOptions:
+class SinesOptions(WorkloadOptions):
     """The workload's ``workload.*`` keys and their defaults: the data, fixed by ``seed``."""
 
     examples: int = 50_000
@@ -65,24 +64,9 @@ class SinesOptions:
     test_size: int = 10_000
 
     def __post_init__(self) -> None:
-        counts = {"examples": 1, "input_dim": 1, "sines": 1, "validation_size": 1, "test_size": 1, "seed": 0}
-        for key, least in counts.items():
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"workload.{key}", f"must be a whole number >= {least}, got {value!r}")
+        self.check_whole(examples=1, input_dim=1, sines=1, validation_size=1, test_size=1, seed=0)
         for key in ("frequency", "noise"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"workload.{key}", f"must be a number >= 0, got {value!r}")
-
-    @classmethod
-    def of(cls, options: Mapping[str, Any]) -> SinesOptions:
-        """The options from the job's ``workload`` node (its ``name`` and keys of no field left out)."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in dict(options).items() if key in known})
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+            self.check_number(key, lambda v: v >= 0, ">= 0")
 
 
 OPTIONS = SinesOptions().as_dict()

@@ -10,8 +10,8 @@ hidden model itself scores on the same examples.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 from psdk.errors import ConfigError
 from psdk.plugins.batches import Batch, Shard, ShardRequest
 from psdk.plugins.metrics import MetricSpec
+from psdk.plugins.options import WorkloadOptions
 from psdk.workloads.ctr.data import TEST, TRAIN, VALIDATION, ClickLog, auc, log_loss, read_tsv, tsv_files
 
 METRICS = (
@@ -36,7 +37,7 @@ HOLD_OUT_EVERY = 10
 
 
 @dataclass(frozen=True)
-class CtrOptions:
+class CtrOptions(WorkloadOptions):
     """The workload's ``workload.*`` keys and their defaults."""
 
     seed: int = 0
@@ -52,20 +53,8 @@ class CtrOptions:
     """A folder of Criteo TSV files to train on instead of generated data."""
 
     def __post_init__(self) -> None:
-        for key, least in {"seed": 0, "vocab": 10, "examples": 1, "validation_size": 0, "test_size": 1}.items():
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"workload.{key}", f"must be a whole number >= {least}, got {value!r}")
-        if isinstance(self.zipf, bool) or not isinstance(self.zipf, (int, float)) or not 0 < self.zipf < 10:
-            raise ConfigError("workload.zipf", f"must be a number in (0, 10), got {self.zipf!r}")
-
-    @classmethod
-    def of(cls, options: Mapping[str, Any]) -> CtrOptions:
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in dict(options).items() if key in known})
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        self.check_whole(seed=0, vocab=10, examples=1, validation_size=0, test_size=1)
+        self.check_number("zipf", lambda z: 0 < z < 10, "in (0, 10)")
 
 
 OPTIONS = CtrOptions().as_dict()
