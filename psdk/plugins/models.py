@@ -127,8 +127,17 @@ def draw_kernel(rng: np.random.Generator, init: str, stddev: float, fan_in: int,
     raise ConfigError("model.init", f"unknown initialiser {init!r}", INITIALIZERS)
 
 
-def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+class LayeredSpec(Protocol):
+    """Any model spec whose dense layers :func:`init_weights` can draw: ``(name, fan_in, fan_out)`` each."""
+
+    def layers(self) -> list[tuple[str, int, int]]: ...
+
+
+def init_weights(spec: LayeredSpec, seed: int) -> dict[str, np.ndarray]:
     """Kernels drawn as ``spec.init`` says (Glorot-uniform, Keras' default, unless told) and zero biases, from ``seed``.
+
+    Any spec with ``layers()`` will do (a workload's own model's too); ``init`` and ``init_stddev`` are
+    read when it has them.
 
     A normal's stddev is ``spec.init_stddev``, 1.0 when not given (as
     ``tf.random_normal`` and ``tf.truncated_normal``). Biases start at zero

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from psdk import init_weights
 from psdk.errors import ConfigError
 
 
@@ -46,13 +47,7 @@ class RegressorSpec:
 
     def init_weights(self, seed: int) -> dict[str, np.ndarray]:
         """Glorot-uniform kernels and zero biases, drawn in numpy so every backend starts alike."""
-        rng = np.random.default_rng(seed)
-        weights: dict[str, np.ndarray] = {}
-        for name, fan_in, fan_out in self.layers():
-            limit = np.sqrt(6.0 / (fan_in + fan_out))
-            weights[f"{name}/kernel"] = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)
-            weights[f"{name}/bias"] = np.zeros(fan_out, np.float32)
-        return weights
+        return init_weights(self, seed)
 
     def forward(self, weights: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
         """The outputs [n, outputs] in numpy: the reference the frameworks' models are tested against."""

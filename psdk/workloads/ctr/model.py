@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from psdk.errors import ConfigError
+from psdk.plugins.models import init_weights
 from psdk.plugins.variables import Rows
 from psdk.workloads.ctr.data import DENSE, FIELDS, TABLE
 
@@ -66,13 +67,7 @@ class DlrmSpec:
 
     def init_weights(self, seed: int) -> dict[str, np.ndarray]:
         """Glorot-uniform kernels and zero biases, drawn in numpy so every backend starts alike (rows: the ps's)."""
-        rng = np.random.default_rng(seed)
-        weights: dict[str, np.ndarray] = {}
-        for name, fan_in, fan_out in self.layers():
-            limit = np.sqrt(6.0 / (fan_in + fan_out))
-            weights[f"{name}/kernel"] = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)
-            weights[f"{name}/bias"] = np.zeros(fan_out, np.float32)
-        return weights
+        return init_weights(self, seed)
 
 
 def _mlp(
