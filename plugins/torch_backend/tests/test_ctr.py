@@ -149,13 +149,6 @@ def reference(weights: dict[str, np.ndarray], table: np.ndarray, batch: Batch) -
 
 
 @pytest.fixture
-def backend() -> TorchBackend:
-    made = plugins.load_backend("torch")
-    assert isinstance(made, TorchBackend)
-    return made
-
-
-@pytest.fixture
 def trainer(backend: TorchBackend) -> TorchCtr:
     return TorchCtr(backend)
 
