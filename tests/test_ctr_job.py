@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from psdk.launch.local import final_weights
 from psdk.testing.jobs import psdk_command, run_job
 
 from .test_ctr import criteo_lines
@@ -93,3 +94,13 @@ def test_table_settings_come_from_the_config_a_preallocated_range_table_on_two_p
         capture_output=True, text=True, timeout=100, check=False,
     )  # fmt: skip
     assert done.returncode != 0 and "tables= names ['users']" in done.stdout + done.stderr
+
+
+def test_a_mixed_job_with_tables_is_scored_on_other_backends_from_its_checkpoints(tmp_path: Path) -> None:
+    """params.npz holds no rows: the launcher's evaluation on the other frameworks reads the final checkpoint."""
+    (tmp_path / "summary.json").write_text(json.dumps({"tables": {}}))
+    assert final_weights(tmp_path) == tmp_path / "params.npz"  # MNIST: no tables
+    (tmp_path / "summary.json").write_text(json.dumps({"tables": {"emb": {"rows": 10}}}))
+    assert final_weights(tmp_path) == tmp_path / "params.npz"  # no checkpoints: evaluate says what is missing
+    (tmp_path / "checkpoints").mkdir()
+    assert final_weights(tmp_path) == tmp_path / "checkpoints"

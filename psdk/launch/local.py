@@ -68,6 +68,15 @@ POLL_S = 0.05
 CHIEF_GRACE_S = 3.0
 
 
+def final_weights(out: Path) -> Path:
+    """What holds the run's final parameters: ``params.npz``, or the checkpoints where the job had embedding
+    tables (the chief's summary lists them), whose rows only a checkpoint holds (``checkpoint.final``)."""
+    summary = out / "summary.json"
+    tables = json.loads(summary.read_text()).get("tables") if summary.exists() else None
+    checkpoints = out / "checkpoints"
+    return checkpoints if tables and checkpoints.is_dir() else out / "params.npz"
+
+
 class LocalLauncher:
     # Whether the tasks' files (metrics.jsonl, ps progress) appear in the run's folder as they train.
     shows_progress = True
@@ -246,7 +255,10 @@ class LocalLauncher:
         """Bring the chief's results into ``out`` (here they are there already)."""
 
     def _evaluate(self, backend: str, out: Path, common: list[str]) -> float | None:
-        """The workload's primary test metric of the final parameters computed by ``backend`` (mixed jobs)."""
+        """The workload's primary test metric of the final parameters computed by ``backend`` (mixed jobs).
+
+        A model with embedding tables is scored from the run's final checkpoint: ``params.npz`` holds no rows.
+        """
         folder = out / "tasks" / f"evaluate-{backend}"
         command = [
             sys.executable,
@@ -256,7 +268,7 @@ class LocalLauncher:
             *(a for a in common if not a.startswith("output_dir=")),
             f"output_dir={folder}",
             f"backend={backend}",
-            f"weights={out / 'params.npz'}",
+            f"weights={final_weights(out)}",
             f"hydra.run.dir={folder}",
             "hydra.job.name=evaluate",
         ]

@@ -12,6 +12,9 @@ optimizers and devices; a workload's trainer brings the loss (MNIST's is
 * :mod:`psdk_tf.tables`: embedding tables (Keras ``Embedding`` weights and
   variables marked with :func:`~psdk_tf.tables.mark_table`): rows scattered in,
   ``tf.IndexedSlices`` gradients out, never a whole table;
+* a model that is its own binding (:class:`~psdk_tf.models.OwnBinding`), as the
+  click-through trainer's (:mod:`psdk_tf.ctr`), whose table holds only the rows
+  the ps sent: the bridge hands its calls over;
 * :mod:`psdk_tf.optimizers`: Keras optimizers to and from psdk update rules;
 * :mod:`psdk_tf.placement`: psdk's device string to TensorFlow's device setup.
 """
@@ -31,7 +34,7 @@ from psdk.plugins.variables import Variable, as_variables
 from psdk.rules import UpdateRule
 from psdk_tf import optimizers, placement
 from psdk_tf._tf import tf
-from psdk_tf.models import DenseStack, ForeignModel, binding
+from psdk_tf.models import DenseStack, ForeignModel, OwnBinding, binding
 
 
 class TfBackend(Backend):
@@ -85,9 +88,9 @@ class TfBackend(Backend):
         """The lookups' ``tf.IndexedSlices`` as numpy, unconverted; a dense gradient on a table is refused."""
         return self._with_tables(model, table).read_row_gradients(table)
 
-    def _with_tables(self, model: Any, table: str) -> ForeignModel:
+    def _with_tables(self, model: Any, table: str) -> ForeignModel | OwnBinding:
         bound = binding(model)
-        if not isinstance(bound, ForeignModel):
+        if isinstance(bound, DenseStack):
             raise ConfigError("model", f"psdk's dense stack keeps no embedding tables (table {table!r})")
         return bound
 

@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from psdk.errors import PsdkError
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
 from psdk.workloads.mnist.trainers import IMAGE
 from psdk_tf._tf import tf
 from psdk_tf.backend import TfBackend
-from psdk_tf.models import DenseStack, binding
+from psdk_tf.models import DenseStack, ForeignModel, binding
 
 
 def cross_entropy(call: Callable[[Any], Any], images: Any, labels: Any) -> Any:
@@ -40,6 +41,14 @@ def logits(call: Callable[[Any], Any], images: Any) -> Any:
 def images(batch: Batch) -> Any:
     """The batch's images as the compiled functions take them: float32, copied only if needed."""
     return tf.convert_to_tensor(np.asarray(batch.inputs[IMAGE], np.float32))
+
+
+def compiled(model: Any) -> DenseStack | ForeignModel:
+    """The binding that compiles this trainer's loss and logits: psdk's network or a Keras model, no other."""
+    bound = binding(model)
+    if not isinstance(bound, DenseStack | ForeignModel):
+        raise PsdkError(f"MNIST's trainer trains psdk's network or a Keras model, not a {type(model).__name__}")
+    return bound
 
 
 class TfClassifier(Trainer):
@@ -59,7 +68,7 @@ class TfClassifier(Trainer):
 
     def forward_backward(self, model: Any, batch: Batch) -> float:
         labels = tf.convert_to_tensor(np.asarray(batch.targets, np.int64))
-        return binding(model).train_step(cross_entropy)(images(batch), labels)
+        return compiled(model).train_step(cross_entropy)(images(batch), labels)
 
     def predict(self, model: Any, batch: Batch) -> np.ndarray:
-        return np.asarray(binding(model).infer(logits)(images(batch)).numpy(), np.float32)
+        return np.asarray(compiled(model).infer(logits)(images(batch)).numpy(), np.float32)

@@ -15,6 +15,9 @@ Two kinds of model, behind one small interface (:class:`DenseStack` and
   by :class:`ForeignModel`, for training scripts on the public API. Its
   variables are named by :func:`canonical_names` and kept in Keras's own
   layout, which for ``Dense`` kernels is already (in, out).
+* A model that is its own binding (:class:`OwnBinding`), as the click-through
+  trainer's (:mod:`psdk_tf.ctr`): it keeps its weights, gradients and a
+  table's pulled rows itself, so the bridge only hands calls over.
 
 The loss is not the bridge's: a workload's trainer (MNIST's is
 :mod:`psdk_tf.mnist`) hands a binding its loss as graph code,
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -350,13 +354,51 @@ class ForeignModel:
         return self._variables[self._index[table]]
 
 
-Binding = DenseStack | ForeignModel
+class OwnBinding(ABC):
+    """A model that the bridge reaches as it is: it names its variables and moves its own weights, gradients and rows.
+
+    For a trainer whose model is no Keras model and whose tables are no
+    ``capacity x dim`` variables (:mod:`psdk_tf.ctr` keeps only the rows
+    the ps sent). ``named`` lists ``(name, array)`` for every variable in
+    order, tables included; ``tables`` says which are tables; ``dense`` is
+    the rest. Gradients come from the trainer's steps, never from a script.
+    """
+
+    named: list[tuple[str, Any]]
+    tables: dict[str, Rows]
+    dense: list[tuple[str, Any]]
+
+    @abstractmethod
+    def read(self) -> dict[str, np.ndarray]:
+        """Copies of the dense weights, canonical layout."""
+
+    @abstractmethod
+    def write(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Take these dense weights (the caller keeps the arrays)."""
+
+    @abstractmethod
+    def read_gradients(self, out: Mapping[str, np.ndarray]) -> None:
+        """Copy the last step's dense gradients into ``out``."""
+
+    @abstractmethod
+    def write_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Keep the rows of ``ids`` for the next forward pass."""
+
+    @abstractmethod
+    def read_row_gradients(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, rows)`` of the last step's gradient of ``table``, one row per lookup."""
+
+    def record(self, gradients: Sequence[Any]) -> None:
+        raise PsdkError(f"{type(self).__name__} computes its own gradients: record_gradients is for Keras models")
+
+
+Binding = DenseStack | ForeignModel | OwnBinding
 _FOREIGN: weakref.WeakKeyDictionary[Any, ForeignModel] = weakref.WeakKeyDictionary()
 
 
 def binding(model: Any) -> Binding:
-    """The backend's view of ``model``: itself for a DenseStack, else a ForeignModel kept beside it."""
-    if isinstance(model, DenseStack):
+    """The backend's view of ``model``: itself for a DenseStack or an OwnBinding, else a ForeignModel beside it."""
+    if isinstance(model, DenseStack | OwnBinding):
         return model
     bound = _FOREIGN.get(model)
     if bound is None:

@@ -1,4 +1,4 @@
-"""psdk's entry point for this plugin: registers the backend and MNIST's trainer without importing TensorFlow."""
+"""psdk's entry point for this plugin: registers the backend and its trainers without importing TensorFlow."""
 
 from __future__ import annotations
 
@@ -25,5 +25,8 @@ def psdk_register_backends() -> list[BackendRecord]:
 
 @hookimpl
 def psdk_register_trainers() -> list[TrainerRecord]:
-    """MNIST, psdk's own workload, trains on TensorFlow with this plugin's trainer."""
-    return [TrainerRecord("mnist", FRAMEWORK, "psdk_tf.mnist:TfClassifier")]
+    """psdk's MNIST and click-through (``ctr``) workloads name no framework: their TensorFlow trainers are here."""
+    return [
+        TrainerRecord("mnist", FRAMEWORK, "psdk_tf.mnist:TfClassifier"),
+        TrainerRecord("ctr", FRAMEWORK, "psdk_tf.ctr:TfCtr"),
+    ]

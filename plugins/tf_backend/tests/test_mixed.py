@@ -59,3 +59,20 @@ def test_a_checkpoint_written_by_one_framework_resumes_on_the_other(
     assert after["backend"] == second and after["resumed_from"] == str(saved)
     # The accuracy carries over (the optimizer's moments and step came along too).
     assert after["test_accuracy"] >= before["test_accuracy"] - 0.005 and after["test_accuracy"] >= 0.96
+
+
+@pytest.mark.timeout(300)
+def test_torch_and_tf_workers_train_one_click_model(tmp_path: Path) -> None:
+    """``workload=ctr`` with a torch and a TensorFlow worker, in sync mode so that both train every round
+    (TensorFlow starts seconds later); each framework scores the final parameters, rows from the checkpoint."""
+    summary, stdout = run_job(
+        tmp_path, "workload=ctr", "backend=torch", "topology.worker_backends=[torch,tf]", "sync=sync",
+        "train.steps=100", "train.batch_size=256", "model.capacity=100000", "workload.vocab=10000",
+        "workload.test_size=5000", "workload.validation_size=0", "train.validate_every=0", timeout_s=280,
+    )  # fmt: skip
+    assert {w["backend"]: w["local_steps"] for w in summary["workers"].values()} == {"torch": 100, "tf": 100}
+    by_backend = summary["test_auc_by_backend"]
+    assert set(by_backend) == {"torch", "tf"} and min(by_backend.values()) > 0.6, by_backend
+    assert abs(by_backend["torch"] - by_backend["tf"]) <= 1e-4  # one set of parameters, scored twice
+    assert summary["tables"]["emb"]["created"] > 1000
+    assert "(tf 0." in stdout.strip().splitlines()[-1]
