@@ -54,14 +54,13 @@ class TrainerConformance(_Suite):
     """The workload's metrics of the trainer's predictions against the reference's. ``None``: 1e-9 for MNIST's
     accuracy (the same decisions, so equal: one answer flipped of 600 would be 1.7e-3); 1e-6 otherwise, as
     ctr's log loss averages float32 logits (2e-8 apart on JAX) and one AUC pair flipped of 600 is 1.5e-5."""
+    row_rtol: ClassVar[float] = 1e-4
+    row_atol: ClassVar[float] = 1e-6
+    """The row gradients summed per id (order 1e-3 here, as the loss is a mean over the batch)."""
 
     @property
     def trained_workload(self) -> str:
         return self.workload
-
-    row_rtol: ClassVar[float] = 1e-4
-    row_atol: ClassVar[float] = 1e-6
-    """The row gradients summed per id (order 1e-3 here, as the loss is a mean over the batch)."""
 
     def model_specs(self) -> Mapping[str, Any]:
         if self.models is not None:
