@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pytest
 
 from psdk.plugins.backends.numpy_backend import NumpyBackend, NumpyModel
+from psdk.plugins.backends.numpy_tables import NumpyTableModel
 from psdk.plugins.batches import Batch
 from psdk.plugins.models import ModelSpec
 from psdk.plugins.variables import Rows, Variable
 from psdk.testing import BackendConformance, BridgeConformance, TrainerConformance
+from psdk.workloads.ctr.data import TABLE
+from psdk.workloads.ctr.trainers import NumpyDlrm
 from psdk.workloads.mnist.trainers import NumpyClassifier
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,7 +29,14 @@ class TestNumpyMnistTrainer(TrainerConformance):
     backend_name = "numpy"
 
 
-BRIDGE, TRAINER = TestNumpyBridge(), TestNumpyMnistTrainer()
+class TestNumpyCtrTrainer(TrainerConformance):
+    """The ctr workload's own reference through the suite's table path (rows written, row gradients summed)."""
+
+    backend_name = "numpy"
+    workload = "ctr"
+
+
+BRIDGE, TRAINER, CTR = TestNumpyBridge(), TestNumpyMnistTrainer(), TestNumpyCtrTrainer()
 
 
 def checks_of(cls: type) -> set[str]:
@@ -171,3 +182,55 @@ def test_a_workload_other_than_mnist_is_told_to_give_its_batches() -> None:
 
     with pytest.raises(NotImplementedError, match="override make_batch for workload 'regression'"):
         OtherWorkload().make_batch(ModelSpec(input_dim=4, num_classes=2), 8, 0)
+
+
+# ------------------------------------------------------- broken ctr trainers
+class FirstOccurrenceOnly(NumpyDlrm):
+    """Keeps one gradient row per id, its first occurrence's, as if the batch's ids were unique: a duplicate's
+    gradient is dropped where psdk sums them."""
+
+    def forward_backward(self, model: NumpyTableModel, batch: Batch) -> float:
+        loss = super().forward_backward(model, batch)
+        ids, rows = model.row_grads[TABLE]
+        _, first = np.unique(ids, return_index=True)
+        model.row_grads[TABLE] = (ids[first], rows[first])
+        return loss
+
+
+class OwnRows(NumpyDlrm):
+    """Looks ids up in rows it drew itself when built, never in the rows the ps sent (``write_rows``)."""
+
+    def build_model(self, spec: Any, weights: Mapping[str, np.ndarray]) -> NumpyTableModel:
+        model = super().build_model(spec, weights)
+        own = np.random.default_rng(0).normal(0, 0.3, model.rows[TABLE].shape).astype(np.float32)
+        model.lookup = lambda table, ids: own[np.asarray(ids)]  # type: ignore[method-assign]
+        return model
+
+
+def ctr_trainers(broken: type[NumpyDlrm]) -> tuple[NumpyBackend, NumpyBackend, NumpyDlrm, NumpyDlrm]:
+    backend, reference = NumpyBackend(), NumpyBackend()
+    return backend, reference, broken(backend), NumpyDlrm(reference)
+
+
+def test_the_ctr_suite_catches_a_trainer_that_drops_duplicate_ids_gradients() -> None:
+    CTR.test_its_loss_and_gradients_match_the_reference(*ctr_trainers(NumpyDlrm), "dlrm")
+    with pytest.raises(AssertionError, match="table emb's rows"):
+        CTR.test_its_loss_and_gradients_match_the_reference(*ctr_trainers(FirstOccurrenceOnly), "dlrm")
+    with pytest.raises(AssertionError, match="table emb's rows"):
+        CTR.test_forward_backward_replaces_the_last_gradients(*ctr_trainers(FirstOccurrenceOnly))
+
+
+def test_the_ctr_suite_catches_a_trainer_that_ignores_the_rows_written() -> None:
+    with pytest.raises(AssertionError):
+        CTR.test_its_loss_and_gradients_match_the_reference(*ctr_trainers(OwnRows), "dlrm")
+    _, _, trainer, reference_trainer = ctr_trainers(OwnRows)
+    with pytest.raises(AssertionError):
+        CTR.test_its_predictions_match_the_reference(trainer, reference_trainer, "dlrm")
+
+
+def test_the_ctr_suite_has_its_models_and_batches_with_repeated_ids() -> None:
+    specs = CTR.model_specs()
+    assert set(specs) == {"dlrm", "dlrm-deep"} and all(TABLE in spec.tables() for spec in specs.values())
+    batch = CTR.make_batch(CTR.first_model(), 64, 0)
+    ids = batch.ids[TABLE]
+    assert len(ids.unique()) < len(ids.values) == 64 * 26  # duplicates, for the suite to see them summed

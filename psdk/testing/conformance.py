@@ -31,10 +31,20 @@ a backend and psdk's MNIST trainer on its framework.
 
 The bridge suite needs a backward pass to read gradients back, and gets it
 from the trainer of :attr:`BridgeConformance.trainer_workload` (MNIST) for
-the bridge's framework. A workload other than MNIST tested with
-:class:`TrainerConformance` names its models (:attr:`TrainerConformance.models`,
-specs whose ``variables()`` and ``init_weights(seed)`` every framework
-shares) and overrides :meth:`TrainerConformance.make_batch`; its numpy
+the bridge's framework. psdk's click-through workload is one line more
+(``workload = "ctr"``): its models have a table, so each batch's rows are
+written with ``write_rows`` before the step, as a worker writes the rows it
+pulled, and the row gradients ``read_row_gradients`` gives are summed per id
+and compared with :class:`~psdk.workloads.ctr.trainers.NumpyDlrm`'s::
+
+    class TestMyCtrTrainer(TrainerConformance):
+        backend_name = "mybackend"
+        workload = "ctr"
+
+Another workload tested with :class:`TrainerConformance` names its models
+(:attr:`TrainerConformance.models`, specs whose ``variables()`` and
+``init_weights(seed)`` every framework shares, and ``tables()`` if it has
+tables) and overrides :meth:`TrainerConformance.make_batch`; its numpy
 trainer, if it registers one, is the reference (:attr:`TrainerConformance.reference_backend`).
 
 A bridge subclass may also say more:

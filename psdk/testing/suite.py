@@ -14,7 +14,9 @@ from psdk.plugins.batches import Batch
 from psdk.plugins.hookspecs import ModelRecord
 from psdk.plugins.models import ModelSpec, init_weights
 from psdk.plugins.trainer import Trainer
+from psdk.plugins.variables import Rows
 from psdk.protocol.sharding import flat_size, layout, views
+from psdk.protocol.tables import TableSpec
 from psdk.ps.rules import SGD, Adagrad, Adam, RMSProp, UpdateRule
 
 # Frameworks that listing plugins must never import, whichever plugin is tested.
@@ -56,6 +58,61 @@ def mnist_batch(spec: ModelSpec, size: int, seed: int) -> Batch:
 
     x, y = random_batch(spec, size, seed)
     return Batch({IMAGE: x}, y)
+
+
+def ctr_models() -> dict[str, Any]:
+    """The ``ctr`` workload's DLRM, small: one bottom and one top hidden layer, and two of each (a mistake
+    between layers shows). Its table is a couple of thousand ids, so that a batch repeats ids."""
+    from psdk.workloads.ctr.model import DlrmSpec
+
+    return {
+        "dlrm": DlrmSpec(dim=8, capacity=2000, bottom=(16,), top=(16,)),
+        "dlrm-deep": DlrmSpec(dim=4, capacity=2000, bottom=(8, 8), top=(16, 8)),
+    }
+
+
+def ctr_batch(spec: Any, size: int, seed: int) -> Batch:
+    """``size`` examples of the ``ctr`` workload's generated log from ``seed``, ids hashed into the spec's table:
+    a vocabulary of a few hundred, so that ids repeat within a batch and across its fields."""
+    from psdk.workloads.ctr.data import ClickLog
+
+    return ClickLog(seed=seed, vocab=300, capacity=int(spec.capacity)).batch(0, seed, 0, size)
+
+
+def spec_tables(spec: Any) -> dict[str, Rows]:
+    """The embedding tables ``spec`` declares (``tables()``, as :class:`~psdk.workloads.ctr.model.DlrmSpec`)."""
+    tables = getattr(spec, "tables", None)
+    return dict(tables()) if callable(tables) else {}
+
+
+def pulled_rows(table: str, rows: Rows, ids: np.ndarray, seed: int) -> np.ndarray:
+    """The rows a ps would send for ``ids``: read-only float32, a function of (seed, table, id) only, as a
+    :class:`~psdk.ps.tables.table.RowTable` draws them, at a scale (0.3) that makes their products count."""
+    from psdk.ps.tables.hashing import initial_rows, table_key
+
+    drawn = initial_rows(np.asarray(ids, np.int64), rows.dim, table_key(seed, table), "normal", 0.3)
+    drawn.flags.writeable = False
+    return drawn
+
+
+def write_batch_rows(bridge: Backend, model: Any, spec: Any, batch: Batch, seed: int) -> None:
+    """What a worker does before a step: each table's unique ids of ``batch``, increasing, and their rows."""
+    tables = spec_tables(spec)
+    for name, ids in (batch.ids or {}).items():
+        unique = ids.unique()
+        bridge.write_rows(model, name, unique, pulled_rows(name, tables[name], unique, seed))
+
+
+def _row_gradients(bridge: Backend, model: Any, spec: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each table's row gradients of the last backward pass, duplicates summed as psdk's client sums them."""
+    from psdk.client.rows import sum_duplicates
+
+    out = {}
+    for name, rows in spec_tables(spec).items():
+        ids, grads = bridge.read_row_gradients(model, name)
+        ids, grads = sum_duplicates(TableSpec(name, rows.dim, rows.capacity), ids, grads)
+        out[name] = (np.array(ids), np.array(grads))
+    return out
 
 
 def load_trainer(workload: str, bridge: Backend) -> Trainer:
@@ -124,13 +181,17 @@ class _Suite:
         if "dense_model" in metafunc.fixturenames:
             metafunc.parametrize("dense_model", list(DENSE_MODELS))
         if "model_name" in metafunc.fixturenames:
-            metafunc.parametrize("model_name", list(getattr(self, "models", DENSE_MODELS)))
+            specs = getattr(self, "model_specs", None)
+            metafunc.parametrize("model_name", list(specs() if callable(specs) else DENSE_MODELS))
 
     def make_batch(self, spec: Any, size: int, seed: int) -> Batch:
-        """``size`` examples for ``spec`` from ``seed``, as the workload's shard would give them (MNIST's)."""
+        """``size`` examples for ``spec`` from ``seed``, as the workload's shard would give them (MNIST's, ctr's)."""
+        if self.trained_workload == "ctr":
+            return ctr_batch(spec, size, seed)
         if self.trained_workload != "mnist":
             raise NotImplementedError(
-                f"the suite makes MNIST's batches only: override make_batch for workload {self.trained_workload!r}"
+                f"the suite makes the batches of mnist and ctr only: override make_batch for workload "
+                f"{self.trained_workload!r}"
             )
         return mnist_batch(spec, size, seed)
 

@@ -40,8 +40,8 @@ JAX returns gradients instead of keeping them on the parameters (torch's
 
 Embedding tables (``tables={name: psdk.Rows(dim, capacity)}``, docs/tables.md)
 are JAX's way with sparse: gathered rows. The model keeps each table as a
-local ``capacity x dim`` numpy array (``np.zeros``, whose pages Linux maps only
-when a row is written; its values only ever come from the ps, through
+local ``capacity x dim`` numpy array (:func:`lazy_rows`, whose pages Linux
+maps only when a row is written; its values only ever come from the ps, through
 :meth:`DenseStack.write_rows`), never as a jax array: a table never crosses to
 the device. A step names its batch's ids, ``value_and_grad(loss, *arrays,
 ids={name: ids})``: the rows are gathered by id in numpy, outside ``jax.jit``
@@ -54,6 +54,7 @@ occurrence, which is what the ps takes (it sums duplicates):
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,6 +83,21 @@ def logits(params: Mapping[str, Any], x: Any, layers: tuple[str, ...], precision
     return x
 
 
+def lazy_rows(capacity: int, dim: int) -> np.ndarray:
+    """Zeroed float32 ``capacity x dim`` rows in an anonymous mapping of 4 KiB pages, each mapped when first written.
+
+    Not ``np.zeros``: numpy advises huge pages for a large array, and where
+    the kernel's transparent huge pages follow that advice (``madvise``, the
+    common setting) every row written maps 2 MiB, so a batch's few thousand
+    ids scattered over ten million rows mapped the whole 640 MB table.
+    """
+    size = max(1, capacity * dim * 4)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; also where the kernel maps huge pages unasked ("always")
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buffer, np.float32, capacity * dim).reshape(capacity, dim)
+
+
 class DenseStack:
     """The :class:`psdk.ModelSpec` network as params and compiled functions; see the module docstring."""
 
@@ -104,7 +120,7 @@ class DenseStack:
         self.precision = precision
         self.tables = _check_tables(tables or {}, self.shapes)
         """The embedding tables by name (see the module docstring): never in ``params``."""
-        self.rows = {name: np.zeros((t.capacity, t.dim), np.float32) for name, t in self.tables.items()}
+        self.rows = {name: lazy_rows(t.capacity, t.dim) for name, t in self.tables.items()}
         """Each table's local rows, ``capacity x dim`` numpy, indexed by id; only rows written are mapped."""
         self._row_grads: dict[str, RowGradients] = {}
         self._staged = np.zeros(flat_size(self.specs), np.float32)

@@ -1,4 +1,4 @@
-"""psdk's entry point for this plugin: registers the backend and MNIST's trainer without importing JAX or optax."""
+"""psdk's entry point for this plugin: registers the backend and its trainers, without importing JAX or optax."""
 
 from __future__ import annotations
 
@@ -44,5 +44,9 @@ def psdk_register_backends() -> list[BackendRecord]:
 
 @hookimpl
 def psdk_register_trainers() -> list[TrainerRecord]:
-    """MNIST on JAX (its loss and predictions on this backend's bridge), imported only when a job uses it."""
-    return [TrainerRecord("mnist", "jax", "psdk_jax.mnist:JaxClassifier")]
+    """MNIST and click-through (``ctr``) on JAX (their losses and predictions on this backend's bridge), each
+    imported only when a job uses it."""
+    return [
+        TrainerRecord("mnist", "jax", "psdk_jax.mnist:JaxClassifier"),
+        TrainerRecord("ctr", "jax", "psdk_jax.ctr:JaxCtr"),
+    ]

@@ -28,3 +28,10 @@ class TestTfBridgeConformance(BridgeConformance):
 
 class TestTfMnistTrainerConformance(TrainerConformance):
     backend_name = "tf"
+
+
+class TestTfCtrTrainerConformance(TrainerConformance):
+    """The ctr trainer through a worker's path: rows written before each batch, row gradients summed per id."""
+
+    backend_name = "tf"
+    workload = "ctr"

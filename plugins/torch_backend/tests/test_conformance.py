@@ -1,4 +1,4 @@
-"""psdk's conformance suites, run against the torch bridge and psdk's MNIST trainer on torch."""
+"""psdk's conformance suites, run against the torch bridge and psdk's MNIST and ctr trainers on torch."""
 
 from __future__ import annotations
 
@@ -28,3 +28,10 @@ class TestTorchBridgeConformance(BridgeConformance):
 
 class TestTorchMnistTrainerConformance(TrainerConformance):
     backend_name = "torch"
+
+
+class TestTorchCtrTrainerConformance(TrainerConformance):
+    """The ctr trainer through a worker's path: rows written before each batch, row gradients summed per id."""
+
+    backend_name = "torch"
+    workload = "ctr"
