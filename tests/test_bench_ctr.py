@@ -119,6 +119,18 @@ def test_the_sampler_reads_a_real_process_cpu() -> None:
         child.wait(timeout=10)
 
 
+def test_the_time_split_is_read_from_the_summary_as_it_is() -> None:
+    """psdk's ``time_split`` (worker per step, ps per push) and the workers' ``time_per_step``, one level deep."""
+    summary = {
+        "time_split": {"worker": {"compute_ms": 20.0, "wire_ms": 9.5}, "ps": {"rule_ms": 1.5}},
+        "workers": {"0": {"time_per_step": {"compute_cpu_ms": 18.0}}, "1": {}},
+    }
+    assert ctr.found_time_split(summary) == {
+        "worker compute_ms": 20.0, "worker wire_ms": 9.5, "ps rule_ms": 1.5, "worker0 compute_cpu_ms": 18.0
+    }  # fmt: skip
+    assert ctr.found_time_split({"workers": {}}) == {}  # a summary without any: nothing made up
+
+
 def test_a_warmup_the_window_cannot_start_from_is_refused() -> None:
     cfg = OmegaConf.create({"reps": 1, "ctr": {"workers": 2, "warmup": 1, "steps": 40}})
     with pytest.raises(ConfigError, match=r"ctr\.warmup"):

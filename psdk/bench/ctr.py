@@ -98,14 +98,27 @@ def task_names(run_dir: Path, launcher: int) -> dict[int, str]:
     return names
 
 
+def flat(found: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested split as one level: ``{"ps": {"rule_ms": 1}}`` is ``{"ps rule_ms": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in found.items():
+        if isinstance(value, Mapping):
+            out.update(flat(value, f"{prefix}{key} "))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def found_time_split(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """Where psdk's time went, as its summary says: ``time_split`` if it has one, and each worker's step."""
+    """Where psdk's time went, as its summary says: its ``time_split`` if it has one, and each worker's step.
+
+    The summary's keys are read as they are (a psdk without ``time_split`` has the workers' ``time_per_step``).
+    """
     split: dict[str, Any] = {}
-    if isinstance(summary.get(TIME_SPLIT_KEY), dict):
-        split.update(summary[TIME_SPLIT_KEY])
+    if isinstance(summary.get(TIME_SPLIT_KEY), Mapping):
+        split.update(flat(summary[TIME_SPLIT_KEY]))
     for index, worker in sorted(summary.get("workers", {}).items()):
-        for key, value in (worker.get("time_per_step") or {}).items():
-            split[f"worker{index} {key}"] = value
+        split.update(flat(worker.get("time_per_step") or {}, f"worker{index} "))
     return split
 
 
@@ -176,7 +189,7 @@ def run_peer(cfg: DictConfig, script: str, isolate: bool) -> CtrRun:
         tail = done.stderr.strip().splitlines()[-3:]
         return CtrRun(script, error=f"exit {done.returncode}: {' | '.join(tail)}")
     known = {k: figures.get(k) for k in CtrRun.__dataclass_fields__ if k not in ("system", "error")}
-    known["cpu_split"], known["time_split"] = known["cpu_split"] or {}, known["time_split"] or {}
+    known["cpu_split"], known["time_split"] = known["cpu_split"] or {}, flat(known["time_split"] or {})
     return CtrRun(system=str(figures.get("system") or script), **known)
 
 
