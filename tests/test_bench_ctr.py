@@ -38,8 +38,7 @@ def test_psdk_is_measured_over_the_window_with_every_process_of_its_job(tiny_sui
     report, text = tiny_suite
     (run,) = report["runs"]["psdk-numpy"]
     assert run["error"] is None, run
-    # the chief's 5th local step to the first worker's last: at most the steps after the warm-up, plus one in flight
-    assert run["examples"] % 256 == 0 and 256 <= run["examples"] <= (40 - 10 + 2) * 256
+    assert run["examples"] == 40 * 256  # trained by the job (the window's own count: the test below)
     assert run["examples_per_s"] > 0 and 0.5 < run["test_auc"] < run["best_auc"] < 1
     assert set(run["cpu_split"]) == {"launcher", "ps0", "ps1", "worker0", "worker1"}, run["cpu_split"]
     assert run["cpu_s_per_1k_examples"] == pytest.approx(sum(run["cpu_split"].values()), abs=1e-3)

@@ -158,6 +158,7 @@ def run_psdk(cfg: DictConfig, backend: str) -> CtrRun:
     return CtrRun(
         system=system,
         framework=backend,
+        examples=int(summary["global_step"]) * int(ctr.batch_size),  # trained by the job, as the peers count them
         **measured.figures(),
         test_auc=metrics.get("auc"),
         test_logloss=metrics.get("logloss"),

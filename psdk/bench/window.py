@@ -135,7 +135,6 @@ class Window:
         seconds = self.end - self.start
         split = {name: round(s * 1000.0 / self.examples, 5) for name, s in self.cpu.items()} if self.examples else {}
         return {
-            "examples": self.examples,
             "examples_per_s": self.examples / seconds if seconds > 0 and self.examples else None,
             "cpu_s_per_1k_examples": round(sum(split.values()), 5) if split else None,
             "cpu_split": split,
