@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -137,3 +138,11 @@ def test_a_warmup_the_window_cannot_start_from_is_refused() -> None:
     cfg.ctr.warmup = 40
     with pytest.raises(ConfigError, match=r"below ctr\.steps"):
         ctr.check(cfg)
+
+
+def test_an_unknown_suite_is_refused_by_name(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "psdk", "bench", "suite=criteo", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1 and "suite" in done.stderr + done.stdout and "mnist or ctr" in done.stderr + done.stdout

@@ -309,12 +309,6 @@ def interleave(plan: dict[str, Callable[[], Run]], reps: int) -> dict[str, list[
 
 
 def run_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
-    if cfg.suite == "ctr":  # the click-through workload against its own peers (psdk.bench.ctr)
-        from psdk.bench.ctr import run_ctr_suite
-
-        return run_ctr_suite(cfg, out)
-    if cfg.suite != "mnist":
-        raise ConfigError("suite", f"must be mnist or ctr, got {cfg.suite!r}")
     isolate = bool(cfg.isolate_peers) and can_isolate()
     if cfg.isolate_peers and not isolate:
         log.warning("bench: cannot create a network namespace here (unshare -n); peers run unisolated")
