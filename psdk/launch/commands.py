@@ -23,11 +23,15 @@ log = logging.getLogger("psdk")
 def _bench(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from psdk.bench.ctr import run_ctr_suite
     from psdk.bench.suite import run_suite
 
     set_task_label("bench")
+    suites = {"mnist": run_suite, "ctr": run_ctr_suite}  # the click-through workload against its own peers
     try:
-        run_suite(cfg, Path(HydraConfig.get().runtime.output_dir))
+        if cfg.suite not in suites:
+            raise ConfigError("suite", f"must be mnist or ctr, got {cfg.suite!r}")
+        suites[cfg.suite](cfg, Path(HydraConfig.get().runtime.output_dir))
     except PsdkError as exc:
         log.error("%s", exc)
         raise SystemExit(1) from None
