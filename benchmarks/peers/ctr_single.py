@@ -23,6 +23,11 @@ fast on one machine with nothing a distributed run avoids:
 (generating it), ``forward`` (lookup, model and loss), ``backward`` and
 ``optimizer`` (``Adagrad.step``). The measured window, examples/s and CPU per
 1,000 examples are :mod:`_ctr`'s (``--warmup`` steps left out).
+
+Measured (10M ids, 2000 steps, ``nice -n 19`` on 2 shared cores): test AUC
+0.7832 (the same in every run: one process, no races), 0.040-0.047 CPU
+seconds per 1,000 examples, and ``optimizer`` 0.84-0.87x ``forward`` +
+``backward`` (sparse Adagrad coalesces the gradient, then updates).
 """
 
 from __future__ import annotations

@@ -44,6 +44,11 @@ ids by ps), ``pull`` and ``push`` (the round trips, waited for), ``compute``
 (gather, forward, backward); then the ps side, per worker step summed over
 the ps: ``ps_pull`` (reading the rows under the lock) and ``ps_apply`` (the
 Adagrad on rows and dense), both included in the worker's ``pull``/``push``.
+
+Measured (10M ids, 2 ps, 2 workers, 2000 steps, ``nice -n 19`` on 2 shared
+cores): test AUC 0.7788 and 0.7798 against the single process's 0.7832, with
+the recipe's lr and 1 thread; 1.05x the single process's CPU per example, a
+quarter of it on the ps; peak RSS 930 MB per ps (5M rows and accumulators).
 """
 
 from __future__ import annotations
