@@ -12,6 +12,9 @@ resident set of a process that the test runner shares.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -32,9 +35,10 @@ from psdk.ps.tables import chunks
 from psdk.ps.tables.hashing import initial_rows, table_key
 from psdk.ps.tables.index import REBUILD_BLOCK, RowIndex
 from psdk.ps.tables.served import ServedTable
+from psdk.testing.jobs import run_job
 from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
-from .conftest import running_ps
+from .conftest import free_port, running_ps
 from .test_recovery import Shard
 from .test_table_checkpoints import DENSE, FAST, RULE, job_spec, saved
 
@@ -157,7 +161,6 @@ def test_a_rolled_back_shard_drops_its_rows_before_the_checkpoints_rows_arrive(
         transport.context.destroy(linger=0)
 
 
-
 def test_the_rows_a_step_sends_are_let_go_once_sent() -> None:
     """Pushes and pulls of rows through real ps threads: what stays allocated is the tables' index, not messages.
 
@@ -191,3 +194,56 @@ def test_the_rows_a_step_sends_are_let_go_once_sent() -> None:
             assert kept < index + 16e6, (kept, index)
         finally:
             client.close()
+
+
+def idle_ps_kb(tmp_path: Path) -> int:
+    """VmHWM of a ps task that has started and announced its address, and nothing more: the base of the bound."""
+    announce = tmp_path / "ps.json"
+    command = [
+        sys.executable, "-m", "psdk", "ps", "task_index=0", f"ps_hosts=127.0.0.1:{free_port()}", "worker_hosts=127.0.0.1",
+        "transport.secure=false", f"ps.announce_file={announce}", f"hydra.run.dir={tmp_path / 'idle'}",
+        "ps.idle_timeout_s=null",
+    ]  # fmt: skip
+    ps = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90  # a loaded 2-core machine took 51 s to start one
+        while not announce.exists():
+            assert ps.poll() is None and time.monotonic() < deadline, "the idle ps did not start"
+            time.sleep(0.05)
+        for line in Path(f"/proc/{ps.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmHWM")
+    finally:
+        ps.kill()
+        ps.wait(timeout=10)
+
+
+CI_ROWS = 200_000
+CI_JOB = [
+    "workload=ctr", "backend=numpy", "topology.num_ps=2", "topology.num_workers=1", f"model.capacity={CI_ROWS}",
+    f"workload.vocab={CI_ROWS}", "+tables.emb.sharding=range", "+tables.emb.preallocate=true",
+    "train.batch_size=256", "workload.test_size=500", "workload.validation_size=0", "train.validate_every=0",
+    "checkpoint.every_steps=10", "checkpoint.every_seconds=0", "report.plot=false",
+]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_each_ps_of_a_job_stays_within_its_tables_bound_through_checkpoints_and_a_resume(tmp_path: Path) -> None:
+    """A preallocated 200,000 x 16 table on 2 ps (Adagrad: one slot), checkpointed, then resumed in a new job.
+
+    The bound per ps is the issue's with the constant measured here: an idle ps's VmHWM, plus
+    1.5 x rows x (row + slot bytes). A table held twice (a restore staged beside a table filled from the
+    seed) or messages' rows kept (the frames) put a ps 15 to 20 MB over it.
+    """
+    base_mb = idle_ps_kb(tmp_path) / 1024
+    first, _ = run_job(tmp_path / "first", *CI_JOB, "train.steps=20", timeout_s=90)
+    second, _ = run_job(tmp_path / "second", *CI_JOB, "train.steps=30", f"resume={tmp_path / 'first' / 'checkpoints'}",
+                        timeout_s=90)  # fmt: skip
+    assert second["resumed_from"] and second["global_step"] == 30
+    for summary in (first, second):
+        for ps in summary["ps"]:
+            rows = ps["tables"]["emb"]["rows"]
+            assert rows == CI_ROWS // 2 and ps["tables"]["emb"]["created"] <= rows
+            bound_mb = base_mb + 1.5 * rows * (64 + 64) / 2**20
+            assert ps["max_rss_mb"] <= bound_mb, (ps["task"], ps["max_rss_mb"], bound_mb, base_mb)

@@ -35,6 +35,7 @@ from psdk.protocol.numerics import all_finite
 from psdk.protocol.tables import TableSpec, owned_range, shard_of_ids
 from psdk.ps.rules import RuleState, UpdateRule
 from psdk.ps.tables.table import RowTable
+from psdk.runtime.liveness import beat
 
 PREALLOCATE_CHUNK = 1 << 17
 """Rows a preallocated table creates per step at placement. A step's temporaries (the ids, their initial
@@ -94,6 +95,7 @@ class ServedTable:
             low, high = owned_range(self.spec, self.shard, self.num_ps)
             for start in range(low, high, PREALLOCATE_CHUNK):
                 self.rows.lookup(np.arange(start, min(start + PREALLOCATE_CHUNK, high), dtype=np.int64))
+                beat()  # progress, not a stuck loop: 5 million rows took over 30 s on a loaded 2-core machine
 
     # ------------------------------------------------------------ checks
     def check_ids(self, ids: np.ndarray, what: str, most: int | None = None) -> np.ndarray:
