@@ -73,7 +73,7 @@ def test_a_preallocated_table_is_made_in_steps_whose_temporaries_stay_small() ->
     temporaries, table = peak_beyond_end(lambda: ServedTable(spec, 0, 2, rule))
     assert len(table.rows) == 600_000 and table.rows.created == 600_000
     # In steps of a million rows (the whole shard at once here) this was 217 MB.
-    assert temporaries < 100e6, temporaries  # 47 MB: a step's (PREALLOCATE_CHUNK rows), the index's old positions
+    assert temporaries < 30e6, temporaries  # a step's (PREALLOCATE_CHUNK rows), and the index's old positions
     ids = np.array([0, 5, 599_999], np.int64)
     expected = initial_rows(ids, 16, table_key(1, "emb"), "normal", 0.01)
     np.testing.assert_array_equal(table.pull(ids, create=False), expected)
@@ -200,9 +200,9 @@ def idle_ps_kb(tmp_path: Path) -> int:
     """VmHWM of a ps task that has started and announced its address, and nothing more: the base of the bound."""
     announce = tmp_path / "ps.json"
     command = [
-        sys.executable, "-m", "psdk", "ps", "task_index=0", f"ps_hosts=127.0.0.1:{free_port()}", "worker_hosts=127.0.0.1",
-        "transport.secure=false", f"ps.announce_file={announce}", f"hydra.run.dir={tmp_path / 'idle'}",
-        "ps.idle_timeout_s=null",
+        sys.executable, "-m", "psdk", "ps", "task_index=0", f"ps_hosts=127.0.0.1:{free_port()}",
+        "worker_hosts=127.0.0.1", "transport.secure=false", f"ps.announce_file={announce}",
+        f"hydra.run.dir={tmp_path / 'idle'}", "ps.idle_timeout_s=null",
     ]  # fmt: skip
     ps = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -220,6 +220,7 @@ def idle_ps_kb(tmp_path: Path) -> int:
 
 
 CI_ROWS = 200_000
+SLACK_MB = 8.0
 CI_JOB = [
     "workload=ctr", "backend=numpy", "topology.num_ps=2", "topology.num_workers=1", f"model.capacity={CI_ROWS}",
     f"workload.vocab={CI_ROWS}", "+tables.emb.sharding=range", "+tables.emb.preallocate=true",
@@ -228,22 +229,24 @@ CI_JOB = [
 ]  # fmt: skip
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(330)  # about 30 s on an idle 2-core machine; minutes when it is shared
 def test_each_ps_of_a_job_stays_within_its_tables_bound_through_checkpoints_and_a_resume(tmp_path: Path) -> None:
     """A preallocated 200,000 x 16 table on 2 ps (Adagrad: one slot), checkpointed, then resumed in a new job.
 
-    The bound per ps is the issue's with the constant measured here: an idle ps's VmHWM, plus
-    1.5 x rows x (row + slot bytes). A table held twice (a restore staged beside a table filled from the
-    seed) or messages' rows kept (the frames) put a ps 15 to 20 MB over it.
+    The bound per ps is the issue's with its 150 MB replaced by what is measured here: an idle ps's VmHWM,
+    plus ``SLACK_MB`` for what a ps in a job holds beyond its table (its rule, connections, a push and a
+    reply: about 2 MB), plus 1.5 x rows x (row + slot bytes). A table held twice (a restore staged beside a
+    table filled from the seed: 16 MB here) or preallocation in steps of a million rows (its temporaries:
+    35 MB) put a ps over it.
     """
     base_mb = idle_ps_kb(tmp_path) / 1024
-    first, _ = run_job(tmp_path / "first", *CI_JOB, "train.steps=20", timeout_s=90)
+    first, _ = run_job(tmp_path / "first", *CI_JOB, "train.steps=20", timeout_s=110)
     second, _ = run_job(tmp_path / "second", *CI_JOB, "train.steps=30", f"resume={tmp_path / 'first' / 'checkpoints'}",
-                        timeout_s=90)  # fmt: skip
+                        timeout_s=110)  # fmt: skip
     assert second["resumed_from"] and second["global_step"] == 30
     for summary in (first, second):
         for ps in summary["ps"]:
             rows = ps["tables"]["emb"]["rows"]
             assert rows == CI_ROWS // 2 and ps["tables"]["emb"]["created"] <= rows
-            bound_mb = base_mb + 1.5 * rows * (64 + 64) / 2**20
+            bound_mb = base_mb + SLACK_MB + 1.5 * rows * (64 + 64) / 2**20
             assert ps["max_rss_mb"] <= bound_mb, (ps["task"], ps["max_rss_mb"], bound_mb, base_mb)

@@ -37,10 +37,11 @@ from psdk.ps.rules import RuleState, UpdateRule
 from psdk.ps.tables.table import RowTable
 from psdk.runtime.liveness import beat
 
-PREALLOCATE_CHUNK = 1 << 17
+PREALLOCATE_CHUNK = 1 << 14
 """Rows a preallocated table creates per step at placement. A step's temporaries (the ids, their initial
-values' hashes, the index probe) cost a few hundred bytes a row: under 50 MB here, where steps of a million
-rows held over 200 MB beside the table for a moment (docs/tables.md, Memory)."""
+values' hashes, the index probe) cost a few hundred bytes a row: about 6 MB here, where steps of a million
+rows held over 200 MB beside the table for a moment (docs/tables.md, Memory). The whole fill takes as long
+in small steps as in large ones: its cost is per row."""
 
 
 @dataclass
