@@ -31,7 +31,8 @@ Cases (``--case``):
   from the seed first), trained to step 20 and checkpointed again.
 
 Usage: ``nice -n 19 python benchmarks/ctr_memory.py --case lazy [--backend numpy] [--out DIR] [key=value ...]``
-(extra ``key=value`` overrides go to the job). About 3 to 6 minutes a case on 2 shared cores.
+(extra ``key=value`` overrides go to the job). 4 to 5 minutes a preallocated case, 24 for lazy-restore, on
+the 2-core development machine shared with six other jobs (load 25 to 30).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Process:
     hwm_kb: int = 0
     rows: int = 0
     alive: bool = True
+    seen: float = field(default_factory=time.time)
+    """When its pid first appeared: an older progress file is its predecessor's (a restarted ps)."""
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     """(time, VmRSS kB, rows held) at each sample: where in the job the memory goes."""
 
@@ -122,7 +125,7 @@ class Sampler(threading.Thread):
             proc.hwm_kb = max(proc.hwm_kb, hwm)
             try:
                 progress = json.loads((self.out / "tasks" / f"ps{task}.progress.json").read_text())
-                if int(progress.get("time", 0)) and progress.get("table_rows"):
+                if float(progress.get("time", 0)) >= proc.seen and progress.get("table_rows"):
                     proc.rows = max(proc.rows, sum(int(r) for r in progress["table_rows"].values()))
             except (OSError, ValueError):
                 pass
@@ -159,8 +162,7 @@ def run_case(case: str, backend: str, out: Path, extra: list[str], resume: Path 
     summary = json.loads((out / "summary.json").read_text())
     optimizer = str(summary["rule_applied"]["name"])
     return {"case": case, "wall_s": wall, "summary": summary, "optimizer": optimizer, "dim": dim_of(args),
-            "processes": list(sampler.processes.values()), "log": log,
-            "killed": kill is not None and (out / "killed.marker").exists()}  # fmt: skip
+            "processes": list(sampler.processes.values())}  # fmt: skip
 
 
 def dim_of(args: list[str]) -> int:
@@ -176,9 +178,10 @@ def report(result: dict[str, Any]) -> list[dict[str, Any]]:
     slot_bytes = SLOTS[result["optimizer"]] * row_bytes
     final = {i: entry for i, entry in enumerate(summary["ps"])}
     lines = []
-    for proc in sorted(result["processes"], key=lambda p: (p.task, p.pid)):
+    latest = {p.task: p.pid for p in result["processes"]}  # in the order they were seen: the last one ran to the end
+    for proc in sorted(result["processes"], key=lambda p: (p.task, p.seen)):
         ps = final.get(proc.task, {})
-        last = proc.pid == max(p.pid for p in result["processes"] if p.task == proc.task)
+        last = proc.pid == latest[proc.task]
         rows = max(proc.rows, int(ps.get("tables", {}).get("emb", {}).get("rows", 0)) if last else 0)
         hwm_mb = proc.hwm_kb * 1024 / MB
         if last and ps.get("max_rss_mb"):

@@ -236,8 +236,8 @@ def test_each_ps_of_a_job_stays_within_its_tables_bound_through_checkpoints_and_
     The bound per ps is the issue's with its 150 MB replaced by what is measured here: an idle ps's VmHWM,
     plus ``SLACK_MB`` for what a ps in a job holds beyond its table (its rule, connections, a push and a
     reply: about 2 MB), plus 1.5 x rows x (row + slot bytes). A table held twice (a restore staged beside a
-    table filled from the seed: 16 MB here) or preallocation in steps of a million rows (its temporaries:
-    35 MB) put a ps over it.
+    table filled from the seed: 16 MB here) or preallocation in larger steps (131,072 rows: 89 MB against
+    81) put a ps over it.
     """
     base_mb = idle_ps_kb(tmp_path) / 1024
     first, _ = run_job(tmp_path / "first", *CI_JOB, "train.steps=20", timeout_s=110)
