@@ -34,6 +34,8 @@ def snapshot(server: ParameterServer) -> dict[str, Any]:
         "applied": server.stats.applied,
         "dropped": server.stats.dropped,
         "rejected": server.stats.rejected,
+        # Rows held per table now: a benchmark pairs them with the process's memory (benchmarks/ctr_memory.py).
+        "table_rows": {name: len(table.rows) for name, table in list(getattr(server.store, "tables", {}).items())},
         "time": time.time(),
     }
 

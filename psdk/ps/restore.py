@@ -35,6 +35,10 @@ def on_restore(shard: ServedShard, peer: bytes, message: Message) -> None:
     assert restore is not None  # the protocol declares the field an object
     table_restores = restores_of(message.fields["restore"], store.tables)  # checked before anything changes
     store.reset(dict(zip(names, message.arrays, strict=False)), restore)
+    for pending in table_restores.values():
+        # The rows roll back too, and nothing reads them until the commit: dropped now, the restore stages the
+        # checkpoint's rows beside an empty table, not beside these (one table's memory at a time, not two).
+        pending.table.rows.clear()
     shard.table_restores = table_restores
     shard.limit_incoming()
     take_finished(shard.membership, message.fields.get("finished"), shard.job.num_workers)

@@ -36,7 +36,7 @@ from psdk.ps.stats import ShardStats
 from psdk.ps.store import ParameterStore, RestoreState
 from psdk.ps.tables.chunks import ChunkedRestore, chunk_bytes, restores_of
 from psdk.ps.tables.requests import TablePull, pulled_rows, table_request
-from psdk.ps.tables.setup import place_tables, tables_bytes
+from psdk.ps.tables.setup import fill_tables, place_tables, tables_bytes
 from psdk.runtime.failpoints import PS_UPDATE, failpoint
 from psdk.transport import ServerEndpoint
 from psdk.transport.wire import MAX_HEADER_BYTES, Message
@@ -219,6 +219,7 @@ class ServedShard:
         table_restores = restores_of(message.fields.get("restore"), tables)
         self.store.initialize(dict(zip(names, message.arrays, strict=False)), rule, restore)
         self.store.place_tables(tables)
+        fill_tables(tables, table_restores)
         self.table_restores = table_restores
         self.epoch = message.fields.get("epoch") or 0
         self.job = job

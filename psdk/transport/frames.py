@@ -18,25 +18,31 @@ class FrameReuse:
     costs a Python object and a release through pyzmq's garbage-collector
     thread, and a copying send allocates (and page-faults) a new buffer. For
     messages marked ``stable`` (a worker's gradient buffer, a ps's reply
-    buffer for one worker) the frame is kept. The sender must not change a
-    buffer until the peer has received it, which a request/reply exchange
-    guarantees.
+    buffer for one worker) the frame of that buffer, the message's first
+    array, is kept. The sender must not change a buffer until the peer has
+    received it, which a request/reply exchange guarantees.
+
+    Only the first array: the others of a stable message are a table's rows
+    and ids, new arrays every step. A kept frame holds its array, so keeping
+    theirs held the last 256 messages' rows alive: on a ps serving a table of
+    10 million ids, hundreds of MB beside the table (docs/tables.md, Memory).
     """
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._frames: dict[int, tuple[Any, zmq.Frame]] = {}
 
-    def frames(self, parts: list[Any]) -> list[Any]:
+    def frames(self, parts: list[Any], buffer_at: int) -> list[Any]:
+        """``parts`` with the long-lived buffer at ``buffer_at`` (the first array) as its kept frame."""
         out = list(parts)
-        for i, part in enumerate(parts):
-            if isinstance(part, np.ndarray) and part.nbytes >= zmq.COPY_THRESHOLD:
-                kept = self._frames.get(id(part))
-                if kept is None or kept[0] is not part:
-                    if len(self._frames) >= self.capacity:
-                        self._frames.pop(next(iter(self._frames)))
-                    kept = self._frames[id(part)] = (part, zmq.Frame(part))
-                out[i] = kept[1]
+        part = parts[buffer_at] if buffer_at < len(parts) else None
+        if isinstance(part, np.ndarray) and part.nbytes >= zmq.COPY_THRESHOLD:
+            kept = self._frames.get(id(part))
+            if kept is None or kept[0] is not part:
+                if len(self._frames) >= self.capacity:
+                    self._frames.pop(next(iter(self._frames)))
+                kept = self._frames[id(part)] = (part, zmq.Frame(part))
+            out[buffer_at] = kept[1]
         return out
 
 

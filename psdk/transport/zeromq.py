@@ -272,7 +272,7 @@ class ZmqServer(ServerEndpoint):
         parts = [peer, *encode(message, MAX_REPLY_HEADER_BYTES)]  # ProtocolError: the caller's to answer
         try:
             if message.stable:
-                send_parts(self.sock, self._reuse.frames(parts), copy=False)
+                send_parts(self.sock, self._reuse.frames(parts, 2), copy=False)  # [peer, header, buffer, ...]
             else:  # volatile: copied inside the send; else a fresh zero-copy frame each
                 send_parts(self.sock, parts, copy=message.volatile)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer not reading (its queue is full)
@@ -366,7 +366,7 @@ class ZmqClient(ClientEndpoint):
             message = light  # with its array named in lent memory, when it lies there
         parts = encode(message)
         if message.stable:
-            parts = self._reuse[index].frames(parts)
+            parts = self._reuse[index].frames(parts, 1)  # [header, buffer, ...]
         sock = self.socks[index]
         try:
             send_parts(sock, parts, copy=message.volatile)

@@ -35,9 +35,13 @@ from psdk.protocol.numerics import all_finite
 from psdk.protocol.tables import TableSpec, owned_range, shard_of_ids
 from psdk.ps.rules import RuleState, UpdateRule
 from psdk.ps.tables.table import RowTable
+from psdk.runtime.liveness import beat
 
-PREALLOCATE_CHUNK = 1 << 20
-"""Rows a preallocated table creates per step at placement (the ids' arange is the only temporary)."""
+PREALLOCATE_CHUNK = 1 << 14
+"""Rows a preallocated table creates per step at placement. A step's temporaries (the ids, their initial
+values' hashes, the index probe) cost a few hundred bytes a row: about 6 MB here, where steps of a million
+rows held over 200 MB beside the table for a moment (docs/tables.md, Memory). The whole fill takes as long
+in small steps as in large ones: its cost is per row."""
 
 
 @dataclass
@@ -62,7 +66,8 @@ class StagedRows:
 class ServedTable:
     """The rows of one table that one ps shard holds."""
 
-    def __init__(self, spec: TableSpec, shard: int, num_ps: int, rule: UpdateRule) -> None:
+    def __init__(self, spec: TableSpec, shard: int, num_ps: int, rule: UpdateRule, fill: bool = True) -> None:
+        """``fill=False`` leaves a preallocated table empty: a restore fills it (:meth:`fill` does it later)."""
         self.spec, self.shard, self.num_ps = spec, shard, num_ps
         initial = rule.new_state(1).slots
         self.rows = RowTable(
@@ -78,10 +83,20 @@ class ServedTable:
         )
         self.dropped_rows = 0
         """Row gradients dropped because their id had no row (not admitted yet, or evicted since its pull)."""
-        if spec.preallocate:
-            low, high = owned_range(spec, shard, num_ps)
+        if fill:
+            self.fill()
+
+    def fill(self) -> None:
+        """Create every row of a preallocated table's range from the seed (nothing for a lazy table).
+
+        Not for a table a restore is about to fill: its rows would be made and
+        then staged again beside them, twice the table's memory at once.
+        """
+        if self.spec.preallocate:
+            low, high = owned_range(self.spec, self.shard, self.num_ps)
             for start in range(low, high, PREALLOCATE_CHUNK):
                 self.rows.lookup(np.arange(start, min(start + PREALLOCATE_CHUNK, high), dtype=np.int64))
+                beat()  # progress, not a stuck loop: 5 million rows took over 30 s on a loaded 2-core machine
 
     # ------------------------------------------------------------ checks
     def check_ids(self, ids: np.ndarray, what: str, most: int | None = None) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from psdk.errors import ProtocolError, RefusedError
@@ -15,7 +15,9 @@ def place_tables(data: Any, index: int, rule: UpdateRule) -> dict[str, ServedTab
     """This shard's part of each table ``data`` (the init's ``tables``: ``{shard, num_ps, specs}``) declares.
 
     ``shard`` must be this ps's own task index: an init sent to the wrong
-    task would otherwise serve rows that belong elsewhere.
+    task would otherwise serve rows that belong elsewhere. Preallocated
+    tables come back empty: :func:`fill_tables` makes their rows once the
+    init is known to restore none of them.
     """
     if data is None:
         return {}
@@ -35,7 +37,14 @@ def place_tables(data: Any, index: int, rule: UpdateRule) -> dict[str, ServedTab
             f"optimizer.weight_decay={decay} with embedding tables: decay of rows a batch "
             "did not touch is not defined (as torch's SparseAdam refuses it); set optimizer.weight_decay=0"
         )
-    return {spec.name: ServedTable(spec, shard, num_ps, rule) for spec in parsed}
+    return {spec.name: ServedTable(spec, shard, num_ps, rule, fill=False) for spec in parsed}
+
+
+def fill_tables(tables: Mapping[str, ServedTable], restored: Collection[str]) -> None:
+    """Create the rows of each preallocated table but those a restore fills (docs/tables.md, Memory)."""
+    for name, table in tables.items():
+        if name not in restored:
+            table.fill()
 
 
 def tables_bytes(tables: Iterable[ServedTable]) -> int:

@@ -325,6 +325,15 @@ class RowTable:
         restore.commit()
         return table
 
+    def clear(self) -> None:
+        """Drop every row, slot, stamp and count: the table is as new, and its arrays' memory goes back.
+
+        A rollback calls it before the restore's chunks come, since the rows are
+        replaced whatever happens: the staging table then fills beside an empty
+        table, not beside the old rows (one table's memory at a time, not two).
+        """
+        self.__dict__.update(self._empty_like().__dict__)
+
     def _empty_like(self) -> RowTable:
         depth, width = self._sketch_shape
         return RowTable(
