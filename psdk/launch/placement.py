@@ -72,8 +72,9 @@ def towers_of(towers: int | Sequence[int], task_index: int) -> int:
 
 def check_towers(towers: object) -> int | tuple[int, ...]:
     """``placement.towers`` checked: a whole number >= 1, or a non-empty list of them (one per worker, cycled)."""
-    values = list(towers) if isinstance(towers, (list, tuple)) else [towers]
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+    given = list(towers) if isinstance(towers, (list, tuple)) else [towers]
+    values = [v for v in given if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+    if not values or len(values) < len(given):
         raise ConfigError(
             "placement.towers",
             f"must be a whole number >= 1 (devices per worker) or a list of them, one per worker, got {towers!r}",

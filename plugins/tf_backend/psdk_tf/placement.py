@@ -173,7 +173,7 @@ def apply_towers(devices: Sequence[str], threads: int | None, memory_fraction: f
             tf.config.set_visible_devices([gpus[i] for i in gpu_ids], "GPU")
             for i in gpu_ids:
                 total = total_memory_mb(physical_id(i)) if memory_fraction is not None else None
-                if total:
+                if total and memory_fraction is not None:
                     limit = tf.config.LogicalDeviceConfiguration(memory_limit=max(1, int(memory_fraction * total)))
                     tf.config.set_logical_device_configuration(gpus[i], [limit])
                 elif "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ:
