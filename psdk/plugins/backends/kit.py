@@ -23,7 +23,8 @@ from psdk.ps.rules import UpdateRule
 
 log = logging.getLogger(__name__)
 
-DEVICE_FORMS = ("cpu", "cpu:K", "cuda", "cuda:N")
+DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
+"""What a user may name; towers also pass ``cpu:K``, the K-th CPU replica (:func:`cpu_index`)."""
 
 
 # ------------------------------------------------------------------ devices
