@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from psdk_torch.backend import TorchBackend
 from psdk_torch.mnist import TorchClassifier
 
 from psdk import plugins
+from psdk.errors import ConfigError
 from psdk.plugins.towers import TowerBridge, Towers, TowerTrainer, in_towers
 from psdk.testing import run_job
 from psdk.testing.towers import parameters_apart, run_jobs_at_once
@@ -100,6 +102,22 @@ def test_predictions_are_the_first_towers(trainer: TorchClassifier, backend: Tor
     expected = trainer.predictions(trainer.build_model(SPEC, weights), data)
     _, tower_trainer, _ = towers(2)
     np.testing.assert_allclose(tower_trainer.predictions(tower_trainer.build_model(SPEC, weights), data), expected)
+
+
+class WithTable(TorchClassifier):
+    """A trainer whose model keeps an embedding table (a ``sparse=True`` embedding), as the ctr workload's does."""
+
+    def build_model(self, spec: object, weights: object) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+
+
+@pytest.mark.timeout(30)
+def test_a_model_with_embedding_tables_is_refused_by_key() -> None:
+    bridge = plugins.load_backend("torch")
+    bridge.setup_towers(["cpu:0", "cpu:1"])
+    _, trainer = in_towers(bridge, WithTable(bridge))
+    with pytest.raises(ConfigError, match=r"placement\.towers: towers do not support embedding tables yet"):
+        trainer.build_model(SPEC, SPEC.init_weights(0))
 
 
 # ------------------------------------------------------------------ jobs
