@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from psdk.config.ranges import CONNECTIONS_MAX
 from psdk.errors import ConfigError
-from psdk.launch.placement import DEVICE_CHOICES, check_memory_fraction
+from psdk.launch.placement import DEVICE_CHOICES, check_memory_fraction, check_towers, towers_of
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -214,17 +214,24 @@ class PlacementOptions(_Group):
     isolate_gpus: bool = True
     pin_cpus: bool = False
     compute_nice: int = 0
+    towers: Any = 1
+    """Devices each worker drives (in-graph replication, docs/placement.md): a count, or a list cycled per worker."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
             raise ConfigError("placement.device", f"got {self.device!r}", DEVICE_CHOICES)
         check_memory_fraction(self.gpu_memory_fraction)
+        object.__setattr__(self, "towers", check_towers(self.towers))
         if not 0 <= self.compute_nice <= 19:
             raise self._fail(
                 "compute_nice",
                 f"must be in [0, 19], got {self.compute_nice}: a worker may lower its training thread's priority, "
                 "never raise it",
             )
+
+    def towers_for(self, task_index: int) -> int:
+        """Worker ``task_index``'s towers (a list of counts cycles over the workers)."""
+        return towers_of(self.towers, task_index)
 
 
 GROUPS: dict[str, type[_Group]] = {

@@ -128,6 +128,7 @@ RANGES: dict[str, Range] = {
     "liveness.interval_s": TIMEOUT,
     "placement.compute_nice": _int(0, 19, "a worker may lower its priority, never raise it"),
     "placement.gpu_memory_fraction": Range(0.0, 1.0, open_low=True),
+    "placement.towers": _int(1, 1024, "devices one worker drives"),
     "progress.every_s": TIMEOUT,
     "report.target_accuracy": FRACTION,
     "report.target": _float(-FLOAT32_MAX, FLOAT32_MAX, "a value of the workload's primary metric, which may be a loss"),

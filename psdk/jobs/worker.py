@@ -46,6 +46,7 @@ from psdk.launch.placement import (
 )
 from psdk.plugins.batches import Batch, Shard, ShardRequest
 from psdk.plugins.loading import load_backend, workload_of
+from psdk.plugins.towers import describe, in_towers
 from psdk.report.metrics import MetricsLog, RecordSink, summary_line, write_json_atomic
 from psdk.report.tensorboard import TensorBoardSink
 from psdk.runtime.disks import WriteError, is_write_failure
@@ -61,6 +62,8 @@ class WorkerReport:
 
     backend: str
     device: str
+    devices: list[str] = field(default_factory=list)
+    """Every device it drove (one per tower); ``device`` is the first, where gradients were averaged."""
     local_steps: int = 0
     pushed: int = 0
     last_loss: float | None = None
@@ -98,6 +101,7 @@ class WorkerReport:
             "divergence": self.divergence,
             "backend": self.backend,
             "device": self.device,
+            "devices": self.devices or [self.device],
             "local_steps": self.local_steps,
             "gradients_pushed": self.pushed,
             "last_loss": self.last_loss,
@@ -118,14 +122,25 @@ def run_worker(cfg: DictConfig) -> None:
         checkpoint.check_folder(options.checkpoint)
     backend = load_backend(setup.backend, setup.backend_options)
     placement = options.placement
-    device = RankPlacement(placement.device).devices(cluster, task, visible_gpus())[0]
-    backend.setup(device, options.train.threads, placement.gpu_memory_fraction)
+    devices = RankPlacement(placement.device, placement.towers).devices(cluster, task, visible_gpus())
+    if len(devices) == 1:
+        backend.setup(devices[0], options.train.threads, placement.gpu_memory_fraction)
+    else:  # in-graph replication: one replica per device (psdk.plugins.towers)
+        backend.setup_towers(devices, options.train.threads, placement.gpu_memory_fraction)
     beat()  # the framework is in: from here each phase must beat within liveness.stall_timeout_s
-    log.info("worker %d: backend %s on %s, %d ps task(s)", task, backend.name, backend.device, cluster.num_ps)
+    log.info(
+        "worker %d: backend %s on %s, %d ps task(s)",
+        task,
+        backend.name,
+        describe(backend.tower_devices),
+        cluster.num_ps,
+    )
 
     resume = checkpoint.load(setup.resume) if setup.resume else None
     spec = setup.model
     workload = Workload(workload_of(cfg), backend, workload_options(cfg))
+    if len(devices) > 1:
+        backend, workload.trainer = in_towers(backend, workload.trainer)
     data = workload.shard(ShardRequest(task, cluster.num_workers, setup.data, spec, workload_options(cfg), setup.seed))
     model = workload.trainer.build_model(spec, spec.init_weights(setup.seed))
     beat()  # the data and the model too
@@ -220,7 +235,7 @@ class WorkerJob:
         options = setup.options
         self.train_options, self.checkpoints = options.train, options.checkpoint
         self.backend, self.model = optimizer.backend, optimizer.model
-        self.report = WorkerReport(self.backend.name, self.backend.device)
+        self.report = WorkerReport(self.backend.name, self.backend.device, list(self.backend.tower_devices))
         self.task = session.task_index
         num_workers = session.job.num_workers
         train_size = data.train_size

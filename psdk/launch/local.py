@@ -236,7 +236,7 @@ class LocalLauncher:
                     f"ps.progress_file={ps_progress_path(out, index)}",
                 ],
             )
-        placement = RankPlacement(self.options.placement.device)
+        placement = RankPlacement(self.options.placement.device, self.options.placement.towers)
         gpus = visible_gpus()
         cluster = ClusterSpec({"ps": placeholders, "worker": workers})
         for index in range(topology.num_workers):

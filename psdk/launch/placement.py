@@ -8,6 +8,11 @@ setting ``CUDA_VISIBLE_DEVICES`` before the framework loads, so a framework
 that grabs memory on every visible GPU touches only that one; the worker then
 sees one GPU and uses ``cuda:0``. Device strings are framework-neutral; each
 backend turns them into its own device objects. The ps never uses a GPU.
+
+A worker with ``placement.towers=N`` (in-graph replication, docs/placement.md)
+drives N devices: the N GPUs after those of the workers before it on its host
+(modulo the GPUs it sees), or, without a GPU, N CPU replicas ``cpu:0`` ..
+``cpu:N-1``. With one tower nothing changes.
 """
 
 from __future__ import annotations
@@ -58,24 +63,54 @@ class Placement(ABC):
         """Devices for worker ``task_index`` given the GPU ids visible to it."""
 
 
-class RankPlacement(Placement):
-    """``cuda:<local rank mod visible GPUs>``, else the CPU."""
+def towers_of(towers: int | Sequence[int], task_index: int) -> int:
+    """Worker ``task_index``'s towers: ``towers`` itself, or its entry of a list (cycled, as ``worker_backends``)."""
+    if isinstance(towers, int):
+        return towers
+    return int(towers[task_index % len(towers)])
 
-    def __init__(self, device: str = "auto"):
+
+def check_towers(towers: object) -> int | tuple[int, ...]:
+    """``placement.towers`` checked: a whole number >= 1, or a non-empty list of them (one per worker, cycled)."""
+    given = list(towers) if isinstance(towers, (list, tuple)) else [towers]
+    values = [v for v in given if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+    if not values or len(values) < len(given):
+        raise ConfigError(
+            "placement.towers",
+            f"must be a whole number >= 1 (devices per worker) or a list of them, one per worker, got {towers!r}",
+        )
+    return tuple(values) if isinstance(towers, (list, tuple)) else values[0]
+
+
+class RankPlacement(Placement):
+    """``cuda:<local rank mod visible GPUs>``, else the CPU; with towers, that many devices per worker."""
+
+    def __init__(self, device: str = "auto", towers: int | Sequence[int] = 1):
         if device not in DEVICE_CHOICES:
             raise ConfigError("placement.device", f"got {device!r}", DEVICE_CHOICES)
         self.device = device
+        self.towers = check_towers(towers)
+
+    def _first_gpu(self, cluster: ClusterSpec, task_index: int) -> int:
+        """How many GPUs the workers before this one on its host take: where its own begin."""
+        host = cluster.worker_host(task_index)
+        return sum(towers_of(self.towers, i) for i in range(task_index) if cluster.worker_host(i) == host)
+
+    def _gpus(self, cluster: ClusterSpec, task_index: int, gpus: Sequence[str]) -> list[int]:
+        first = self._first_gpu(cluster, task_index)
+        return [(first + k) % len(gpus) for k in range(towers_of(self.towers, task_index))]
 
     def devices(self, cluster: ClusterSpec, task_index: int, gpus: Sequence[str]) -> list[str]:
+        count = towers_of(self.towers, task_index)
         if self.device == "cpu" or not gpus:
-            return ["cpu"]
-        return [f"cuda:{cluster.local_rank(task_index) % len(gpus)}"]
+            return ["cpu"] if count == 1 else [f"cpu:{k}" for k in range(count)]
+        return [f"cuda:{index}" for index in self._gpus(cluster, task_index, gpus)]
 
     def isolation_env(self, cluster: ClusterSpec, task_index: int, gpus: Sequence[str]) -> dict[str, str]:
-        """Environment that shows worker ``task_index`` only its own GPU (empty on CPU)."""
+        """Environment that shows worker ``task_index`` only its own GPU(s) (empty on CPU)."""
         if self.device == "cpu" or not gpus:
             return {}
-        return {"CUDA_VISIBLE_DEVICES": gpus[cluster.local_rank(task_index) % len(gpus)]}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i] for i in dict.fromkeys(self._gpus(cluster, task_index, gpus)))}
 
 
 def pin_to_cpu(local_rank: int) -> int | None:

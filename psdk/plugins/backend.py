@@ -20,6 +20,14 @@ Per training step a worker calls :meth:`Backend.write_weights` (the
 parameters just pulled), the trainer's ``forward_backward``, then
 :meth:`Backend.read_gradients` (into the buffers that are pushed).
 
+A backend may drive several local devices in one worker (in-graph
+replication, ``placement.towers``; :mod:`psdk.plugins.towers`): psdk then
+calls :meth:`Backend.setup_towers` instead of :meth:`Backend.setup`, builds
+and runs each replica inside :meth:`Backend.tower`, and has
+:meth:`Backend.reduce_gradients` average the replicas' gradients into the
+buffers that are pushed. One that does not refuses ``setup_towers`` (the
+default) with a :class:`~psdk.errors.ConfigError`.
+
 A backend written before workloads existed defined ``forward_backward`` and
 ``accuracy`` itself; :func:`psdk.plugins.load_backend` refuses one, naming
 what to move where (docs/writing-a-backend.md, 'Moving a backend to a bridge').
@@ -31,8 +39,10 @@ registers it (the plugin's entry point) must not.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +54,9 @@ from psdk.ps.rules import UpdateRule
 
 if TYPE_CHECKING:
     from psdk.plugins.hookspecs import BackendRecord
+
+_TOWER = threading.local()
+"""The tower the calling thread works for, as ``(bridge, index)``: towers run in threads of their own."""
 
 
 class Backend(ABC):
@@ -81,6 +94,81 @@ class Backend(ABC):
         that cannot use it falls back to the CPU and says so, like soft placement.
         """
         self.device = device
+
+    def setup_towers(
+        self, devices: Sequence[str], threads: int | None = None, gpu_memory_fraction: float | None = None
+    ) -> None:
+        """Like :meth:`setup`, for one replica ("tower") of the model on each of ``devices``.
+
+        ``devices`` are framework-neutral too: ``cuda:N``, or ``cpu:K`` for
+        the K-th CPU replica (on a machine without GPUs, where towers prove
+        the arithmetic). Set :attr:`tower_devices` to the devices used, the
+        first one (where the gradients are averaged) also as ``device``. The
+        default refuses: a backend says it can drive several devices by
+        overriding this, :meth:`tower` if its device is not read through
+        :attr:`tower_index`, and maybe :meth:`reduce_gradients`.
+        """
+        raise ConfigError(
+            "placement.towers",
+            f"the {self.name} backend drives one device per worker, not {len(devices)}; use placement.towers=1, "
+            "or one worker per device (topology.num_workers)",
+        )
+
+    @property
+    def tower_devices(self) -> tuple[str, ...]:
+        """The devices of :meth:`setup_towers` (one entry, ``device``, without towers)."""
+        return tuple(self.__dict__.get("_tower_devices", (self.device,)))
+
+    @tower_devices.setter
+    def tower_devices(self, devices: Sequence[str]) -> None:
+        self.__dict__["_tower_devices"] = tuple(devices)
+
+    @property
+    def tower_index(self) -> int:
+        """The tower the calling thread works for (0 outside :meth:`tower`): a backend places its work by it."""
+        current = getattr(_TOWER, "current", None)
+        return current[1] if current is not None and current[0] is self else 0
+
+    @contextmanager
+    def tower(self, index: int) -> Iterator[None]:
+        """Inside, this thread builds and computes on tower ``index``'s device (``tf.device`` as TF 1 wrote it).
+
+        The default sets :attr:`tower_index` for this thread only: a backend
+        that reads its device from it needs nothing more.
+        """
+        before = getattr(_TOWER, "current", None)
+        _TOWER.current = (self, index)
+        try:
+            yield
+        finally:
+            _TOWER.current = before
+
+    def reduce_gradients(self, models: Sequence[Any], shares: Sequence[float], out: Mapping[str, np.ndarray]) -> None:
+        """The towers' gradients, each weighted by its share of the batch, summed into ``out`` (what is pushed).
+
+        With shares ``n_k / n`` and a loss that is a mean over the examples,
+        the sum is the gradient of the whole batch. The default sums on the
+        host, through :meth:`read_gradients`; a backend that can sums on the
+        first tower's device and copies once (torch does).
+        """
+        scratch: dict[str, np.ndarray] | None = None
+        first = True
+        for model, share in zip(models, shares, strict=True):
+            if share == 0.0:
+                continue
+            if first:
+                self.read_gradients(model, out)
+                for value in out.values():
+                    value *= np.float32(share)
+                first = False
+                continue
+            if scratch is None:
+                scratch = {name: np.empty_like(value) for name, value in out.items()}
+            self.read_gradients(model, scratch)
+            for name, value in out.items():
+                part = scratch[name]
+                part *= np.float32(share)
+                value += part
 
     def owns(self, obj: object) -> bool:
         """Whether ``obj`` (a model or optimizer) belongs to this backend.

@@ -23,7 +23,7 @@ persistent compilation cache.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,24 +44,45 @@ PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float3
 class JaxBackend(Backend):
     def __init__(self) -> None:
         self.jax_device: Any = None
+        self.jax_devices: list[Any] = []
+        """The JAX device of each tower (:meth:`setup_towers`); empty without towers."""
 
     # ------------------------------------------------------------ placement
-    def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
+    def _cache(self) -> None:
         cache = self.option("compilation_cache_dir")
         if cache:
             jax.config.update("jax_compilation_cache_dir", str(cache))
             # psdk's programs compile in well under JAX's default threshold of 1 s: cache them all.
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+    def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
+        self._cache()
         placement.start(device, threads, gpu_memory_fraction, jax)
         self.device, self.jax_device = placement.choose(device, placement.gpu_devices(jax), jax.devices("cpu")[0])
         jax.config.update("jax_default_device", self.jax_device)
 
+    def setup_towers(
+        self, devices: Sequence[str], threads: int | None = None, gpu_memory_fraction: float | None = None
+    ) -> None:
+        """A replica per device: ``cuda:N`` JAX's N-th GPU, ``cpu:K`` its K-th CPU device (one per tower is
+        asked for before JAX starts, :func:`psdk_jax.placement.start`)."""
+        self._cache()
+        placement.start(devices[0], threads, gpu_memory_fraction, jax, cpu_devices=len(devices))
+        chosen = placement.choose_towers(devices, placement.gpu_devices(jax), jax.devices("cpu"))
+        self.tower_devices = [name for name, _ in chosen]
+        self.jax_devices = [device for _, device in chosen]
+        self.device, self.jax_device = chosen[0]
+        jax.config.update("jax_default_device", self.jax_device)
+
     def device_handle(self) -> Any:
-        """The JAX device of ``setup``; the default one for a backend used without it (as the suite does).
+        """The JAX device of ``setup`` (the calling thread's tower's, with towers); the default one for a
+        backend used without it (as the suite does).
 
         For a model plugin's builder, with :meth:`precision` and ``option("jit")``: what
         :class:`psdk_jax.models.DenseStack` (and a subclass of it) is built with.
         """
+        if self.jax_devices:
+            return self.jax_devices[self.tower_index]
         return self.jax_device if self.jax_device is not None else jax.devices()[0]
 
     def precision(self) -> str:

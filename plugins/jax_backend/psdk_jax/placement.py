@@ -28,6 +28,12 @@ else touches JAX in a worker, and says when it came too late.
   affinity it had: the pool has ``threads`` threads and they are not pinned
   (measured: 1.0 core busy instead of 2.0 with ``threads=1``). Where affinity
   cannot be set (not Linux) the pool keeps its size.
+* **Towers** (``placement.towers``, :func:`start`'s ``cpu_devices``). CPU
+  replicas are JAX CPU devices, of which XLA makes one unless told before
+  its CPU client starts (``jax_num_cpu_devices``, what
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` says too): so
+  ``start`` asks for one per tower. A process whose JAX started with fewer
+  is refused by name.
 * **Dispatch.** A worker waits for each step's result, so JAX's asynchronous
   dispatch on the CPU would only hand the work to another thread and back:
   :func:`start` turns it off (``jax_cpu_enable_async_dispatch``, also read
@@ -80,16 +86,34 @@ def client_started() -> bool:
     return bool(started()) if callable(started) else False
 
 
-def start(device: str, threads: int | None, memory_fraction: float | None, jax: Any, *, in_line: bool = True) -> bool:
+def start(
+    device: str,
+    threads: int | None,
+    memory_fraction: float | None,
+    jax: Any,
+    *,
+    in_line: bool = True,
+    cpu_devices: int = 1,
+) -> bool:
     """Start JAX's clients for ``device`` with ``threads`` CPU threads; False if they had already started.
 
     ``in_line=False`` keeps JAX's asynchronous CPU dispatch (for a loop that does not wait for each step).
+    ``cpu_devices``: the CPU devices towers need (one per tower); refused if JAX started with fewer.
     """
     env = memory_env(device, memory_fraction, os.environ)
     if client_started():
+        have = len(jax.devices("cpu"))
+        if have < cpu_devices:
+            raise ConfigError(
+                "placement.towers",
+                f"JAX started in this process with {have} CPU device(s) before psdk could ask for {cpu_devices}; "
+                f"set XLA_FLAGS=--xla_force_host_platform_device_count={cpu_devices} before JAX starts",
+            )
         log.info("JAX had already started in this process; its devices, memory and CPU threads stay as they are")
         return False
     os.environ.update(env)
+    if cpu_devices > 1:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
     # Read when the CPU client starts. A worker waits for every step's result, so asynchronous
     # dispatch would only hand the work to another thread and back.
     jax.config.update("jax_cpu_enable_async_dispatch", not in_line)
@@ -122,6 +146,16 @@ def choose(device: str, gpus: Sequence[Any], cpu: Any) -> tuple[str, Any]:
     used = kit.fall_back_to_cpu(device, len(gpus), "jax")
     index = kit.gpu_index(used)
     return used, (cpu if index is None else gpus[index])
+
+
+def choose_towers(devices: Sequence[str], gpus: Sequence[Any], cpus: Sequence[Any]) -> list[tuple[str, Any]]:
+    """psdk's device string and JAX device of each tower: ``cuda:N`` the N-th GPU, ``cpu:K`` the K-th CPU device."""
+    names = kit.fall_back_towers(devices, len(gpus), "jax")
+    chosen = []
+    for name in names:
+        index = kit.gpu_index(name)
+        chosen.append((name, gpus[index] if index is not None else cpus[kit.cpu_index(name) or 0]))
+    return chosen
 
 
 def gpu_devices(jax: Any) -> list[Any]:

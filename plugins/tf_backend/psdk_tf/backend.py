@@ -22,13 +22,15 @@ optimizers and devices; a workload's trainer brings the loss (MNIST's is
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from psdk.errors import ConfigError
 from psdk.plugins.backend import Backend
+from psdk.plugins.backends import kit
 from psdk.plugins.models import ModelSpec
 from psdk.plugins.variables import Variable, as_variables
 from psdk.rules import UpdateRule
@@ -40,6 +42,8 @@ from psdk_tf.models import DenseStack, ForeignModel, OwnBinding, binding
 class TfBackend(Backend):
     def __init__(self) -> None:
         self.plan = placement.CPU
+        self.tf_devices: list[str] = []
+        """TensorFlow's device of each tower (:meth:`setup_towers`); empty without towers."""
 
     def setup(
         self,
@@ -57,9 +61,29 @@ class TfBackend(Backend):
         placement.apply(self.plan, threads, tf)
         self.device = self.plan.device
 
+    def setup_towers(
+        self, devices: Sequence[str], threads: int | None = None, gpu_memory_fraction: float | None = None
+    ) -> None:
+        """A replica per device: ``cuda:N`` on that GPU, ``cpu:K`` on logical CPU device K (made before
+        TensorFlow's runtime starts: :func:`psdk_tf.placement.apply_towers`)."""
+        names = kit.fall_back_towers(devices, len(tf.config.list_physical_devices("GPU")), "TensorFlow")
+        self.tf_devices = placement.apply_towers(names, threads, gpu_memory_fraction, tf)
+        self.tower_devices = names
+        self.device = names[0]
+
+    def tf_device(self) -> str:
+        """TensorFlow's device the calling thread builds and computes on (its tower's, with towers)."""
+        return self.tf_devices[self.tower_index] if self.tf_devices else self.plan.tf_device
+
+    @contextmanager
+    def tower(self, index: int) -> Iterator[None]:
+        """Tower ``index``'s device as TensorFlow 1's towers had it: ``with tf.device(...)``, for this thread."""
+        with super().tower(index), tf.device(self.tf_device()):
+            yield
+
     # ---------------------------------------------------------------- model
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> DenseStack:
-        with tf.device(self.plan.tf_device):
+        with tf.device(self.tf_device()):
             return DenseStack(spec, weights)
 
     def variables(self, model: Any) -> dict[str, tuple[int, ...]]:

@@ -26,10 +26,11 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from psdk.errors import ConfigError
 from psdk.launch.placement import check_memory_fraction, visible_gpus
 from psdk.plugins.backends import kit
 
@@ -143,3 +144,50 @@ def _pin_threads(tf: Any, threads: int) -> None:
                 current or "its default number of",
                 threads,
             )
+
+
+def tower_names(devices: Sequence[str]) -> list[str]:
+    """TensorFlow's name of each tower's device once only the towers' GPUs are visible, in their order."""
+    gpus = list(dict.fromkeys(i for i in map(kit.gpu_index, devices) if i is not None))
+    names = []
+    for device in devices:
+        index = kit.gpu_index(device)
+        names.append(f"/GPU:{gpus.index(index)}" if index is not None else f"/CPU:{kit.cpu_index(device) or 0}")
+    return names
+
+
+def apply_towers(devices: Sequence[str], threads: int | None, memory_fraction: float | None, tf: Any) -> list[str]:
+    """Set TensorFlow up for towers on ``devices`` (already fallen back); TensorFlow's device name of each.
+
+    Refused by name when TensorFlow's runtime started before the logical
+    CPU devices could be made (a process that ran an op first).
+    """
+    check_memory_fraction(memory_fraction)
+    if threads:
+        _pin_threads(tf, threads)
+    gpu_ids = list(dict.fromkeys(i for i in map(kit.gpu_index, devices) if i is not None))
+    replicas = 1 + max((kit.cpu_index(d) or 0 for d in devices if kit.gpu_index(d) is None), default=0)
+    try:
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            tf.config.set_visible_devices([gpus[i] for i in gpu_ids], "GPU")
+            for i in gpu_ids:
+                total = total_memory_mb(physical_id(i)) if memory_fraction is not None else None
+                if total and memory_fraction is not None:
+                    limit = tf.config.LogicalDeviceConfiguration(memory_limit=max(1, int(memory_fraction * total)))
+                    tf.config.set_logical_device_configuration(gpus[i], [limit])
+                elif "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ:
+                    tf.config.experimental.set_memory_growth(gpus[i], True)
+        if replicas > 1:
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+    except RuntimeError as exc:  # devices are fixed once TensorFlow has run an op
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have < replicas:
+            raise ConfigError(
+                "placement.towers",
+                f"TensorFlow started in this process with {have} CPU device(s) before psdk could make {replicas} "
+                "(its logical devices are set before its first op)",
+            ) from exc
+        log.warning("TensorFlow has already initialised its devices; keeping them (%s)", exc)
+    return tower_names(devices)

@@ -13,7 +13,7 @@ are a workload's, written on this bridge as a trainer (MNIST's is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,11 +30,44 @@ from psdk_torch import models, optimizers, placement, tables
 
 class TorchBackend(Backend):
     def __init__(self) -> None:
-        self.torch_device = torch.device("cpu")
+        self.torch_devices = [torch.device("cpu")]
+        """torch's device for each tower (one without towers)."""
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device the calling thread works on: its tower's (:meth:`~psdk.plugins.backend.Backend.tower`)."""
+        return self.torch_devices[self.tower_index]
 
     def setup(self, device: str = "cpu", threads: int | None = None, gpu_memory_fraction: float | None = None) -> None:
-        self.torch_device = placement.setup(device, threads, gpu_memory_fraction)
-        self.device = str(self.torch_device)
+        self.torch_devices = [placement.setup(device, threads, gpu_memory_fraction)]
+        self.device = str(self.torch_devices[0])
+
+    def setup_towers(
+        self, devices: Sequence[str], threads: int | None = None, gpu_memory_fraction: float | None = None
+    ) -> None:
+        """A replica per device: ``cuda:N`` each on its GPU, ``cpu:K`` all on torch's CPU (each its own tensors)."""
+        chosen = placement.setup_towers(devices, threads, gpu_memory_fraction)
+        self.torch_devices = [device for _, device in chosen]
+        self.tower_devices = [name for name, _ in chosen]
+        self.device = self.tower_devices[0]
+
+    @torch.no_grad()
+    def reduce_gradients(
+        self, replicas: Sequence[nn.Module], shares: Sequence[float], out: Mapping[str, np.ndarray]
+    ) -> None:
+        """The share-weighted sum on the first tower's device, into its ``.grad`` (psdk's buffer when shared),
+        then one copy to ``out``: the other towers' gradients cross to the first device, not to the host."""
+        first = models.parameters(replicas[0])
+        others = [(models.parameters(m).named, s) for m, s in zip(replicas[1:], shares[1:], strict=True)]
+        for i, (_, p) in enumerate(first.named):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.mul_(shares[0])
+            for named, share in others:
+                grad = named[i][1].grad
+                if share and grad is not None:
+                    p.grad.add_(grad.to(p.grad.device, non_blocking=True), alpha=share)
+        first.read_gradients(out)
 
     # ---------------------------------------------------------------- model
     def build_model(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> nn.Module:

@@ -9,6 +9,7 @@ laptop. A device string psdk does not know is refused by name.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 
@@ -22,14 +23,31 @@ def visible_gpus() -> int:
 
 def setup(device: str, threads: int | None = None, gpu_memory_fraction: float | None = None) -> torch.device:
     """Pin torch's threads and choose its device for ``device``; the device chosen."""
+    return setup_towers([device], threads, gpu_memory_fraction)[0][1]
+
+
+def setup_towers(
+    devices: Sequence[str], threads: int | None = None, gpu_memory_fraction: float | None = None
+) -> list[tuple[str, torch.device]]:
+    """Pin torch's threads and choose a device per tower: psdk's name and torch's device for each.
+
+    One device keeps its plain name (``cpu``); towers on the CPU are named
+    ``cpu:K`` and are all torch's CPU (each replica its own tensors). The
+    first tower's GPU becomes the current one; the memory fraction caps every GPU used.
+    """
     check_memory_fraction(gpu_memory_fraction)
     if threads:
         torch.set_num_threads(threads)
         with contextlib.suppress(RuntimeError):  # settable once per process, before any parallel work
             torch.set_num_interop_threads(1)
-    chosen = torch.device(kit.fall_back_to_cpu(device, visible_gpus(), "torch"))
-    if chosen.type == "cuda":
-        torch.cuda.set_device(chosen)
-        if gpu_memory_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, chosen)
+    if len(devices) == 1:
+        names = [kit.fall_back_to_cpu(devices[0], visible_gpus(), "torch")]
+    else:
+        names = kit.fall_back_towers(devices, visible_gpus(), "torch")
+    chosen = [(name, torch.device("cpu" if kit.gpu_index(name) is None else name)) for name in names]
+    gpus = list(dict.fromkeys(d for _, d in chosen if d.type == "cuda"))
+    if gpus:
+        torch.cuda.set_device(gpus[0])
+    for gpu in gpus if gpu_memory_fraction is not None else []:
+        torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, gpu)
     return chosen

@@ -24,19 +24,34 @@ from psdk.ps.rules import UpdateRule
 log = logging.getLogger(__name__)
 
 DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
+"""What a user may name; towers also pass ``cpu:K``, the K-th CPU replica (:func:`cpu_index`)."""
 
 
 # ------------------------------------------------------------------ devices
 def gpu_index(device: str) -> int | None:
-    """N of ``cuda:N`` (``cuda`` is ``cuda:0``); None for ``cpu``; anything else is refused."""
+    """N of ``cuda:N`` (``cuda`` is ``cuda:0``); None for ``cpu`` and ``cpu:K``; anything else is refused."""
     if device == "cpu":
         return None
     if device == "cuda":
         return 0
     kind, _, index = device.partition(":")
-    if kind == "cuda" and index.isdigit():
-        return int(index)
+    if kind in ("cuda", "cpu") and index.isdigit():
+        return int(index) if kind == "cuda" else None
     raise ConfigError("placement.device", f"cannot place a worker on {device!r}", DEVICE_FORMS)
+
+
+def cpu_index(device: str) -> int | None:
+    """K of ``cpu:K`` (a tower's CPU replica; ``cpu`` is ``cpu:0``); None for a GPU."""
+    if gpu_index(device) is not None:
+        return None
+    return int(device.partition(":")[2] or 0)
+
+
+def fall_back_towers(devices: Sequence[str], gpus: int, framework: str) -> list[str]:
+    """The devices this process can use for towers on ``devices``: each as :func:`fall_back_to_cpu` decides,
+    a tower that falls back becoming CPU replica ``cpu:K`` (K its position), so the replicas stay distinct."""
+    chosen = [fall_back_to_cpu(device, gpus, framework) for device in devices]
+    return [f"cpu:{position}" if device == "cpu" else device for position, device in enumerate(chosen)]
 
 
 def fall_back_to_cpu(device: str, gpus: int, framework: str) -> str:
