@@ -21,6 +21,11 @@ class FrameReuse:
     buffer for one worker) the frame is kept. The sender must not change a
     buffer until the peer has received it, which a request/reply exchange
     guarantees.
+
+    Only a message's first array is such a buffer: the arrays after it (a
+    step's ids and rows, fresh each time) get a frame of their own per
+    send. Keeping theirs would hold up to ``capacity`` dead arrays alive
+    (a ps replying a click batch's rows: 160 MB) and churn the table.
     """
 
     def __init__(self, capacity: int = 256) -> None:
@@ -30,14 +35,21 @@ class FrameReuse:
     def frames(self, parts: list[Any]) -> list[Any]:
         out = list(parts)
         for i, part in enumerate(parts):
-            if isinstance(part, np.ndarray) and part.nbytes >= zmq.COPY_THRESHOLD:
+            if not isinstance(part, np.ndarray):
+                continue
+            if part.nbytes >= zmq.COPY_THRESHOLD:
                 kept = self._frames.get(id(part))
                 if kept is None or kept[0] is not part:
                     if len(self._frames) >= self.capacity:
                         self._frames.pop(next(iter(self._frames)))
                     kept = self._frames[id(part)] = (part, zmq.Frame(part))
                 out[i] = kept[1]
+            break  # the first array only: see the class docstring
         return out
+
+    def __len__(self) -> int:
+        """Frames kept."""
+        return len(self._frames)
 
 
 # Plain ints: pyzmq's flag enums cost a Python-level ``Flag.__or__`` on every frame sent.

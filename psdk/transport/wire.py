@@ -60,8 +60,9 @@ class Message:
     volatile: bool = False
     """The arrays change once the send call returns: the transport must copy them there."""
     stable: bool = False
-    """The arrays are long-lived buffers sent again and again: zero-copy frames may be kept for them.
-    The sender must not change one before the peer has received it (a reply proves it has)."""
+    """The first array is a long-lived buffer sent again and again: a zero-copy frame may be kept for it
+    (those after it, fresh each time, are sent zero-copy too). The sender must not change any before the
+    peer has received it (a reply proves it has)."""
     in_place: bool = False
     """A reply whose one array the transport may write into memory the receiver lent (same host) instead
     of sending it; either way it is done with the array when ``reply`` returns."""
