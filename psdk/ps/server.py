@@ -452,6 +452,7 @@ class ParameterServer:
             "job": self.job.to_json() if self.job else None,
             "process": process_usage(),
             "tables": {name: table.stats() for name, table in self.store.tables.items()},
+            "time_per_push": self.shard.time_per_push(),
         }
         self.outbox.send(peer, message.rid, "stats", fields, [])
 
