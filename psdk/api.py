@@ -32,7 +32,8 @@ import numpy as np
 from psdk.client import Basis, ClientOptions, ParameterClient, StepResult, checkpoint
 from psdk.client.checkpoint import Checkpoint, new_run_id
 from psdk.client.recovery import latest_or_none
-from psdk.client.rows import table_specs
+from psdk.client.rows import table_specs, unique_ids
+from psdk.client.shards import StepTimes
 from psdk.errors import (
     CheckpointAbandoned,
     ConfigError,
@@ -336,6 +337,8 @@ class DistributedOptimizer:
         self.seed = seed
         self.tables: dict[str, TableSpec] = {}
         """The model's embedding tables as the ps keeps them (after :meth:`broadcast_parameters`)."""
+        self.times = StepTimes()
+        """Where the steps' time went besides the forward and backward passes (two clock reads a side)."""
 
     def broadcast_parameters(self, resume: Checkpoint | None = None) -> int:
         """Chief: put the model's weights on the ps. Others: wait for them and take them.
@@ -435,7 +438,7 @@ class DistributedOptimizer:
         unknown = set(ids or {}) - set(self.tables)
         if unknown:
             raise PsdkError(f"no embedding table {sorted(unknown)} in this model (its tables: {sorted(self.tables)})")
-        return {name: np.unique(np.asarray(values, np.int64).reshape(-1)) for name, values in (ids or {}).items()}
+        return {name: unique_ids(np.asarray(values, np.int64).reshape(-1))[0] for name, values in (ids or {}).items()}
 
     def zero_grad(self) -> None:
         zero = getattr(self.optimizer, "zero_grad", None)
@@ -469,10 +472,14 @@ class DistributedOptimizer:
                 "overlap works in async and ssp mode only: in sync mode a gradient computed while the last "
                 "push is in flight is a round stale, and the ps would drop it"
             )
+        began = time.perf_counter()
         self.backend.read_gradients(self.model, client.grads)
         rows = {name: self.backend.read_row_gradients(self.model, name) for name in self.tables}
+        read = time.perf_counter()
         wanted = self._unique_ids(next_ids)
         pending = client.start_push_pull(copy=overlap, basis=basis, rows=rows or None, pull=wanted or None)
+        self.times.lookup_s += read - began
+        self.times.wire_s += time.perf_counter() - read
         return PendingStep(self, pending, wanted)
 
 
@@ -488,8 +495,12 @@ class PendingStep:
 
     def wait(self) -> StepResult:
         opt = self.optimizer
+        began = time.perf_counter()
         result = opt.session.client.finish_push_pull(self.pending)
+        got = time.perf_counter()
         opt.backend.write_weights(opt.model, opt.session.client.params)
         for name, rows in result.rows.items():
             opt.backend.write_rows(opt.model, name, self.wanted[name], rows)
+        opt.times.wire_s += got - began
+        opt.times.lookup_s += time.perf_counter() - got
         return opt.session.record(result)

@@ -45,6 +45,15 @@ class StepResult:
     """The rows the step pulled, by table, in the order their ids were given."""
 
 
+@dataclass
+class StepTimes:
+    """Wall seconds a worker's steps spent, summed: moving weights, rows and gradients in and out of the
+    model (``lookup_s``), and from encoding a push to decoding its reply (``wire_s``, the wait included)."""
+
+    lookup_s: float = 0.0
+    wire_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class Basis:
     """The parameters a gradient was computed from: the job's epoch and each shard's version.

@@ -12,6 +12,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from psdk.config import build
+from psdk.jobs.timesplit import job_split
 from psdk.plugins.loading import workload_of
 from psdk.plugins.metrics import MetricSpec, primary, specs_json
 from psdk.report.metrics import percentile
@@ -164,10 +165,12 @@ def ps_summary(
                 "rejected": s["stats"]["rejected"],
                 "max_rss_mb": s.get("process", {}).get("max_rss_mb"),
                 "tables": s.get("tables") or {},
+                "time_per_push": s.get("time_per_push") or {},
             }
             for s in shards
         ],
         "tables": table_totals(shards),
+        "time_split": job_split(per_worker, shards),
     }
 
 

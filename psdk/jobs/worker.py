@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
 from psdk.jobs.setup import WorkerSetup, worker_setup
 from psdk.jobs.summary import build_summary, save_params, test_fields
+from psdk.jobs.timesplit import split_line, worker_split
 from psdk.jobs.workload import Workload, workload_options
 from psdk.launch import LAUNCHED_ENV
 from psdk.launch.placement import (
@@ -77,6 +79,8 @@ class WorkerReport:
     compute_cpu_s: float = 0.0
     wait_s: float = 0.0
     test_metrics: dict[str, float] = field(default_factory=dict)
+    parts_s: dict[str, float] = field(default_factory=dict)
+    """Seconds of the training loop (``loop``) and of its parts (:mod:`psdk.jobs.timesplit`)."""
 
     def time_per_step(self) -> dict[str, float | None]:
         """Where a step's time goes: computing the gradient (wall and this thread's CPU), waiting for the ps.
@@ -109,6 +113,7 @@ class WorkerReport:
             "train_time_s": round(self.train_time_s, 3),
             "shard_passes": self.shard_passes,
             "time_per_step": self.time_per_step(),
+            "time_split": worker_split(self.parts_s, self.local_steps),
             **test_fields(self.test_metrics),  # each also as test_<name>: MNIST's "test_accuracy", which scripts read
         }
 
@@ -322,6 +327,8 @@ class WorkerJob:
         client = self.session.client
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
+        loop_began, times = clock(), self.optimizer.times
+        before = (self.report.compute_s, times.lookup_s, times.wire_s)  # this call's parts are added at its end
         while True:
             beat()  # a step: the launcher takes a worker whose steps and waits stop for hung (psdk.runtime.liveness)
             failpoint(WORKER_STEP)
@@ -341,18 +348,18 @@ class WorkerJob:
                 basis = client.basis()
                 if in_flight is None:
                     in_flight = self.optimizer.start_step(overlap=True, basis=basis)
-                    batch = next(upcoming)
+                    batch, _ = self._cut(upcoming, False)
                     continue
                 waited = clock()
                 result = in_flight.wait()
                 in_flight = None
             else:
                 if tables:  # the next batch is cut first: its rows come back with this push's reply
-                    batch = next(upcoming)
-                    pending = self.optimizer.start_step(next_ids=ids_of(batch))
+                    batch, next_ids = self._cut(upcoming, True)
+                    pending = self.optimizer.start_step(next_ids=next_ids)
                 else:
                     pending = self.optimizer.start_step()
-                    batch = next(upcoming)  # the next batch is cut while the ps works on this push
+                    batch, _ = self._cut(upcoming, False)  # the next batch is cut while the ps works on this push
                 waited = clock()
                 result = pending.wait()
             self.report.wait_s += clock() - waited
@@ -377,7 +384,12 @@ class WorkerJob:
             if overlap:
                 if client.epoch == basis.epoch:  # else the job was restored meanwhile: compute it again
                     in_flight = self.optimizer.start_step(overlap=True, basis=basis)
-                batch = next(upcoming)
+                batch, _ = self._cut(upcoming, False)
+        parts = self.report.parts_s
+        spent = {"loop": clock() - loop_began, "compute": self.report.compute_s - before[0],
+                 "lookup": times.lookup_s - before[1], "wire": times.wire_s - before[2]}  # fmt: skip
+        for part, seconds in spent.items():
+            parts[part] = parts.get(part, 0.0) + seconds
         self.report.train_time_s = time.time() - began
         self.report.shard_passes = self.data.passes
         self.report.recoveries = list(self.session.client.recoveries)
@@ -388,6 +400,15 @@ class WorkerJob:
             self.report.local_steps,
             self.report.local_steps / max(self.report.train_time_s, 1e-9),
         )
+
+    def _cut(self, upcoming: Iterator[Batch], with_ids: bool) -> tuple[Batch, dict[str, np.ndarray]]:
+        """The next batch (and its unique ids by table, if asked), its time counted as the step's generation."""
+        started = time.perf_counter()
+        batch = next(upcoming)
+        ids = ids_of(batch) if with_ids else {}
+        parts = self.report.parts_s
+        parts["generation"] = parts.get("generation", 0.0) + time.perf_counter() - started
+        return batch, ids
 
     def _diverged(self, verdict: dict[str, Any] | None) -> None:
         """A non-finite loss: say so, and end the job (the chief) or leave it (the others)."""
@@ -497,6 +518,7 @@ class WorkerJob:
         summary["recoveries"] = list(client.recoveries)  # the wrap-up's too, which no report holds
         summary["global_steps_lost"] = sum(int(r.get("lost_steps") or 0) for r in client.recoveries)
         write_json_atomic(out / "summary.json", summary)
+        log.info("worker 0: %s", split_line(summary["time_split"]))
         log.info(
             "worker 0: %s of the final parameters (global step %d)",
             self.workload.shown("test", tested),

@@ -177,7 +177,12 @@ class ServedShard:
         fields: dict[str, Any] = {"version": self.store.version, "done": self.done, "outcome": outcome}
         if self.policy is not None and self.job is not None and not self.job.sync.waits_for_rounds:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
-        rows = pulled_rows(pulls) if pulls else []
+        rows: list[np.ndarray] = []
+        if pulls:
+            looking = time.perf_counter()
+            rows = pulled_rows(pulls)
+            if outcome != "pulled":  # a step's pull (a plain pull's, evaluation's, is no push's)
+                self.stats.index_s += time.perf_counter() - looking
         if self.endpoint.lent_memory(peer) and not rows:  # written into the worker's memory: no copy of ours
             self.outbox.deliver(peer, Message("params", fields, [self.store.params()], rid, in_place=True))
             return
@@ -280,8 +285,9 @@ class ServedShard:
         if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
             self.resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
             return
-        grad = message.arrays[0]
+        grad, checking = message.arrays[0], time.perf_counter()
         tables = table_request(message.fields.get("tables"), message.arrays[1:], self.store.tables, pushes=True)
+        self.stats.index_s += time.perf_counter() - checking
         if message.borrowed and self.store.needs_stable_gradient():
             grad = self._stable(grad)
         if grad.dtype != np.float32 or grad.shape != (self.store.size,):
@@ -343,13 +349,17 @@ class ServedShard:
             return
         counters = self.stats.worker(push.worker)
         counters.pushed += 1
+        self.stats.timed_pushes += 1
+        applying = time.perf_counter()
         try:
             decision = self.policy.submit(push)
         except NonFiniteError as exc:  # nothing changed: the worker is told, and counted
+            self.stats.apply_s += time.perf_counter() - applying
             counters.refused += 1
             self.stats.refused += 1
             self.outbox.reject(push.peer, "push_pull", push.rid, f"worker {push.worker}: {exc}", exc.kind)
             return
+        self.stats.apply_s += time.perf_counter() - applying
         if decision.updates:
             now = time.time()
             if self.stats.first_update is None:
@@ -380,6 +390,10 @@ class ServedShard:
             for waiter_peer, waiter_rid in self.pause.waiters:
                 self.outbox.send(waiter_peer, waiter_rid, "paused", {"version": self.store.version})
             self.pause.waiters.clear()
+
+    def time_per_push(self) -> dict[str, float | int]:
+        """Where this shard's time per push went: its index and its rule (:mod:`psdk.jobs.timesplit`)."""
+        return self.stats.time_per_push(sum(table.find_s for table in self.store.tables.values()))
 
     def on_stop_at(self, peer: bytes, message: Message, worker: int) -> None:
         """The chief ends training early: the job is done once this shard reaches ``version``."""

@@ -50,6 +50,26 @@ class ShardStats:
     unanswerable: int = 0
     """Requests dropped without a reply: too malformed to carry a request id."""
     workers: dict[int, WorkerCounters] = field(default_factory=dict)
+    timed_pushes: int = 0
+    """Pushes handed to the update (``index_s`` and ``apply_s`` are theirs)."""
+    index_s: float = 0.0
+    """Wall seconds of the pushes' id checks and of the rows their replies pulled (lookup, creation)."""
+    apply_s: float = 0.0
+    """Wall seconds of the updates: the rule, and finding the pushed rows (:meth:`time_per_push` splits it)."""
+
+    def time_per_push(self, find_s: float) -> dict[str, float | int]:
+        """ms per push of the index (checks, lookups, creation) and of the rule; ``find_s``: the index's part
+        of ``apply_s`` (the tables' ``find_s``)."""
+        count = self.timed_pushes
+
+        def per(seconds: float) -> float:
+            return round(1000.0 * seconds / count, 4) if count else 0.0
+
+        return {
+            "pushes": count,
+            "index_ms": per(self.index_s + find_s),
+            "rule_ms": per(max(self.apply_s - find_s, 0.0)),
+        }
 
     def worker(self, index: int) -> WorkerCounters:
         counters = self.workers.get(index)

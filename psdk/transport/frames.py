@@ -45,6 +45,10 @@ class FrameReuse:
             out[buffer_at] = kept[1]
         return out
 
+    def __len__(self) -> int:
+        """Frames kept."""
+        return len(self._frames)
+
 
 # Plain ints: pyzmq's flag enums cost a Python-level ``Flag.__or__`` on every frame sent.
 _NOBLOCK = int(zmq.NOBLOCK)

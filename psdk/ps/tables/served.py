@@ -25,6 +25,7 @@ protocol needs around it:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -83,6 +84,8 @@ class ServedTable:
         )
         self.dropped_rows = 0
         """Row gradients dropped because their id had no row (not admitted yet, or evicted since its pull)."""
+        self.find_s = 0.0
+        """Wall seconds updates spent finding their rows (the index's share of an apply: psdk.jobs.timesplit)."""
         if fill:
             self.fill()
 
@@ -152,7 +155,9 @@ class ServedTable:
         gradient first (a sync round's mean). Raises NonFiniteError, with
         nothing changed, when a result would hold NaN or Inf.
         """
+        started = time.perf_counter()
         where, rows = self.rows.index.find(grad.ids), grad.rows
+        self.find_s += time.perf_counter() - started
         keep = where >= 0
         if not bool(keep.all()):
             self.dropped_rows += int(len(where) - np.count_nonzero(keep))

@@ -1,0 +1,249 @@
+"""A click batch's sparse push-and-pull against a dense one of the same bytes: CPU per round trip, rule excluded.
+
+Issue 36's transport target: a batch's sparse push and pull cost at most
+1.2x the CPU of a dense push and pull of the same bytes, from encode to
+decode on the same transport, rule excluded. This measures both through
+psdk's real client (:class:`~psdk.client.ParameterClient`) and a real ps in
+its own process, over TCP on 127.0.0.1:
+
+* **sparse**: each round trip pushes one click batch's rows (``--batch`` x 26
+  ids of :class:`~psdk.workloads.ctr.data.ClickLog` over ``--vocab``, made
+  unique and sorted, one float32 row of 16 each) and pulls the next batch's
+  rows, as a ctr worker's step does (:meth:`~psdk.api.DistributedOptimizer.start_step`);
+* **dense**: one float32 variable of as many values as the pushed rows
+  (unique ids x 16) pushed, and as many pulled back.
+
+The rule is excluded by running the ps with the no-op rule
+(:class:`~psdk.ps.rules.NoOp`) in both: it changes nothing. CPU is the
+client's and the ps's process time (every thread: ZeroMQ's I/O threads too)
+per round trip, medians over ``--reps`` alternated runs. Both run on the same
+transport: ZeroMQ frames (``transport.shared_memory=false``), which is how
+rows always travel; the dense push on one host by default goes through
+shared memory instead, which is measured too (``dense, shared memory``).
+
+What a sparse round trip costs besides moving bytes is measured on its own,
+in this process, on the same batches, and subtracted to give **sparse
+transport**: the worker's sort and cut of the ids (``plan_tables``: the
+``np.unique`` that sums duplicates, the per-shard masks; putting pulled
+rows back in order) and the ps's table work (the id checks, the index
+lookup, the rows gathered and written back around the no-op rule, the
+pull's lookup and row creation). Those are the index's, not the wire's.
+
+Usage: ``python benchmarks/table_transport.py [--batch 1024] [--vocab 10000000] [--count 200] [--reps 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from psdk.bench.transport import _psdk_server
+from psdk.client import ParameterClient
+from psdk.client.rows import plan_tables
+from psdk.config.options import TransportOptions
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.tables import TableSpec
+from psdk.ps.consistency import SyncSpec
+from psdk.ps.rules import NoOp
+from psdk.ps.tables.served import ServedTable
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
+from psdk.workloads.ctr.data import TABLE, TRAIN, ClickLog
+
+DIM = 16
+Batch = tuple[np.ndarray, np.ndarray]
+"""One push's unique, sorted ids and their row gradients."""
+
+
+def click_batches(batch: int, vocab: int, count: int, seed: int = 0) -> list[Batch]:
+    """``count`` click batches' unique ids (as a worker pulls them) with a gradient row each."""
+    log = ClickLog(seed=seed, vocab=vocab, capacity=vocab)
+    rng = np.random.default_rng(seed)
+    out = []
+    for number in range(count):
+        ids = log.batch(TRAIN, 0, number, batch).ids[TABLE].unique()
+        out.append((ids, (rng.standard_normal((len(ids), DIM)) * 0.01).astype(np.float32)))
+    return out
+
+
+@dataclass
+class Run:
+    """One measured run: CPU microseconds per round trip, the client's and the ps's."""
+
+    client_us: float
+    ps_us: float
+
+    @property
+    def total_us(self) -> float:
+        return self.client_us + self.ps_us
+
+
+def _client(address: str, shared_memory: bool) -> tuple[ParameterClient, ZmqTransport]:
+    transport = ZmqTransport(ZmqOptions(TransportOptions(shared_memory=shared_memory)))
+    return ParameterClient(transport, ClusterSpec({"ps": [address], "worker": ["localhost"]}), 0), transport
+
+
+def _measured(client: ParameterClient, step: Callable[[int], None], count: int, warmup: int) -> Run:
+    for i in range(warmup):
+        step(i)
+    ps0, c0 = client.stats()[0]["process"]["cpu_s"], time.process_time()
+    for i in range(warmup, warmup + count):
+        step(i)
+    client_s = time.process_time() - c0
+    ps_s = client.stats()[0]["process"]["cpu_s"] - ps0
+    return Run(client_s / count * 1e6, ps_s / count * 1e6)
+
+
+def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -> Run:
+    """``kind`` is "sparse", "dense" (frames) or "dense-shm" (shared memory); the ps in its own process."""
+    shared_memory = kind == "dense-shm"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    server = ctx.Process(target=_psdk_server, args=(0, queue, None, shared_memory), daemon=True)
+    server.start()
+    try:
+        client, transport = _client(queue.get(timeout=60), shared_memory)
+        try:
+            job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)
+            if kind == "sparse":
+                spec = TableSpec(TABLE, DIM, capacity=vocab, max_ids=max(len(ids) for ids, _ in batches))
+                client.initialize({"w": np.zeros(1, np.float32)}, job, NoOp(), tables=[spec])
+                client.pull_rows({TABLE: batches[0][0]})
+
+                def step(i: int) -> None:
+                    ids, grads = batches[i % len(batches)]
+                    client.push_pull(rows={TABLE: (ids, grads)}, pull={TABLE: batches[(i + 1) % len(batches)][0]})
+
+            else:
+                size = int(np.mean([len(ids) for ids, _ in batches])) * DIM
+                client.initialize({"w": np.zeros(size, np.float32)}, job, NoOp())
+                client.pull()
+                client.status()  # the ps's answer to the offer of shared memory is in
+                client.grads["w"][...] = 0.01
+
+                def step(i: int) -> None:
+                    client.push_pull()
+
+            run = _measured(client, step, count, warmup)
+            client.shutdown()
+        finally:
+            client.close()
+            transport.close()
+    finally:
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+    return run
+
+
+def index_work(batches: list[Batch], vocab: int, count: int, warmup: int) -> tuple[float, float]:
+    """CPU microseconds per round trip of a sparse step's work that is not the wire: (worker's, ps's).
+
+    The same calls as the real path makes, on the same batches, in this
+    process: the worker's ``plan_tables`` and the pulled rows put back in
+    order; the ps's id checks, update around the no-op rule, and pull.
+    """
+    spec = TableSpec(TABLE, DIM, capacity=vocab, max_ids=max(len(ids) for ids, _ in batches))
+    rule = NoOp()
+    table = ServedTable(spec, 0, 1, rule)
+    tables = {TABLE: spec}
+    worker = ps = 0.0
+    for i in range(warmup + count):
+        ids, grads = batches[i % len(batches)]
+        following = batches[(i + 1) % len(batches)][0]
+        started = time.process_time()
+        _, plans = plan_tables(tables, 1, push={TABLE: (ids, grads)}, pull={TABLE: following})
+        planned = time.process_time()
+        table.commit(table.stage_update(table.check_grad(ids, grads), rule, i))
+        rows = table.pull(table.check_ids(following, "a pull"))
+        pulled = time.process_time()
+        plans[TABLE].assemble({0: rows})
+        if i >= warmup:
+            worker += planned - started + time.process_time() - pulled
+            ps += pulled - planned
+    return worker / count * 1e6, ps / count * 1e6
+
+
+KINDS = ("sparse", "dense", "dense-shm")
+
+
+def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: int) -> dict[str, Any]:
+    """Every kind alternated ``reps`` times, and the index work; medians, and the ratios to the dense run."""
+    batches = click_batches(batch, vocab, pool)
+    runs: dict[str, list[Run]] = {kind: [] for kind in KINDS}
+    work: list[tuple[float, float]] = []
+    for _ in range(reps):
+        for kind in KINDS:
+            runs[kind].append(_run(kind, batches, vocab, count, warmup))
+        work.append(index_work(batches, vocab, count, warmup))
+    unique = statistics.median(len(ids) for ids, _ in batches)
+
+    def median(kind: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in runs[kind])
+
+    out: dict[str, Any] = {
+        "batch": batch, "vocab": vocab, "unique_ids": unique, "count": count, "reps": reps,
+        "bytes": {"sparse_up": int(unique * (8 + 4 * DIM + 8)), "sparse_down": int(unique * 4 * DIM),
+                  "dense_each_way": int(unique * 4 * DIM)},
+    }  # fmt: skip
+    for kind in KINDS:
+        out[kind] = {f: round(median(kind, f), 1) for f in ("client_us", "ps_us", "total_us")}
+    out["sorting_us"] = round(statistics.median(w[0] for w in work), 1)
+    out["ps_table_us"] = round(statistics.median(w[1] for w in work), 1)
+    out["sparse_transport_us"] = round(out["sparse"]["total_us"] - out["sorting_us"] - out["ps_table_us"], 1)
+    dense = max(out["dense"]["total_us"], 1e-9)  # process times tick in 10 ms: a tiny run may read 0
+    out["ratio_all"] = round(out["sparse"]["total_us"] / dense, 3)
+    out["ratio"] = round(out["sparse_transport_us"] / dense, 3)
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    """The figures as a markdown table (µs of CPU per round trip, client + ps)."""
+    b = out["bytes"]
+    lines = [
+        f"{out['reps']} x {out['count']} round trips; batches of {out['batch']} x 26 ids over {out['vocab']:,} "
+        f"(median {out['unique_ids']:.0f} unique), dim {DIM}; sparse {b['sparse_up']:,} B up, "
+        f"{b['sparse_down']:,} B down; dense {b['dense_each_way']:,} B each way",
+        "| round trip | client µs | ps µs | CPU µs | ÷ dense |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    dense = max(out["dense"]["total_us"], 1e-9)
+    for kind, label in (("sparse", "sparse push + pull (frames)"), ("dense", "dense push + pull (frames)"),
+                        ("dense-shm", "dense push + pull (shared memory)")):  # fmt: skip
+        r = out[kind]
+        lines.append(f"| {label} | {r['client_us']:.0f} | {r['ps_us']:.0f} | {r['total_us']:.0f} | "
+                     f"{r['total_us'] / dense:.2f}× |")  # fmt: skip
+    lines.append(f"| sparse: worker's sort and cut of the ids | {out['sorting_us']:.0f} | | | |")
+    lines.append(f"| sparse: ps's id checks, index, rows gathered and created | | {out['ps_table_us']:.0f} | | |")
+    lines.append(f"| sparse transport (encode to decode) | | | {out['sparse_transport_us']:.0f} | "
+                 f"{out['ratio']:.2f}× |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=10_000_000)
+    parser.add_argument("--count", type=int, default=200, help="round trips measured per run")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=3, help="runs of each kind, alternated")
+    parser.add_argument("--pool", type=int, default=32, help="distinct batches, cycled")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
+    args = parser.parse_args()
+    out = compare(args.batch, args.vocab, args.count, args.warmup, args.reps, args.pool)
+    print(table(out))
+    if args.json:
+        import json
+
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

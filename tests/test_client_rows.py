@@ -1,0 +1,76 @@
+"""The worker's side of tables: ids already unique and sorted are taken as they are, others sorted and summed,
+and pulled rows always come back in the caller's order; the transport keeps frames of stable buffers only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+
+from psdk.client.rows import plan_tables, sum_duplicates, unique_ids
+from psdk.protocol.tables import TableSpec
+from psdk.transport.frames import FrameReuse
+
+pytestmark = pytest.mark.timeout(30)
+SPEC = TableSpec("emb", 4, capacity=1000)
+
+
+def test_unique_sorted_ids_are_neither_sorted_nor_copied_again() -> None:
+    ids = np.array([3, 7, 100, 999], np.int64)
+    grads = np.arange(16, dtype=np.float32).reshape(4, 4)
+    pushed, rows = sum_duplicates(SPEC, ids, grads)
+    assert np.shares_memory(pushed, ids) and np.shares_memory(rows, grads)
+    unique, inverse = unique_ids(ids)
+    assert unique is ids and inverse is None
+
+
+def test_unsorted_and_repeated_ids_are_sorted_and_their_gradients_summed() -> None:
+    ids = np.array([7, 3, 7, 1], np.int64)
+    grads = np.arange(16, dtype=np.float32).reshape(4, 4)
+    pushed, rows = sum_duplicates(SPEC, ids, grads)
+    assert pushed.tolist() == [1, 3, 7]
+    np.testing.assert_allclose(rows, [grads[3], grads[1], grads[0] + grads[2]], atol=1e-6)
+    unique, inverse = unique_ids(ids)
+    assert unique.tolist() == [1, 3, 7] and inverse is not None and unique[inverse].tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("num_ps", [1, 2, 3])
+@pytest.mark.parametrize("order", ["sorted", "shuffled", "repeated"])
+def test_pulled_rows_come_back_in_the_callers_order(num_ps: int, order: str) -> None:
+    rng = np.random.default_rng(num_ps)
+    ids = np.unique(rng.integers(0, 1000, 200)).astype(np.int64)
+    if order != "sorted":
+        ids = rng.permutation(ids)
+    if order == "repeated":
+        ids = np.concatenate([ids, ids[:50]])
+
+    def row_of(i: np.ndarray) -> np.ndarray:  # what a ps sends: a row that names its id
+        return np.repeat(i.astype(np.float32)[:, None], SPEC.dim, axis=1)
+
+    parts, plans = plan_tables({"emb": SPEC}, num_ps, pull={"emb": ids})
+    sent = {shard: row_of(part.arrays[0]) for shard, part in parts.items() if part.entries}
+    assert all(np.all(np.diff(part.arrays[0]) > 0) for part in parts.values() if part.entries)  # as the ps takes them
+    rows = plans["emb"].assemble(sent)
+    np.testing.assert_allclose(rows, row_of(ids), atol=0)
+    assert plans["emb"].ids.tolist() == ids.tolist()
+
+
+def test_rows_of_the_wrong_shape_are_refused() -> None:
+    from psdk.errors import PsdkError
+
+    _, plans = plan_tables({"emb": SPEC}, 1, pull={"emb": np.array([1, 2], np.int64)})
+    with pytest.raises(PsdkError, match="sent rows of table 'emb' of shape"):
+        plans["emb"].assemble({0: np.zeros((3, SPEC.dim), np.float32)})
+
+
+def test_only_a_messages_first_array_keeps_its_frame() -> None:
+    """A step's rows are fresh arrays: kept frames would hold every one alive (up to the table's capacity)."""
+    reuse = FrameReuse(capacity=8)
+    stable = np.zeros(1 << 16, np.float32)
+    for _ in range(20):
+        fresh = np.ones(1 << 16, np.float32)
+        parts = reuse.frames([b"peer", b"header", stable, fresh], 2)
+        assert isinstance(parts[2], zmq.Frame) and parts[3] is fresh
+    assert len(reuse) == 1
+    again = reuse.frames([b"header", stable], 1)
+    assert again[1] is parts[2]  # the same frame, built once
