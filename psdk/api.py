@@ -36,7 +36,6 @@ from psdk.client.rows import table_specs, unique_ids
 from psdk.client.shards import StepTimes
 from psdk.errors import (
     CheckpointAbandoned,
-    ConfigError,
     PeerDeadError,
     PeerRestartedError,
     PsdkError,
@@ -254,7 +253,7 @@ def connect(
     own = None
     if transport is None:
         own = transport = ZmqTransport(
-            ZmqOptions(options.transport, curve=_worker_keys(keys, secure, cluster, task_index))
+            ZmqOptions(options.transport, curve=security.connect_keys(keys, secure, cluster.num_ps, task_index))
         )
     try:
         client = ParameterClient(transport, cluster, task_index, options)
@@ -267,23 +266,6 @@ def connect(
         session.checkpoint_dir = Path(checkpoint_dir)
         client.recovery_source = session.latest_checkpoint
     return session
-
-
-def _worker_keys(
-    keys: Path | str | CurveKeys | None, secure: bool, cluster: ClusterSpec, task: int
-) -> CurveKeys | None:
-    if isinstance(keys, CurveKeys):
-        return keys
-    if keys is not None:
-        return security.load_worker(Path(keys), task, cluster.num_ps)
-    if secure:
-        raise ConfigError(
-            "keys",
-            "psdk.connect needs the job's keys: keys=DIR, a folder made by `python -m psdk keys keys_dir=DIR "
-            "workers=N` and given to the ps tasks as transport.keys_dir=DIR; or secure=False with ps tasks "
-            "started with transport.secure=false, where every host and user is trusted",
-        )
-    return None
 
 
 class DistributedOptimizer:

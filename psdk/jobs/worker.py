@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,10 @@ from psdk.config.options import PlacementOptions
 from psdk.errors import ConfigError, TrainingResumed
 from psdk.jobs.divergence import DivergenceWatch
 from psdk.jobs.epochs import EpochCount, batches_per_step
+from psdk.jobs.report import WorkerReport
 from psdk.jobs.setup import WorkerSetup, worker_setup
 from psdk.jobs.summary import build_summary, save_params, test_fields
-from psdk.jobs.timesplit import split_line, worker_split
+from psdk.jobs.timesplit import split_line
 from psdk.jobs.workload import Workload, workload_options
 from psdk.launch import LAUNCHED_ENV
 from psdk.launch.placement import (
@@ -56,66 +56,6 @@ from psdk.runtime.failpoints import TRAINED, WORKER_STEP, failpoint
 from psdk.runtime.liveness import beat
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerReport:
-    """What a worker tells the ps about itself when it finishes."""
-
-    backend: str
-    device: str
-    devices: list[str] = field(default_factory=list)
-    """Every device it drove (one per tower); ``device`` is the first, where gradients were averaged."""
-    local_steps: int = 0
-    pushed: int = 0
-    last_loss: float | None = None
-    last_validation: dict[str, float] = field(default_factory=dict)
-    train_time_s: float = 0.0
-    shard_passes: int = 0
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    divergence: dict[str, Any] | None = None
-    computed: int = 0
-    compute_s: float = 0.0
-    compute_cpu_s: float = 0.0
-    wait_s: float = 0.0
-    test_metrics: dict[str, float] = field(default_factory=dict)
-    parts_s: dict[str, float] = field(default_factory=dict)
-    """Seconds of the training loop (``loop``) and of its parts (:mod:`psdk.jobs.timesplit`)."""
-
-    def time_per_step(self) -> dict[str, float | None]:
-        """Where a step's time goes: computing the gradient (wall and this thread's CPU), waiting for the ps.
-
-        A gradient computed between round trips can cost more CPU than the
-        same computation back to back (caches the I/O evicted): compare
-        ``compute_cpu_ms`` with a single-process run.
-        """
-
-        def per_step(seconds: float, count: int) -> float | None:
-            return round(1000.0 * seconds / count, 3) if count else None
-
-        return {
-            "compute_ms": per_step(self.compute_s, self.computed),
-            "compute_cpu_ms": per_step(self.compute_cpu_s, self.computed),
-            "wait_ms": per_step(self.wait_s, self.local_steps),
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "recoveries": self.recoveries,
-            "divergence": self.divergence,
-            "backend": self.backend,
-            "device": self.device,
-            "devices": self.devices or [self.device],
-            "local_steps": self.local_steps,
-            "gradients_pushed": self.pushed,
-            "last_loss": self.last_loss,
-            "last_validation": self.last_validation,
-            "train_time_s": round(self.train_time_s, 3),
-            "shard_passes": self.shard_passes,
-            "time_per_step": self.time_per_step(),
-            "time_split": worker_split(self.parts_s, self.local_steps),
-            **test_fields(self.test_metrics),  # each also as test_<name>: MNIST's "test_accuracy", which scripts read
-        }
 
 
 def run_worker(cfg: DictConfig) -> None:

@@ -249,3 +249,19 @@ def start_authenticator(context: zmq.Context[Any], keys: CurveKeys, owner: str) 
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=ring)
     return auth
+
+
+def connect_keys(keys: Path | str | CurveKeys | None, secure: bool, num_ps: int, task: int) -> CurveKeys | None:
+    """``psdk.connect``'s ``keys``: keys as given, a worker's from the job's folder, or none when not secure."""
+    if isinstance(keys, CurveKeys):
+        return keys
+    if keys is not None:
+        return load_worker(Path(keys), task, num_ps)
+    if secure:
+        raise ConfigError(
+            "keys",
+            "psdk.connect needs the job's keys: keys=DIR, a folder made by `python -m psdk keys keys_dir=DIR "
+            "workers=N` and given to the ps tasks as transport.keys_dir=DIR; or secure=False with ps tasks "
+            "started with transport.secure=false, where every host and user is trusted",
+        )
+    return None
