@@ -129,6 +129,14 @@ class RowIndex:
         """The slots in use, in slot order."""
         return np.flatnonzero(self.slot_ids[: self.next_slot] >= 0)
 
+    def live_between(self, start: int, stop: int) -> np.ndarray:
+        """The slots in use in ``[start, stop)``, in slot order (``stop`` at most ``next_slot``)."""
+        return start + np.flatnonzero(self.slot_ids[start:stop] >= 0) if start < stop else np.zeros(0, np.intp)
+
+    def ids_of(self, slots: np.ndarray) -> np.ndarray:
+        """The id of each slot in use."""
+        return self.slot_ids[slots]
+
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Each id's slot, -1 where absent (duplicates allowed)."""
         return self._probe(check_ids(ids))[1]

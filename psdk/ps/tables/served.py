@@ -34,10 +34,8 @@ from psdk.errors import NonFiniteError, RefusedError
 from psdk.protocol.numerics import all_finite
 from psdk.protocol.tables import TableSpec, owned_range, shard_of_ids
 from psdk.ps.rules import RuleState, UpdateRule
+from psdk.ps.tables.direct import DirectTable
 from psdk.ps.tables.table import RowTable
-
-PREALLOCATE_CHUNK = 1 << 20
-"""Rows a preallocated table creates per step at placement (the ids' arange is the only temporary)."""
 
 
 @dataclass
@@ -65,23 +63,26 @@ class ServedTable:
     def __init__(self, spec: TableSpec, shard: int, num_ps: int, rule: UpdateRule) -> None:
         self.spec, self.shard, self.num_ps = spec, shard, num_ps
         initial = rule.new_state(1).slots
-        self.rows = RowTable(
-            spec.dim,
-            spec.shard_capacity(num_ps),
-            spec.initializer,
-            spec.init_scale,
-            spec.seed,
-            tuple(initial),
-            spec.admit_after,
-            spec.name,
-            slot_init={name: float(values[0]) for name, values in initial.items()},
-        )
+        slot_init = {name: float(values[0]) for name, values in initial.items()}
+        self.rows: RowTable
+        if spec.preallocate:  # every id of the block has its row: indexed directly (psdk/ps/tables/direct.py)
+            low, high = owned_range(spec, shard, num_ps)
+            self.rows = DirectTable(low, high, spec.dim, spec.initializer, spec.init_scale, spec.seed, tuple(initial),
+                                    spec.name, slot_init, capacity=spec.shard_capacity(num_ps))  # fmt: skip
+        else:
+            self.rows = RowTable(
+                spec.dim,
+                spec.shard_capacity(num_ps),
+                spec.initializer,
+                spec.init_scale,
+                spec.seed,
+                tuple(initial),
+                spec.admit_after,
+                spec.name,
+                slot_init=slot_init,
+            )
         self.dropped_rows = 0
         """Row gradients dropped because their id had no row (not admitted yet, or evicted since its pull)."""
-        if spec.preallocate:
-            low, high = owned_range(spec, shard, num_ps)
-            for start in range(low, high, PREALLOCATE_CHUNK):
-                self.rows.lookup(np.arange(start, min(start + PREALLOCATE_CHUNK, high), dtype=np.int64))
 
     # ------------------------------------------------------------ checks
     def check_ids(self, ids: np.ndarray, what: str, most: int | None = None) -> np.ndarray:
@@ -127,8 +128,8 @@ class ServedTable:
 
     # ------------------------------------------------------------ rows
     def pull(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
-        """The rows of checked ``ids``; a training pull (``create``) counts, stamps and creates them."""
-        return self.rows.lookup(ids, create=create)
+        """The rows of ``ids`` (checked by :meth:`check_ids`); a training pull (``create``) counts, stamps, creates."""
+        return self.rows.lookup(ids, create=create, increasing=True)
 
     def stage_update(self, grad: RowGrad, rule: UpdateRule, step: int, scale: float = 1.0) -> StagedRows:
         """The touched rows and slots after ``rule`` (at the shard's ``step``), not yet written back.
