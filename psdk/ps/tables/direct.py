@@ -41,6 +41,8 @@ class DirectIndex:
         self.low, self.capacity = low, high - low
         self._held = np.zeros(self.capacity, bool)
         self._live = 0
+        self.rebuilds = 0
+        """Never moves: nothing is rebuilt (``RowIndex``'s counterpart)."""
 
     def __len__(self) -> int:
         return self._live
@@ -74,6 +76,11 @@ class DirectIndex:
             slots[inside & ~self._held[np.where(inside, slots, 0)]] = -1
         return slots
 
+    def find_with_ends(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``find``, and (as ``RowIndex``'s chain ends) the slots, which is all an insert needs."""
+        slots = self.find(ids)
+        return slots, slots
+
     def live_slots(self) -> np.ndarray:
         return np.arange(self.capacity) if self.full else np.flatnonzero(self._held)
 
@@ -95,7 +102,7 @@ class DirectIndex:
         self._live += len(new)
         return slots
 
-    def insert_absent(self, ids: np.ndarray) -> np.ndarray:
+    def insert_absent(self, ids: np.ndarray, ends: np.ndarray | None = None, rebuilds: int = -1) -> np.ndarray:
         """Slots for ``ids`` known to be distinct, of the block, and without a row (the caller has just found them)."""
         slots = ids - self.low
         self._held[slots] = True
@@ -116,6 +123,7 @@ class DirectTable(RowTable):
     """:class:`~psdk.ps.tables.table.RowTable` over the ids ``[low, high)``, every row held from the start."""
 
     stamped = False
+    remembers_pulls = False  # finding a push's slots is one subtraction
 
     def __init__(
         self,

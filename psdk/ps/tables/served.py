@@ -138,7 +138,7 @@ class ServedTable:
         gradient first (a sync round's mean). Raises NonFiniteError, with
         nothing changed, when a result would hold NaN or Inf.
         """
-        where, rows = self.rows.index.find(grad.ids), grad.rows
+        where, rows = self.rows.slots_of_pushed(grad.ids), grad.rows
         keep = where >= 0
         if not bool(keep.all()):
             self.dropped_rows += int(len(where) - np.count_nonzero(keep))

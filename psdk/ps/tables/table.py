@@ -31,6 +31,7 @@ Semantics:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -47,6 +48,8 @@ SLOT = "slot."
 """The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""
 REFILL_SHARE = 16
 """Eviction finds the oldest ``capacity / REFILL_SHARE`` rows at once and draws on them until touched."""
+PULLS_REMEMBERED = 8
+"""Training pulls whose (ids, slots) a push of the same ids reuses instead of probing again (a few per worker)."""
 
 
 class RowTable:
@@ -54,6 +57,8 @@ class RowTable:
 
     stamped: ClassVar[bool] = True
     """Whether rows carry LRU stamps (``last_used``): a table that never evicts needs none."""
+    remembers_pulls: ClassVar[bool] = True
+    """Whether :meth:`slots_of_pushed` reuses recent pulls' slots (worth it where finding them costs a probe)."""
 
     def __init__(
         self,
@@ -92,6 +97,8 @@ class RowTable:
         self._key = table_key(seed, name)
         self._candidates = np.zeros(0, np.int32)
         self._stamps = np.zeros(0, np.uint32)
+        self._pulled: deque[tuple[np.ndarray, np.ndarray, int]] = deque(maxlen=PULLS_REMEMBERED)
+        """(ids, slots, ``evicted`` then) of the latest training pulls of distinct sorted ids."""
 
     def __len__(self) -> int:
         return len(self.index)
@@ -111,9 +118,14 @@ class RowTable:
             unique, inverse = ids, None
         else:
             unique, inverse = np.unique(ids, return_inverse=True)
-        slots = self.index.find(unique)
         if create:
-            self._count_stamp_create(unique, inverse, slots)
+            slots, ends = self.index.find_with_ends(unique)
+            self._count_stamp_create(unique, inverse, slots, ends)
+            if inverse is None and self.remembers_pulls:
+                slots.flags.writeable = False  # shared with the memory of pulls
+                self._pulled.append((unique.copy(), slots, self.evicted))  # a copy: ids may sit in a message buffer
+        else:
+            slots = self.index.find(unique)
         have = slots >= 0
         if bool(have.all()):
             found = self.rows[slots]
@@ -122,7 +134,9 @@ class RowTable:
             found[have] = self.rows[slots[have]]
         return found if inverse is None else found[inverse]
 
-    def _count_stamp_create(self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray) -> None:
+    def _count_stamp_create(
+        self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray, ends: np.ndarray
+    ) -> None:
         """A creating lookup's changes, after the one check that can refuse it, so a refusal changes nothing.
 
         An id is admitted on its count before this lookup plus its occurrences
@@ -146,7 +160,26 @@ class RowTable:
             self.sketch.add(unique, counts)
         self._stamp(slots if touched == len(unique) else slots[present])
         if len(new):
-            slots[new] = self._create(unique[new])
+            slots[new] = self._create(unique[new], ends[new], self.index.rebuilds)
+
+    def slots_of_pushed(self, ids: np.ndarray) -> np.ndarray:
+        """Each of a push's distinct sorted ``ids``' slot, -1 where it has no row (as ``index.find``).
+
+        A push's ids are most often those of a recent training pull (the
+        worker's previous batch): when nothing was evicted since, each id
+        then still has the slot that pull found or gave it, and only the ids
+        without one are probed again (they may have been admitted since). The
+        result is read-only.
+        """
+        for pulled, slots, evicted in reversed(self._pulled):
+            if (len(pulled) == len(ids) and evicted == self.evicted and (not len(ids) or pulled[0] == ids[0])
+                    and np.array_equal(pulled, ids)):  # fmt: skip
+                absent = slots < 0
+                if bool(absent.any()):
+                    slots = slots.copy()
+                    slots[absent] = self.index.find(ids[absent])
+                return slots
+        return self.index.find(ids)
 
     def admitted(self, ids: np.ndarray) -> np.ndarray:
         """Which ids have a row now: updates to the others are to be dropped."""
@@ -199,14 +232,14 @@ class RowTable:
             self.clock = len(distinct) + 1
             self._candidates, self._stamps = self._candidates[:0], self._stamps[:0]
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
+    def _create(self, ids: np.ndarray, ends: np.ndarray | None = None, rebuilds: int = -1) -> np.ndarray:
         """New rows for absent ``ids``, evicting the oldest rows (those this lookup touched are the newest)."""
         short = len(ids) - self.index.room
         if short > 0:
             oldest = self._oldest(short)
             self.index.remove_slots(oldest)
             self.evicted += len(oldest)
-        slots = self.index.insert_absent(ids)
+        slots = self.index.insert_absent(ids, ends, rebuilds)
         self._initialise(slots, ids)
         self._stamp(slots)
         self.created += len(ids)
