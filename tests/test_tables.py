@@ -366,3 +366,19 @@ def test_a_table_costs_memory_only_for_the_rows_handed_out() -> None:
     table.lookup(np.arange(10_000, dtype=np.int64) * 1_000_003)
     assert resident() - before < 12 * 2**20
     assert table.bytes_per_row() < 16 * 4 * 2 + 4 + 40
+
+
+def test_a_push_reuses_its_pulls_slots_only_while_they_still_hold_its_rows() -> None:
+    """``slots_of_pushed`` must answer as ``index.find`` would: after evictions, admissions, or a new pull."""
+    table = RowTable(2, 4, admit_after=2, sketch_width=64)
+    table.lookup(ids(1, 2)), table.lookup(ids(1, 2))  # admitted at their second pull
+    assert table.slots_of_pushed(ids(1, 2)).tolist() == table.index.find(ids(1, 2)).tolist() != [-1, -1]
+    table.lookup(ids(7, 8))  # counted once: no rows yet, and the memory of this pull says so
+    table.lookup(ids(7))  # admitted by a later pull of other ids
+    assert table.slots_of_pushed(ids(7, 8)).tolist() == table.index.find(ids(7, 8)).tolist()
+    assert table.slots_of_pushed(ids(7, 8))[0] >= 0 and table.slots_of_pushed(ids(7, 8))[1] == -1
+    table.lookup(ids(3, 4)), table.lookup(ids(3, 4))  # two more rows: 1 and 2 are the oldest and one goes
+    assert table.evicted == 1
+    assert table.slots_of_pushed(ids(1, 2)).tolist() == table.index.find(ids(1, 2)).tolist()
+    assert (table.index.find(ids(1, 2)) < 0).sum() == 1
+    assert table.slots_of_pushed(ids(5, 6)).tolist() == [-1, -1]  # never pulled: probed

@@ -67,6 +67,8 @@ class RowIndex:
         self._live = 0
         self._tombstones = 0
         self._positions = np.full(MIN_POSITIONS, EMPTY, np.int32)
+        self.rebuilds = 0
+        """How many times the positions were rebuilt: a probe's chain ends are stale once it moves."""
 
     def __len__(self) -> int:
         return self._live
@@ -97,15 +99,17 @@ class RowIndex:
             pos[active] = (pos[active] + 1) & mask
         return pos, slot
 
-    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+    def _place(self, ids: np.ndarray, slots: np.ndarray, ends: np.ndarray | None = None) -> None:
         """Write absent, distinct ``ids`` -> ``slots``; of ids racing for a position one wins, the rest probe on.
 
         The racers all write their slot and read back which one stayed: no sort
         needed to pick a winner, and whichever numpy lets win, each position
-        ends up holding exactly one of them.
+        ends up holding exactly one of them. ``ends``: where a probe of the
+        same positions found each id's chain to end (an empty position), so
+        neither the hash nor the chain is walked again.
         """
         positions, mask = self._positions, len(self._positions) - 1
-        pos = (hash_ids(ids) & np.uint64(mask)).astype(np.intp)
+        pos = (hash_ids(ids) & np.uint64(mask)).astype(np.intp) if ends is None else ends.copy()
         pending = np.arange(len(ids))
         while pending.size:
             where = pos[pending]
@@ -129,6 +133,7 @@ class RowIndex:
         Memory). Placing in blocks gives the same positions' contents.
         """
         self._positions = np.full(_positions_for(live_after), EMPTY, np.int32)
+        self.rebuilds += 1
         self._tombstones = 0
         for start in range(0, self.next_slot, REBUILD_BLOCK):
             block = start + np.flatnonzero(self.slot_ids[start : min(start + REBUILD_BLOCK, self.next_slot)] >= 0)
@@ -138,9 +143,22 @@ class RowIndex:
         """The slots in use, in slot order."""
         return np.flatnonzero(self.slot_ids[: self.next_slot] >= 0)
 
+    def live_between(self, start: int, stop: int) -> np.ndarray:
+        """The slots in use in ``[start, stop)``, in slot order (``stop`` at most ``next_slot``)."""
+        return start + np.flatnonzero(self.slot_ids[start:stop] >= 0) if start < stop else np.zeros(0, np.intp)
+
+    def ids_of(self, slots: np.ndarray) -> np.ndarray:
+        """The id of each slot in use."""
+        return self.slot_ids[slots]
+
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Each id's slot, -1 where absent (duplicates allowed)."""
         return self._probe(check_ids(ids))[1]
+
+    def find_with_ends(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each id's slot (-1 where absent), and each absent id's chain end, for :meth:`insert_absent`."""
+        pos, slots = self._probe(check_ids(ids))
+        return slots, pos
 
     def insert(self, ids: np.ndarray) -> np.ndarray:
         """Each id's slot, new slots for ids not yet present (duplicates and any order allowed)."""
@@ -150,8 +168,14 @@ class RowIndex:
         slots[new] = self.insert_absent(unique[new])
         return slots[inverse]
 
-    def insert_absent(self, ids: np.ndarray) -> np.ndarray:
-        """Slots for ``ids`` known to be distinct and absent (the caller has just probed them)."""
+    def insert_absent(self, ids: np.ndarray, ends: np.ndarray | None = None, rebuilds: int = -1) -> np.ndarray:
+        """Slots for ``ids`` known to be distinct and absent (the caller has just probed them).
+
+        ``ends`` (from :meth:`find_with_ends`, taken when ``rebuilds`` was this
+        index's count, with at most :meth:`remove_slots` since) saves walking
+        their chains again; a rebuild since makes them stale, and they are
+        then not used.
+        """
         if len(ids) > self.room:
             raise ValueError(f"{len(ids)} new ids do not fit: the index has room for {self.room} of {self.capacity}")
         if len(ids) == 0:
@@ -160,7 +184,7 @@ class RowIndex:
             self._rebuild(self._live + len(ids))
         fresh = self._take_slots(len(ids))
         self.slot_ids[fresh] = ids
-        self._place(ids, fresh)
+        self._place(ids, fresh, ends if rebuilds == self.rebuilds else None)
         self._live += len(ids)
         return fresh
 

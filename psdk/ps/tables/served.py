@@ -35,14 +35,9 @@ from psdk.errors import NonFiniteError, RefusedError
 from psdk.protocol.numerics import all_finite
 from psdk.protocol.tables import TableSpec, owned_range, shard_of_ids
 from psdk.ps.rules import RuleState, UpdateRule
+from psdk.ps.tables.direct import DirectTable
 from psdk.ps.tables.table import RowTable
 from psdk.runtime.liveness import beat
-
-PREALLOCATE_CHUNK = 1 << 14
-"""Rows a preallocated table creates per step at placement. A step's temporaries (the ids, their initial
-values' hashes, the index probe) cost a few hundred bytes a row: about 6 MB here, where steps of a million
-rows held over 200 MB beside the table for a moment (docs/tables.md, Memory). The whole fill takes as long
-in small steps as in large ones: its cost is per row."""
 
 
 @dataclass
@@ -71,17 +66,26 @@ class ServedTable:
         """``fill=False`` leaves a preallocated table empty: a restore fills it (:meth:`fill` does it later)."""
         self.spec, self.shard, self.num_ps = spec, shard, num_ps
         initial = rule.new_state(1).slots
-        self.rows = RowTable(
-            spec.dim,
-            spec.shard_capacity(num_ps),
-            spec.initializer,
-            spec.init_scale,
-            spec.seed,
-            tuple(initial),
-            spec.admit_after,
-            spec.name,
-            slot_init={name: float(values[0]) for name, values in initial.items()},
-        )
+        slot_init = {name: float(values[0]) for name, values in initial.items()}
+        self.rows: RowTable
+        if spec.preallocate:  # every id of the block has its row: indexed directly (psdk/ps/tables/direct.py)
+            low, high = owned_range(spec, shard, num_ps)
+            self.rows = DirectTable(
+                low, high, spec.dim, spec.initializer, spec.init_scale, spec.seed, tuple(initial), spec.name, slot_init,
+                preallocate=False, capacity=spec.shard_capacity(num_ps),
+            )  # fmt: skip
+        else:
+            self.rows = RowTable(
+                spec.dim,
+                spec.shard_capacity(num_ps),
+                spec.initializer,
+                spec.init_scale,
+                spec.seed,
+                tuple(initial),
+                spec.admit_after,
+                spec.name,
+                slot_init=slot_init,
+            )
         self.dropped_rows = 0
         """Row gradients dropped because their id had no row (not admitted yet, or evicted since its pull)."""
         self.find_s = 0.0
@@ -96,10 +100,8 @@ class ServedTable:
         then staged again beside them, twice the table's memory at once.
         """
         if self.spec.preallocate:
-            low, high = owned_range(self.spec, self.shard, self.num_ps)
-            for start in range(low, high, PREALLOCATE_CHUNK):
-                self.rows.lookup(np.arange(start, min(start + PREALLOCATE_CHUNK, high), dtype=np.int64))
-                beat()  # progress, not a stuck loop: 5 million rows took over 30 s on a loaded 2-core machine
+            assert isinstance(self.rows, DirectTable)
+            self.rows.preallocate(beat)  # beats: progress, not a stuck loop (5 million rows take seconds)
 
     # ------------------------------------------------------------ checks
     def check_ids(self, ids: np.ndarray, what: str, most: int | None = None) -> np.ndarray:
@@ -145,8 +147,8 @@ class ServedTable:
 
     # ------------------------------------------------------------ rows
     def pull(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
-        """The rows of checked ``ids``; a training pull (``create``) counts, stamps and creates them."""
-        return self.rows.lookup(ids, create=create)
+        """The rows of ``ids`` (checked by :meth:`check_ids`); a training pull (``create``) counts, stamps, creates."""
+        return self.rows.lookup(ids, create=create, increasing=True)
 
     def stage_update(self, grad: RowGrad, rule: UpdateRule, step: int, scale: float = 1.0) -> StagedRows:
         """The touched rows and slots after ``rule`` (at the shard's ``step``), not yet written back.
@@ -156,7 +158,7 @@ class ServedTable:
         nothing changed, when a result would hold NaN or Inf.
         """
         started = time.perf_counter()
-        where, rows = self.rows.index.find(grad.ids), grad.rows
+        where, rows = self.rows.slots_of_pushed(grad.ids), grad.rows
         self.find_s += time.perf_counter() - started
         keep = where >= 0
         if not bool(keep.all()):

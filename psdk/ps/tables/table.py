@@ -31,7 +31,9 @@ Semantics:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -39,14 +41,24 @@ from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH
 from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
 from psdk.ps.tables.index import RowIndex, check_ids
 
+if TYPE_CHECKING:
+    from psdk.ps.tables.direct import DirectIndex
+
 SLOT = "slot."
 """The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""
 REFILL_SHARE = 16
 """Eviction finds the oldest ``capacity / REFILL_SHARE`` rows at once and draws on them until touched."""
+PULLS_REMEMBERED = 8
+"""Training pulls whose (ids, slots) a push of the same ids reuses instead of probing again (a few per worker)."""
 
 
 class RowTable:
     """Up to ``capacity`` rows of ``dim`` float32 values by non-negative int64 id, with per-row rule slots."""
+
+    stamped: ClassVar[bool] = True
+    """Whether rows carry LRU stamps (``last_used``): a table that never evicts needs none."""
+    remembers_pulls: ClassVar[bool] = True
+    """Whether :meth:`slots_of_pushed` reuses recent pulls' slots (worth it where finding them costs a probe)."""
 
     def __init__(
         self,
@@ -61,6 +73,7 @@ class RowTable:
         sketch_depth: int = SKETCH_DEPTH,
         sketch_width: int = SKETCH_WIDTH,
         slot_init: Mapping[str, float] | None = None,
+        index: RowIndex | DirectIndex | None = None,
     ) -> None:
         if dim < 1:
             raise ValueError(f"a table's rows need dim >= 1, not {dim}")
@@ -73,38 +86,46 @@ class RowTable:
         self.dim, self.capacity, self.admit_after, self.name = dim, capacity, admit_after, name
         self.initializer, self.init_scale, self.seed = initializer, init_scale, seed
         self._sketch_shape = (sketch_depth, sketch_width)
-        self.index = RowIndex(capacity)
+        self.index: RowIndex | DirectIndex = RowIndex(capacity) if index is None else index
         self.rows = np.empty((capacity, dim), np.float32)
         self.slots = {slot: np.empty((capacity, dim), np.float32) for slot in slot_names}
         self.slot_init = {slot: float((slot_init or {}).get(slot, 0.0)) for slot in slot_names}
         """What each slot of a new row starts at (Adagrad's initial accumulator; 0 for the others)."""
-        self.last_used = np.empty(capacity, np.uint32)
+        self.last_used = np.empty(capacity if self.stamped else 0, np.uint32)
         self.sketch = CountMinSketch(sketch_depth, sketch_width) if admit_after else None
         self.clock = self.evicted = self.created = 0
         self._key = table_key(seed, name)
         self._candidates = np.zeros(0, np.int32)
         self._stamps = np.zeros(0, np.uint32)
+        self._pulled: deque[tuple[np.ndarray, np.ndarray, int]] = deque(maxlen=PULLS_REMEMBERED)
+        """(ids, slots, ``evicted`` then) of the latest training pulls of distinct sorted ids."""
 
     def __len__(self) -> int:
         return len(self.index)
 
     # -- rows ---------------------------------------------------------------------------------
 
-    def lookup(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
+    def lookup(self, ids: np.ndarray, create: bool = True, increasing: bool = False) -> np.ndarray:
         """The rows of ``ids`` (``len(ids) x dim``, a copy); zeros for ids without a row.
 
         ``create=True`` (a training pull) counts the ids, stamps their rows as
         used and creates the rows of admitted ids; ``create=False`` (a read)
-        changes nothing.
+        changes nothing. ``increasing``: the caller has checked that ``ids``
+        are non-negative int64 and strictly increasing (a served pull), so
+        they are not looked at again.
         """
-        check_ids(ids)
-        if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):  # unique and sorted already (a served pull): no sort
+        if increasing or len(check_ids(ids)) < 2 or bool(np.all(ids[1:] > ids[:-1])):  # unique, sorted: no sort
             unique, inverse = ids, None
         else:
             unique, inverse = np.unique(ids, return_inverse=True)
-        slots = self.index.find(unique)
         if create:
-            self._count_stamp_create(unique, inverse, slots)
+            slots, ends = self.index.find_with_ends(unique)
+            self._count_stamp_create(unique, inverse, slots, ends)
+            if inverse is None and self.remembers_pulls:
+                slots.flags.writeable = False  # shared with the memory of pulls
+                self._pulled.append((unique.copy(), slots, self.evicted))  # a copy: ids may sit in a message buffer
+        else:
+            slots = self.index.find(unique)
         have = slots >= 0
         if bool(have.all()):
             found = self.rows[slots]
@@ -113,7 +134,9 @@ class RowTable:
             found[have] = self.rows[slots[have]]
         return found if inverse is None else found[inverse]
 
-    def _count_stamp_create(self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray) -> None:
+    def _count_stamp_create(
+        self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray, ends: np.ndarray
+    ) -> None:
         """A creating lookup's changes, after the one check that can refuse it, so a refusal changes nothing.
 
         An id is admitted on its count before this lookup plus its occurrences
@@ -122,21 +145,41 @@ class RowTable:
         """
         present = slots >= 0
         wanted = ~present
-        counts = np.ones(len(unique), np.int64) if inverse is None else np.bincount(inverse, minlength=len(unique))
-        if self.sketch is not None:
+        counts = None
+        if self.sketch is not None:  # admit_after 0: no counting at all
+            counts = np.ones(len(unique), np.int64) if inverse is None else np.bincount(inverse, minlength=len(unique))
             wanted &= self.sketch.estimate(unique).astype(np.int64) + counts >= self.admit_after
         new = np.flatnonzero(wanted)
-        touched = int(np.count_nonzero(present))
+        touched = len(unique) - len(new) if counts is None else int(np.count_nonzero(present))
         if len(new) + touched > self.capacity:
             raise ValueError(
                 f"a lookup of {len(new) + touched} distinct ids with rows cannot fit a table capped at {self.capacity}"
             )
         self._tick()
-        if self.sketch is not None:
+        if self.sketch is not None and counts is not None:
             self.sketch.add(unique, counts)
-        self.last_used[slots[present]] = self.clock
+        self._stamp(slots if touched == len(unique) else slots[present])
         if len(new):
-            slots[new] = self._create(unique[new])
+            slots[new] = self._create(unique[new], ends[new], self.index.rebuilds)
+
+    def slots_of_pushed(self, ids: np.ndarray) -> np.ndarray:
+        """Each of a push's distinct sorted ``ids``' slot, -1 where it has no row (as ``index.find``).
+
+        A push's ids are most often those of a recent training pull (the
+        worker's previous batch): when nothing was evicted since, each id
+        then still has the slot that pull found or gave it, and only the ids
+        without one are probed again (they may have been admitted since). The
+        result is read-only.
+        """
+        for pulled, slots, evicted in reversed(self._pulled):
+            if (len(pulled) == len(ids) and evicted == self.evicted and (not len(ids) or pulled[0] == ids[0])
+                    and np.array_equal(pulled, ids)):  # fmt: skip
+                absent = slots < 0
+                if bool(absent.any()):
+                    slots = slots.copy()
+                    slots[absent] = self.index.find(ids[absent])
+                return slots
+        return self.index.find(ids)
 
     def admitted(self, ids: np.ndarray) -> np.ndarray:
         """Which ids have a row now: updates to the others are to be dropped."""
@@ -189,20 +232,36 @@ class RowTable:
             self.clock = len(distinct) + 1
             self._candidates, self._stamps = self._candidates[:0], self._stamps[:0]
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
+    def _create(self, ids: np.ndarray, ends: np.ndarray | None = None, rebuilds: int = -1) -> np.ndarray:
         """New rows for absent ``ids``, evicting the oldest rows (those this lookup touched are the newest)."""
         short = len(ids) - self.index.room
         if short > 0:
             oldest = self._oldest(short)
             self.index.remove_slots(oldest)
             self.evicted += len(oldest)
-        slots = self.index.insert_absent(ids)
+        slots = self.index.insert_absent(ids, ends, rebuilds)
+        self._initialise(slots, ids)
+        self._stamp(slots)
+        self.created += len(ids)
+        return slots
+
+    def _initialise(self, slots: np.ndarray | slice, ids: np.ndarray) -> None:
+        """The initial rows and slots of ``ids`` into ``slots``."""
         self.rows[slots] = initial_rows(ids, self.dim, self._key, self.initializer, self.init_scale)
         for slot, values in self.slots.items():
             values[slots] = self.slot_init[slot]
+
+    # -- stamps (LRU): a table that never evicts overrides these to keep none ---------------------
+
+    def _stamp(self, slots: np.ndarray) -> None:
+        """Mark ``slots`` as used now."""
         self.last_used[slots] = self.clock
-        self.created += len(ids)
-        return slots
+
+    def _stamps_of(self, slots: np.ndarray) -> np.ndarray:
+        return self.last_used[slots]
+
+    def _set_stamps(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        self.last_used[slots] = stamps
 
     def _oldest(self, count: int) -> np.ndarray:
         """The ``count`` least recently used rows, oldest first.
@@ -235,7 +294,7 @@ class RowTable:
 
         The sketch is fixed (``sketch.counts.nbytes``), whatever the number of rows, and not included.
         """
-        values = self.dim * 4 * (1 + len(self.slots)) + self.last_used.itemsize
+        values = self.dim * 4 * (1 + len(self.slots)) + (self.last_used.itemsize if self.stamped else 0)
         return values + self.index.nbytes / max(len(self), 1)
 
     # -- state ----------------------------------------------------------------------------------
@@ -249,7 +308,7 @@ class RowTable:
         return {"config": self._config(), "counters": np.array(counters, np.int64)}
 
     def _row_chunk(self, slots: np.ndarray) -> dict[str, np.ndarray]:
-        chunk = {"ids": self.index.slot_ids[slots], "rows": self.rows[slots], "last_used": self.last_used[slots]}
+        chunk = {"ids": self.index.ids_of(slots), "rows": self.rows[slots], "last_used": self._stamps_of(slots)}
         chunk.update({SLOT + slot: values[slots] for slot, values in self.slots.items()})
         return chunk
 
@@ -273,10 +332,9 @@ class RowTable:
         """
         if chunk_rows < 1 or cursor < 0:
             raise ValueError(f"a chunk needs chunk_rows >= 1 and cursor >= 0, not {chunk_rows} and {cursor}")
-        end = self.index.next_slot  # slot_ids past it were never handed out, and read 0
+        end = self.index.next_slot  # slots past it were never handed out
         stop = min(cursor + chunk_rows, end)
-        block = cursor + np.flatnonzero(self.index.slot_ids[cursor:stop] >= 0) if cursor < end else np.zeros(0, int)
-        return self._row_chunk(block), (stop if stop < end else None)
+        return self._row_chunk(self.index.live_between(cursor, stop)), (stop if stop < end else None)
 
     def sketch_from(self, offset: int, count: int) -> tuple[np.ndarray, int | None]:
         """Up to ``count`` sketch counters from ``offset`` (a copy) and the next piece's offset (``None``: the last)."""
@@ -309,8 +367,9 @@ class RowTable:
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of every row, by increasing id: the table for serving."""
         live = self.index.live_slots()
-        order = np.argsort(self.index.slot_ids[live], kind="stable")
-        return self.index.slot_ids[live[order]], self.rows[live[order]]
+        ids = self.index.ids_of(live)
+        order = np.argsort(ids, kind="stable")
+        return ids[order], self.rows[live[order]]
 
     def restore(self) -> TableRestore:
         """A restore into a staging table of this one's settings, which replaces it only at ``commit``."""
@@ -398,7 +457,7 @@ class TableRestore:
             raise ValueError("the state repeats ids")
         slots = staging.index.insert(ids)
         staging.rows[slots] = chunk["rows"]
-        staging.last_used[slots] = chunk["last_used"]
+        staging._set_stamps(slots, chunk["last_used"])
         for slot, values in staging.slots.items():
             values[slots] = chunk[SLOT + slot]
 
