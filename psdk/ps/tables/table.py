@@ -33,16 +33,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH
 from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
-from psdk.ps.tables.index import RowIndex, check_ids
-
-if TYPE_CHECKING:
-    from psdk.ps.tables.direct import DirectIndex
+from psdk.ps.tables.index import RowIndex, SlotIndex, check_ids
 
 SLOT = "slot."
 """The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""
@@ -73,7 +70,7 @@ class RowTable:
         sketch_depth: int = SKETCH_DEPTH,
         sketch_width: int = SKETCH_WIDTH,
         slot_init: Mapping[str, float] | None = None,
-        index: RowIndex | DirectIndex | None = None,
+        index: SlotIndex | None = None,
     ) -> None:
         if dim < 1:
             raise ValueError(f"a table's rows need dim >= 1, not {dim}")
@@ -86,7 +83,7 @@ class RowTable:
         self.dim, self.capacity, self.admit_after, self.name = dim, capacity, admit_after, name
         self.initializer, self.init_scale, self.seed = initializer, init_scale, seed
         self._sketch_shape = (sketch_depth, sketch_width)
-        self.index: RowIndex | DirectIndex = RowIndex(capacity) if index is None else index
+        self.index: SlotIndex = RowIndex(capacity) if index is None else index
         self.rows = np.empty((capacity, dim), np.float32)
         self.slots = {slot: np.empty((capacity, dim), np.float32) for slot in slot_names}
         self.slot_init = {slot: float((slot_init or {}).get(slot, 0.0)) for slot in slot_names}
