@@ -282,7 +282,7 @@ REPLIES: dict[str, Reply] = {
               ("version", "done", "initialized", "restoring", "epoch", "boot", "failure", "workers", "collected",
                "leaving", "reports")),
         Reply("stats", "to stats", ("task", "version", "size", "variables", "stats", "workers", "reports", "job",
-                                    "process", "tables")),
+                                    "process", "tables", "time_per_push")),
         Reply("paused", "the shard stands at the pause version", ("version",)),
         Reply("passed", "the shard is already past the pause version (or done before it)", ("version",)),
         Reply("state", "a paused shard's state", (*LAYOUT_FIELDS, "slots", "rule_step", "rule"),
