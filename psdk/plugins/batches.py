@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from psdk.protocol.ids import unique_positions
+
 
 @dataclass(frozen=True)
 class JaggedIds:
@@ -28,6 +30,7 @@ class JaggedIds:
 
     values: np.ndarray
     offsets: np.ndarray
+    _unique_positions: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         values, offsets = np.asarray(self.values), np.asarray(self.offsets)
@@ -51,7 +54,21 @@ class JaggedIds:
 
     def unique(self) -> np.ndarray:
         """The distinct ids the batch looks up, sorted: what a worker pulls before the step."""
-        return np.unique(self.values)
+        return self._sorted()[0]
+
+    def positions(self) -> np.ndarray:
+        """Where each of :attr:`values` is in :meth:`unique` (int64): ``unique()[positions()]`` is ``values``.
+
+        A trainer that holds only a batch's pulled rows (``psdk_torch.PulledEmbedding``) finds each
+        lookup's row by it. Both come from one sort, done once per batch and kept.
+        """
+        return self._sorted()[1]
+
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._unique_positions is None:
+            object.__setattr__(self, "_unique_positions", unique_positions(self.values))
+        assert self._unique_positions is not None
+        return self._unique_positions
 
     def take(self, start: int, stop: int) -> JaggedIds:
         """The ids of examples ``start`` to ``stop``."""

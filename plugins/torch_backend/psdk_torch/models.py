@@ -76,7 +76,7 @@ class Parameters:
     def __init__(self, model: nn.Module):
         self.tables = find_tables(model)
         """The ``sparse=True`` embeddings, by table name: never among the dense parameters below."""
-        weights = {id(table.weight) for table in self.tables.values()}
+        weights = {id(table.weight) for table in self.tables.values() if table.weight is not None}
         self.named = [
             (name.replace(".", "/"), p)
             for name, p in model.named_parameters()

@@ -9,6 +9,10 @@ touched rows only (a sparse COO tensor) rather than a dense ``capacity x
 dim`` one; an embedding without it stays a dense variable that travels
 whole, as any other parameter.
 
+A :class:`~psdk_torch.pulled.PulledEmbedding` is a table too, holding only the
+rows the ps sent (no ``capacity x dim`` weight) and leaving its gradient
+summed per id: the faster way for a model written for psdk.
+
 A table is named by its module's path in the model (``model.user_emb`` is
 ``user_emb``, ``model.tower.emb`` is ``tower/emb``): the canonical name of
 its weight (``user_emb/weight``) without the ``/weight`` every table's
@@ -27,6 +31,7 @@ from torch import nn
 
 from psdk.errors import ConfigError
 from psdk.plugins.variables import Rows
+from psdk_torch.pulled import PulledEmbedding
 
 TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 """The modules that can be tables (with ``sparse=True``)."""
@@ -44,18 +49,23 @@ class Table:
     """One table of a model: its name, its weight and what to call it in a message."""
 
     name: str
-    weight: nn.Parameter
+    weight: nn.Parameter | None
+    """The local weight rows are written into; ``None`` for a :class:`PulledEmbedding`, which holds its own."""
     kind: str
     """``nn.Embedding`` or ``nn.EmbeddingBag``."""
     padding_idx: int | None = None
     """The id whose row torch keeps at zeros and never trains (its gradient leaves it out)."""
     declared: Rows | None = None
     """The module's own record (:data:`ROWS_ATTRIBUTE`), if it set one."""
+    pulled: PulledEmbedding | None = None
 
     @property
     def record(self) -> Rows:
+        if self.pulled is not None:
+            return self.pulled.record
         if self.declared is not None:
             return self.declared
+        assert self.weight is not None
         capacity, dim = self.weight.shape
         return Rows(dim=int(dim), capacity=int(capacity))
 
@@ -68,6 +78,10 @@ def find_tables(model: nn.Module) -> dict[str, Table]:
     found: dict[str, Table] = {}
     seen: set[int] = set()
     for path, module in model.named_modules():
+        if isinstance(module, PulledEmbedding):
+            name = path.replace(".", "/") or "weight"
+            found[name] = Table(name, None, "PulledEmbedding", pulled=module)
+            continue
         if not isinstance(module, TABLE_MODULES) or not module.sparse or not module.weight.requires_grad:
             continue
         if id(module.weight) in seen:
@@ -96,7 +110,11 @@ def find_tables(model: nn.Module) -> dict[str, Table]:
 @torch.no_grad()
 def write_rows(table: Table, ids: np.ndarray, rows: np.ndarray) -> None:
     """Copy ``rows`` into the table's weight at ``ids`` (unique, increasing), where the forward pass reads them."""
+    if table.pulled is not None:
+        table.pulled.write(ids, rows)
+        return
     weight = table.weight
+    assert weight is not None
     capacity = weight.shape[0]
     if len(ids) and (ids[0] < 0 or ids[-1] >= capacity):
         raise ConfigError(
@@ -116,6 +134,9 @@ def write_rows(table: Table, ids: np.ndarray, rows: np.ndarray) -> None:
 @torch.no_grad()
 def read_row_gradients(table: Table) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, rows)`` of the sparse gradient the last backward pass left; empty when the table was not touched."""
+    if table.pulled is not None:
+        return table.pulled.row_gradients()
+    assert table.weight is not None
     grad = table.weight.grad
     if grad is None:
         return np.zeros(0, np.int64), np.zeros((0, table.weight.shape[1]), np.float32)

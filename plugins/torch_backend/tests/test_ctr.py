@@ -23,6 +23,7 @@ import torch
 from psdk_torch import plugin
 from psdk_torch.backend import TorchBackend
 from psdk_torch.ctr import ClickModel, TorchCtr
+from psdk_torch.pulled import PulledEmbedding
 
 from psdk import plugins
 from psdk.client.rows import sum_duplicates
@@ -180,7 +181,7 @@ def test_its_variables_are_the_contracts(backend: TorchBackend, trainer: TorchCt
     assert list(backend.variables(model).items()) == list(CONTRACT.items()) == SPEC.variables()
     records = backend.variable_records(model)
     assert records == {**{name: Dense(shape) for name, shape in CONTRACT.items()}, "emb": Rows(16, 4096)}
-    assert isinstance(model.emb, torch.nn.Embedding) and model.emb.sparse
+    assert isinstance(model.emb, PulledEmbedding)
     scaled = Rows(dim=16, capacity=4096, initializer="uniform", init_scale=0.05)  # as the spec says, not torch's
     assert backend.variable_records(trainer.build_model(Spec(tables_given={"emb": scaled}), weights0))["emb"] == scaled
     weights = random_weights(SPEC, 1)
@@ -222,7 +223,8 @@ def test_loss_gradients_rows_and_predictions_match_the_reference(
 
 
 def test_the_forward_reads_the_rows_write_rows_wrote(backend: TorchBackend, trainer: TorchCtr) -> None:
-    """Rows written later replace those of their ids only, and the next forward pass reads them."""
+    """After a lookup a write replaces the rows held; writes in a row add up, a later row of an id replacing
+    the earlier one; the next forward pass reads them."""
     model, weights, table = built(trainer, SPEC, 2)
     data = click_batch(64, 2)
     cat = data.inputs["cat"]
@@ -232,6 +234,7 @@ def test_the_forward_reads_the_rows_write_rows_wrote(backend: TorchBackend, trai
     changed = np.unique(cat[:, :3])  # the ids of the first three fields
     fresh = np.random.default_rng(9).normal(0, 0.5, (len(changed), SPEC.dim)).astype(np.float32)
     fresh.flags.writeable = False  # as the ps's rows arrive
+    backend.write_rows(model, "emb", np.arange(SPEC.capacity, dtype=np.int64), table)
     backend.write_rows(model, "emb", changed, fresh)
     table[changed] = fresh
     after = trainer.predict(model, data)
@@ -270,7 +273,7 @@ def test_read_only_inputs_train_as_memory_mapped_data_would(trainer: TorchCtr, t
 
 
 def test_a_ten_million_row_table_maps_no_memory_until_rows_arrive(backend: TorchBackend, trainer: TorchCtr) -> None:
-    """The local weight is torch.empty: 640 MB of table, of which only the rows written and read take pages."""
+    """The table holds the rows written only: 640 MB of table, of which a batch's rows take memory."""
     spec = Spec(capacity=10_000_000)
     before = resident_mb()
     model = trainer.build_model(spec, random_weights(spec, 6))
