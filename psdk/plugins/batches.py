@@ -59,7 +59,7 @@ class JaggedIds:
     def positions(self) -> np.ndarray:
         """Where each of :attr:`values` is in :meth:`unique` (int64): ``unique()[positions()]`` is ``values``.
 
-        A trainer that holds only a batch's pulled rows (``psdk_torch.PulledEmbedding``) finds each
+        A trainer that holds only a batch's pulled rows (``psdk_torch.pulled.PulledEmbedding``) finds each
         lookup's row by it. Both come from one sort, done once per batch and kept.
         """
         return self._sorted()[1]
