@@ -25,16 +25,10 @@ def take_rows(array: np.ndarray, slots: np.ndarray) -> np.ndarray:
     return np.take(array, slots, axis=0)
 
 
-def _as_records(array: np.ndarray) -> np.ndarray | None:
-    """A 1-D view of ``array`` with one element per row (``np.void`` of a row's bytes), or None if it has none."""
-    if not array.flags.c_contiguous:
-        return None
-    if array.ndim == 1:
-        return array
-    width = array.itemsize * int(np.prod(array.shape[1:]))
-    if width == 0:
-        return None
-    return array.reshape(len(array), -1).view(np.dtype((np.void, width))).reshape(-1)
+def _records(block: np.ndarray) -> np.ndarray:
+    """A C-contiguous ``block`` of rows (at least 2-D, not empty) as a 1-D view of one ``np.void`` per row."""
+    flat = block.reshape(len(block), -1)
+    return flat.view(np.dtype((np.void, flat.shape[1] * flat.itemsize))).reshape(-1)
 
 
 def put_rows(array: np.ndarray, slots: np.ndarray, values: np.ndarray | float) -> None:
@@ -52,16 +46,14 @@ def put_rows(array: np.ndarray, slots: np.ndarray, values: np.ndarray | float) -
         if len(slots):
             np.put(array, slots, given)
         return
-    records = _as_records(array)
-    if records is None:
+    if not array.flags.c_contiguous or 0 in array.shape:
         array[slots] = given
         return
     if given.shape == (len(slots), *row_shape):
         block = np.ascontiguousarray(given)
     elif given.shape == row_shape or given.ndim == 0:
-        block = np.ascontiguousarray(np.broadcast_to(given, row_shape))[None]  # np.put repeats it
+        block = np.ascontiguousarray(np.broadcast_to(given, (1, *row_shape)))  # np.put repeats it
     else:
         raise ValueError(f"cannot write values of shape {given.shape} into {len(slots)} rows of shape {row_shape}")
-    if len(slots) == 0:
-        return
-    np.put(records, slots, block.view(records.dtype).reshape(-1))
+    if len(slots):
+        np.put(_records(array), slots, _records(block))
