@@ -9,7 +9,12 @@ copied as the table grows. They are ``np.empty``, not ``np.zeros``: Linux maps
 a large allocation's pages on first write, so only the rows handed out cost
 memory, whereas ``calloc`` clears (and so maps) whatever memory the allocator
 reuses, which after a large free can be all of it. Every row, slot and stamp
-is written when its slot is handed out, before anything reads it.
+is written when its slot is handed out, before anything reads it. numpy
+advises huge pages (``MADV_HUGEPAGE``) for arrays this large: the random reads
+of a batch's rows then miss the TLB less, and since slots are handed out from 0
+upward at most one partly used 2 MiB page per array is mapped beyond the rows.
+Rows move in and out by ``np.take`` and ``np.put`` (``rowsio.py``), not fancy
+indexing.
 
 Semantics:
 
