@@ -156,20 +156,16 @@ class RowIndex:
         neither the hash nor the chain is walked again.
         """
         positions, mask = self._positions, len(self._positions) - 1
-        pos = (hash_ids(ids) & np.uint64(mask)).astype(np.intp) if ends is None else ends.copy()
-        pending = np.arange(len(ids))
-        while pending.size:
-            where = pos[pending]
-            entry = positions[where]
+        at = (hash_ids(ids) & np.uint64(mask)).astype(np.intp) if ends is None else ends
+        todo = slots
+        while len(todo):  # each round carries only the ids still to place (no index arrays back into the batch)
+            entry = positions.take(at)
             free = entry < 0
-            racing, at = pending[free], where[free]
-            positions[at] = slots[racing]
-            won = positions[at] == slots[racing]
-            self._tombstones -= int(np.count_nonzero(entry[free][won] == TOMBSTONE))
-            lost = np.ones(len(pending), bool)
-            lost[np.flatnonzero(free)[won]] = False
-            pending = pending[lost]
-            pos[pending] = (pos[pending] + 1) & mask
+            np.put(positions, at[free], todo[free])  # racers for one position: one stays
+            placed = free & (positions.take(at) == todo)
+            self._tombstones -= int(np.count_nonzero(entry[placed] == TOMBSTONE))
+            left = ~placed
+            todo, at = todo[left], (at[left] + 1) & mask
 
     def _rebuild(self, live_after: int) -> None:
         """New positions for the live entries, tombstones dropped, sized for ``live_after`` entries.
