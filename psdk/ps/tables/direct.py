@@ -165,7 +165,7 @@ class DirectTable(RowTable):
         for start in range(0, block, PREALLOCATE_CHUNK):
             stop = min(start + PREALLOCATE_CHUNK, block)
             self._tick()
-            self._initialise(np.arange(start, stop), np.arange(self.low + start, self.low + stop, dtype=np.int64))
+            self._initialise(slice(start, stop), np.arange(self.low + start, self.low + stop, dtype=np.int64))
             if progress is not None:
                 progress()
         self.direct.fill()

@@ -26,6 +26,8 @@ from psdk.ps.tables.hashing import hash_ids
 EMPTY = -1
 TOMBSTONE = -2
 MIN_POSITIONS = 1024
+PROBE_TAIL = 16
+"""Ids a probe resolves one by one in Python rather than in another vectorised round (see ``_probe``)."""
 REBUILD_BLOCK = 1 << 16
 """Slots a rebuild re-places at a time: its temporaries (about 70 bytes an entry) stay this size, not the table's."""
 
@@ -109,19 +111,39 @@ class RowIndex:
         return int(self._positions.nbytes + self.next_slot * 8 + self._free_high * 4)
 
     def _probe(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For each id, its position and slot if present, else the empty position ending its chain and -1."""
-        positions, mask = self._positions, len(self._positions) - 1
+        """For each id, its position and slot if present, else the empty position ending its chain and -1.
+
+        Vectorised rounds, each one step along every unresolved chain, until
+        :data:`PROBE_TAIL` ids are left; those few walk on in Python. A round
+        costs about a dozen numpy calls whatever its size, and the last ids
+        of a batch are those with the longest chains (8 rounds for ~1,000 of
+        3,200 ids at 45% load): walked one by one, the tail costs less than
+        its rounds did. A position below zero (empty, tombstone) reads
+        ``slot_ids[0]`` (``mode="clip"``), which is then masked out.
+        """
+        positions, mask, slot_ids = self._positions, len(self._positions) - 1, self.slot_ids
         pos = (hash_ids(ids) & np.uint64(mask)).astype(np.intp)
-        slot = np.full(len(ids), -1, np.int32)
-        active = np.arange(len(ids))
-        while active.size:
-            entry = positions[pos[active]]
-            occupied = entry >= 0
-            match = np.zeros(len(active), bool)
-            match[occupied] = self.slot_ids[entry[occupied]] == ids[active[occupied]]
-            slot[active[match]] = entry[match]
-            active = active[~(match | (entry == EMPTY))]
-            pos[active] = (pos[active] + 1) & mask
+        entry = positions.take(pos)
+        found = (slot_ids.take(entry, mode="clip") == ids) & (entry >= 0)
+        slot = np.where(found, entry, np.int32(-1))
+        active = np.flatnonzero(~found & (entry != EMPTY))
+        wanted, at = ids[active], pos[active]
+        while len(active) > PROBE_TAIL:
+            at = (at + 1) & mask
+            entry = positions.take(at)
+            found = (slot_ids.take(entry, mode="clip") == wanted) & (entry >= 0)
+            slot[active[found]] = entry[found]
+            stay = ~found & (entry != EMPTY)
+            pos[active[~stay]] = at[~stay]
+            active, wanted, at = active[stay], wanted[stay], at[stay]
+        for i, want, p in zip(active.tolist(), wanted.tolist(), at.tolist(), strict=True):
+            while True:  # ends: entries and tombstones fill at most half the positions, the rest are EMPTY
+                p = (p + 1) & mask
+                e = int(positions[p])
+                if e == EMPTY or (e >= 0 and int(slot_ids[e]) == want):
+                    pos[i] = p
+                    slot[i] = e  # EMPTY is -1: absent
+                    break
         return pos, slot
 
     def _place(self, ids: np.ndarray, slots: np.ndarray, ends: np.ndarray | None = None) -> None:
@@ -134,20 +156,16 @@ class RowIndex:
         neither the hash nor the chain is walked again.
         """
         positions, mask = self._positions, len(self._positions) - 1
-        pos = (hash_ids(ids) & np.uint64(mask)).astype(np.intp) if ends is None else ends.copy()
-        pending = np.arange(len(ids))
-        while pending.size:
-            where = pos[pending]
-            entry = positions[where]
+        at = (hash_ids(ids) & np.uint64(mask)).astype(np.intp) if ends is None else ends
+        todo = slots
+        while len(todo):  # each round carries only the ids still to place (no index arrays back into the batch)
+            entry = positions.take(at)
             free = entry < 0
-            racing, at = pending[free], where[free]
-            positions[at] = slots[racing]
-            won = positions[at] == slots[racing]
-            self._tombstones -= int(np.count_nonzero(entry[free][won] == TOMBSTONE))
-            lost = np.ones(len(pending), bool)
-            lost[np.flatnonzero(free)[won]] = False
-            pending = pending[lost]
-            pos[pending] = (pos[pending] + 1) & mask
+            np.put(positions, at[free], todo[free])  # racers for one position: one stays
+            placed = free & (positions.take(at) == todo)
+            self._tombstones -= int(np.count_nonzero(entry[placed] == TOMBSTONE))
+            left = ~placed
+            todo, at = todo[left], (at[left] + 1) & mask
 
     def _rebuild(self, live_after: int) -> None:
         """New positions for the live entries, tombstones dropped, sized for ``live_after`` entries.

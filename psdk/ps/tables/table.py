@@ -9,7 +9,12 @@ copied as the table grows. They are ``np.empty``, not ``np.zeros``: Linux maps
 a large allocation's pages on first write, so only the rows handed out cost
 memory, whereas ``calloc`` clears (and so maps) whatever memory the allocator
 reuses, which after a large free can be all of it. Every row, slot and stamp
-is written when its slot is handed out, before anything reads it.
+is written when its slot is handed out, before anything reads it. numpy
+advises huge pages (``MADV_HUGEPAGE``) for arrays this large: the random reads
+of a batch's rows then miss the TLB less, and since slots are handed out from 0
+upward at most one partly used 2 MiB page per array is mapped beyond the rows.
+Rows move in and out by ``np.take`` and ``np.put`` (``rowsio.py``), not fancy
+indexing.
 
 Semantics:
 
@@ -40,6 +45,7 @@ import numpy as np
 from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH
 from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
 from psdk.ps.tables.index import RowIndex, SlotIndex, check_ids
+from psdk.ps.tables.rowsio import put_rows, take_rows
 
 SLOT = "slot."
 """The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""
@@ -125,11 +131,11 @@ class RowTable:
             slots = self.index.find(unique)
         have = slots >= 0
         if bool(have.all()):
-            found = self.rows[slots]
+            found = take_rows(self.rows, slots)
         else:
             found = np.zeros((len(unique), self.dim), np.float32)
-            found[have] = self.rows[slots[have]]
-        return found if inverse is None else found[inverse]
+            found[have] = take_rows(self.rows, slots[have])
+        return found if inverse is None else take_rows(found, inverse)
 
     def _count_stamp_create(
         self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray, ends: np.ndarray
@@ -192,17 +198,17 @@ class RowTable:
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Copies of the rows and slots of ``ids`` (all with rows), as one block for a rule to update."""
         slots = self._slots_of(ids)
-        return self.rows[slots], {slot: values[slots] for slot, values in self.slots.items()}
+        return take_rows(self.rows, slots), {slot: take_rows(values, slots) for slot, values in self.slots.items()}
 
     def gather_slots(self, where: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Copies of the rows and rule slots at slot positions ``where`` (from ``index.find``: all >= 0)."""
-        return self.rows[where], {slot: values[where] for slot, values in self.slots.items()}
+        return take_rows(self.rows, where), {slot: take_rows(values, where) for slot, values in self.slots.items()}
 
     def scatter_slots(self, where: np.ndarray, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> None:
         """Write a block from :meth:`gather_slots` back to the same distinct positions (nothing moved since)."""
-        self.rows[where] = rows
+        put_rows(self.rows, where, rows)
         for slot, values in slots.items():
-            self.slots[slot][where] = values
+            put_rows(self.slots[slot], where, values)
 
     def scatter(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray] | None = None) -> None:
         """Write back a block from ``gather``: ``ids`` distinct and with rows, each array ``len(ids) x dim``."""
@@ -216,16 +222,16 @@ class RowTable:
         for values in (rows, *given.values()):
             if values.shape != (len(ids), self.dim):
                 raise ValueError(f"a block for {len(ids)} ids is {(len(ids), self.dim)}, not {values.shape}")
-        self.rows[where] = rows
+        put_rows(self.rows, where, rows)
         for slot, values in given.items():
-            self.slots[slot][where] = values
+            put_rows(self.slots[slot], where, values)
 
     def _tick(self) -> None:
         self.clock += 1
         if self.clock >= np.iinfo(np.uint32).max:  # renumber the stamps by rank, keeping their order
             live = self.index.live_slots()
-            distinct, rank = np.unique(self.last_used[live], return_inverse=True)
-            self.last_used[live] = rank.astype(np.uint32) + 1
+            distinct, rank = np.unique(take_rows(self.last_used, live), return_inverse=True)
+            put_rows(self.last_used, live, rank.astype(np.uint32) + 1)
             self.clock = len(distinct) + 1
             self._candidates, self._stamps = self._candidates[:0], self._stamps[:0]
 
@@ -243,22 +249,28 @@ class RowTable:
         return slots
 
     def _initialise(self, slots: np.ndarray | slice, ids: np.ndarray) -> None:
-        """The initial rows and slots of ``ids`` into ``slots``."""
-        self.rows[slots] = initial_rows(ids, self.dim, self._key, self.initializer, self.init_scale)
+        """The initial rows and slots of ``ids`` into ``slots`` (distinct slots, or a slice: a block in order)."""
+        initial = initial_rows(ids, self.dim, self._key, self.initializer, self.init_scale)
+        if isinstance(slots, slice):
+            self.rows[slots] = initial
+            for slot, values in self.slots.items():
+                values[slots] = self.slot_init[slot]
+            return
+        put_rows(self.rows, slots, initial)
         for slot, values in self.slots.items():
-            values[slots] = self.slot_init[slot]
+            put_rows(values, slots, self.slot_init[slot])
 
     # -- stamps (LRU): a table that never evicts overrides these to keep none ---------------------
 
     def _stamp(self, slots: np.ndarray) -> None:
-        """Mark ``slots`` as used now."""
-        self.last_used[slots] = self.clock
+        """Mark ``slots`` (distinct) as used now."""
+        put_rows(self.last_used, slots, self.clock)
 
     def _stamps_of(self, slots: np.ndarray) -> np.ndarray:
-        return self.last_used[slots]
+        return take_rows(self.last_used, slots)
 
     def _set_stamps(self, slots: np.ndarray, stamps: np.ndarray) -> None:
-        self.last_used[slots] = stamps
+        put_rows(self.last_used, slots, stamps)
 
     def _oldest(self, count: int) -> np.ndarray:
         """The ``count`` least recently used rows, oldest first.
@@ -269,7 +281,7 @@ class RowTable:
         """
         chosen: list[np.ndarray] = []
         while count:
-            valid = self.last_used[self._candidates] == self._stamps
+            valid = take_rows(self.last_used, self._candidates) == self._stamps
             candidates, stamps = self._candidates[valid], self._stamps[valid]
             take = candidates[:count]
             chosen.append(take)
@@ -277,11 +289,11 @@ class RowTable:
             self._candidates, self._stamps = candidates[len(take) :], stamps[len(take) :]
             if count:
                 live = self.index.live_slots()
-                live = live[self.last_used[live] < self.clock]
+                live = live[take_rows(self.last_used, live) < self.clock]
                 k = min(len(live), max(count, self.capacity // REFILL_SHARE))
-                pick = live[np.argpartition(self.last_used[live], k - 1)[:k]]
-                pick = pick[np.argsort(self.last_used[pick], kind="stable")]
-                self._candidates, self._stamps = pick.astype(np.int32), self.last_used[pick]
+                pick = live[np.argpartition(take_rows(self.last_used, live), k - 1)[:k]]
+                pick = pick[np.argsort(take_rows(self.last_used, pick), kind="stable")]
+                self._candidates, self._stamps = pick.astype(np.int32), take_rows(self.last_used, pick)
         return np.concatenate(chosen)
 
     # -- memory -------------------------------------------------------------------------------
@@ -305,8 +317,12 @@ class RowTable:
         return {"config": self._config(), "counters": np.array(counters, np.int64)}
 
     def _row_chunk(self, slots: np.ndarray) -> dict[str, np.ndarray]:
-        chunk = {"ids": self.index.ids_of(slots), "rows": self.rows[slots], "last_used": self._stamps_of(slots)}
-        chunk.update({SLOT + slot: values[slots] for slot, values in self.slots.items()})
+        chunk = {
+            "ids": self.index.ids_of(slots),
+            "rows": take_rows(self.rows, slots),
+            "last_used": self._stamps_of(slots),
+        }
+        chunk.update({SLOT + slot: take_rows(values, slots) for slot, values in self.slots.items()})
         return chunk
 
     def state(self) -> dict[str, np.ndarray]:
@@ -366,7 +382,7 @@ class RowTable:
         live = self.index.live_slots()
         ids = self.index.ids_of(live)
         order = np.argsort(ids, kind="stable")
-        return ids[order], self.rows[live[order]]
+        return ids[order], take_rows(self.rows, live[order])
 
     def restore(self) -> TableRestore:
         """A restore into a staging table of this one's settings, which replaces it only at ``commit``."""
@@ -453,10 +469,10 @@ class TableRestore:
         if len(np.unique(ids)) != len(ids) or (staging.index.find(ids) >= 0).any():
             raise ValueError("the state repeats ids")
         slots = staging.index.insert(ids)
-        staging.rows[slots] = chunk["rows"]
+        put_rows(staging.rows, slots, chunk["rows"])
         staging._set_stamps(slots, chunk["last_used"])
         for slot, values in staging.slots.items():
-            values[slots] = chunk[SLOT + slot]
+            put_rows(values, slots, chunk[SLOT + slot])
 
     def commit(self) -> None:
         """Check the state is whole and make it the target's."""
