@@ -73,7 +73,11 @@ def recipe_flags(ctr: DictConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def psdk_command(ctr: DictConfig, backend: str, seed: int, run_dir: str) -> list[str]:
+PLAINTEXT = "-plaintext"
+"""The suffix of a psdk row run with ``transport.secure=false`` (``ctr.plaintext``): the peers encrypt nothing."""
+
+
+def psdk_command(ctr: DictConfig, backend: str, seed: int, run_dir: str, plaintext: bool = False) -> list[str]:
     """``python -m psdk run workload=ctr`` with the recipe; a log line per step gives the window its steps."""
     return [
         sys.executable, "-m", "psdk", "run", "workload=ctr", f"backend={backend}", "sync=async",
@@ -83,7 +87,7 @@ def psdk_command(ctr: DictConfig, backend: str, seed: int, run_dir: str) -> list
         f"train.batch_size={ctr.batch_size}", "train.threads=1", "train.validate_every=0", "train.log_every=1",
         f"topology.num_workers={ctr.workers}", f"topology.num_ps={ctr.num_ps}", "checkpoint.final=false",
         "checkpoint.every_seconds=0", "progress.mode=off", "report.plot=false", *ctr.psdk_overrides,
-        f"hydra.run.dir={run_dir}",
+        *(["transport.secure=false"] if plaintext else []), f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
 
 
@@ -122,16 +126,16 @@ def found_time_split(summary: Mapping[str, Any]) -> dict[str, Any]:
     return split
 
 
-def run_psdk(cfg: DictConfig, backend: str) -> CtrRun:
+def run_psdk(cfg: DictConfig, backend: str, plaintext: bool = False) -> CtrRun:
     """One psdk job, its window measured from outside (:mod:`psdk.bench.window`)."""
     ctr = cfg.ctr
-    system = f"psdk-{backend}"
+    system = f"psdk-{backend}{PLAINTEXT if plaintext else ''}"
     with tempfile.TemporaryDirectory(prefix="psdk-bench-ctr-") as tmp:
         run_dir = Path(tmp)
         started = time.time()
         with (run_dir / "job.log").open("w") as out:
             job = subprocess.Popen(
-                psdk_command(ctr, backend, int(cfg.seed), tmp), stdout=out, stderr=subprocess.STDOUT,
+                psdk_command(ctr, backend, int(cfg.seed), tmp, plaintext), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=_env(None),
             )  # fmt: skip
             with window.CpuSampler(job.pid) as sampler:
@@ -366,6 +370,8 @@ def run_ctr_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
         plan[str(peer)] = functools.partial(run_peer, cfg, str(peer), isolate)
     for backend in cfg.ctr.backends:
         plan[f"psdk-{backend}"] = functools.partial(run_psdk, cfg, str(backend))
+        if cfg.ctr.get("plaintext", False):
+            plan[f"psdk-{backend}{PLAINTEXT}"] = functools.partial(run_psdk, cfg, str(backend), True)
     runs = interleave(plan, int(cfg.reps))
     rows = compare([summarise(key, rs) for key, rs in runs.items()])
     by_key = {row.key: row for row in rows}
