@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk.launch.local import final_weights
+from psdk.launch.mixed import final_weights
 from psdk.testing.jobs import psdk_command, run_job
 
 from .test_ctr import criteo_lines

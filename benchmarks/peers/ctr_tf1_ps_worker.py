@@ -65,17 +65,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 import _ctr
 import numpy as np
-from tf1_ps_worker import GRACE_S, tf_version
+from tf1_ps_worker import GRACE_S, cluster_hosts, start_cluster, stop_cluster, task, tf_version
 
 PROBES = 20
 """Steps per ``time_split`` probe (each probe's median is kept)."""
-
-
-def cluster_hosts(ports: list[int], num_ps: int, num_workers: int) -> dict[str, list[str]]:
-    return {
-        "ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
-        "worker": [f"127.0.0.1:{p}" for p in ports[num_ps : num_ps + num_workers]],
-    }
 
 
 def session_config(args: argparse.Namespace, filters: list[str] | None = None) -> Any:
@@ -92,7 +85,7 @@ def run_ps(args: argparse.Namespace, ports: list[int]) -> None:
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
-    cluster = tf.compat.v1.train.ClusterSpec(cluster_hosts(ports, args.num_ps, args.workers))
+    cluster = tf.compat.v1.train.ClusterSpec(cluster_hosts(ports, args.workers, args.num_ps))
     server = tf.compat.v1.train.Server(cluster, job_name="ps", task_index=args.task_index, config=session_config(args))
     c.log(f"ps {args.task_index}: serving {server.target}")
     server.join()
@@ -168,7 +161,7 @@ def run_worker(args: argparse.Namespace, ports: list[int]) -> None:
     index, n = args.task_index, args.workers
     is_chief = index == 0
     tf.compat.v1.disable_eager_execution()
-    cluster = tf.compat.v1.train.ClusterSpec(cluster_hosts(ports, args.num_ps, n))
+    cluster = tf.compat.v1.train.ClusterSpec(cluster_hosts(ports, n, args.num_ps))
     config = session_config(args, ["/job:ps", f"/job:worker/task:{index}"])
     server = tf.compat.v1.train.Server(cluster, job_name="worker", task_index=index, config=config)
     g = Graph(args, cluster, index)
@@ -252,36 +245,11 @@ def probe(g: Graph, sess: Any, batches: Any) -> dict[str, Any]:
     }
 
 
-def task(args: argparse.Namespace) -> None:
-    c.task_setup()
-    ports = [int(p) for p in args.ports.split(",")]
-    if args.role == "ps":
-        run_ps(args, ports)
-    else:
-        run_worker(args, ports)
-
-
 def launch(args: argparse.Namespace) -> int:
     def body(launcher: c.Launcher) -> dict[str, Any]:
-        ports = c.free_ports(args.num_ps + args.workers)
-        ps = [f"ps{i}" for i in range(args.num_ps)]
-        workers = [f"worker{i}" for i in range(args.workers)]
-        for i, name in enumerate(ps):
-            launcher.start(name, c.task_argv(args, "ps", i, launcher.run_dir, ports))
-        for i, name in enumerate(workers):
-            launcher.start(name, c.task_argv(args, "worker", i, launcher.run_dir, ports))
+        ps, workers = start_cluster(launcher, args, args.num_ps)
         window = _ctr.measure_window(launcher, ps + workers, args.workers)
-        launcher.wait(["worker0"], what="the chief's training and evaluation")
-        hung = []
-        try:
-            launcher.wait(workers[1:], deadline=time.time() + GRACE_S)
-        except TimeoutError:
-            hung = [w for w in workers[1:] if launcher.procs[w].poll() is None]
-            for w in hung:
-                c.log(f"ctr_tf1_ps_worker: {w} still running {GRACE_S:.0f} s after the chief finished; killing it")
-                launcher.kill(w)
-        rss = {name: launcher.peak_rss_mb(name) for name in ps}
-        launcher.kill(*ps)  # server.join() never returns
+        rss, hung = stop_cluster(launcher, ps, workers, "ctr_tf1_ps_worker")
         results = {w: launcher.result(w) for w in workers if w not in hung}
         return summarize(args, window, results, rss, hung)
 
@@ -331,7 +299,7 @@ def main() -> int:
     args = _ctr.parser(__doc__.splitlines()[0]).parse_args()
     if args.role is None:
         return launch(args)
-    task(args)
+    task(args, run_ps, run_worker)
     return 0
 
 

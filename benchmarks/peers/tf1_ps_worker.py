@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +84,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c
 
+Role = Callable[[argparse.Namespace, list[int]], None]
+"""A task's body: its arguments and the cluster's ports."""
+
 GRACE_S = 10.0  # how long the launcher waits for the other workers once the chief is done
 
 
-def cluster_hosts(ports: list[int], num_workers: int) -> dict[str, list[str]]:
+def cluster_hosts(ports: list[int], num_workers: int, num_ps: int = 1) -> dict[str, list[str]]:
+    """The ``ClusterSpec`` of ``num_ps`` ps tasks and ``num_workers`` workers on ``ports``, ps first."""
     return {
-        "ps": [f"127.0.0.1:{ports[0]}"],
-        "worker": [f"127.0.0.1:{p}" for p in ports[1 : 1 + num_workers]],
+        "ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[num_ps : num_ps + num_workers]],
     }
 
 
@@ -187,13 +192,49 @@ def run_worker(args: argparse.Namespace, ports: list[int]) -> None:
     c.write_result(args.run_dir, f"worker{index}", result)
 
 
-def task(args: argparse.Namespace) -> None:
+def task(args: argparse.Namespace, ps: Role = run_ps, worker: Role = run_worker) -> None:
+    """One task of the cluster: ``ps`` or ``worker`` by ``--role``, on the launcher's ``--ports``."""
     c.task_setup()
     ports = [int(p) for p in args.ports.split(",")]
     if args.role == "ps":
-        run_ps(args, ports)
+        ps(args, ports)
     else:
-        run_worker(args, ports)
+        worker(args, ports)
+
+
+def start_cluster(launcher: c.Launcher, args: argparse.Namespace, num_ps: int) -> tuple[list[str], list[str]]:
+    """Start ``num_ps`` ps tasks and ``args.workers`` workers on free ports; their names."""
+    ports = c.free_ports(num_ps + args.workers)
+    ps = [f"ps{i}" for i in range(num_ps)]
+    workers = [f"worker{i}" for i in range(args.workers)]
+    for i, name in enumerate(ps):
+        launcher.start(name, c.task_argv(args, "ps", i, launcher.run_dir, ports))
+    for i, name in enumerate(workers):
+        launcher.start(name, c.task_argv(args, "worker", i, launcher.run_dir, ports))
+    return ps, workers
+
+
+def stop_cluster(
+    launcher: c.Launcher, ps: list[str], workers: list[str], script: str, narrate: bool = False
+) -> tuple[dict[str, float | None], list[str]]:
+    """Wait for the chief, then up to ``GRACE_S`` for the other workers (killing the hung ones), read
+    the ps tasks' peak RSS and kill them (``server.join()`` never returns); the RSS by ps and the hung."""
+    launcher.wait(["worker0"], what="the chief's training and evaluation")
+    if narrate:
+        c.log("launcher: chief exited")
+    hung = []
+    try:
+        launcher.wait(workers[1:], deadline=time.time() + GRACE_S)
+    except TimeoutError:
+        hung = [w for w in workers[1:] if launcher.procs[w].poll() is None]
+        for w in hung:
+            c.log(f"{script}: {w} still running {GRACE_S:.0f} s after the chief finished; killing it")
+            launcher.kill(w)
+    rss = {name: launcher.peak_rss_mb(name) for name in ps}
+    launcher.kill(*ps)
+    if narrate:
+        c.log("launcher: ps killed")
+    return rss, hung
 
 
 def summarize(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> tuple[float | None, int]:
@@ -209,24 +250,9 @@ def summarize(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> t
 
 def launch(args: argparse.Namespace) -> int:
     def body(launcher: c.Launcher) -> dict[str, Any]:
-        ports = c.free_ports(1 + args.workers)
-        workers = [f"worker{i}" for i in range(args.workers)]
-        launcher.start("ps0", c.task_argv(args, "ps", 0, launcher.run_dir, ports))
-        for i, name in enumerate(workers):
-            launcher.start(name, c.task_argv(args, "worker", i, launcher.run_dir, ports))
-        launcher.wait(["worker0"], what="the chief's training and evaluation")
-        c.log("launcher: chief exited")
-        hung = []
-        try:
-            launcher.wait(workers[1:], deadline=time.time() + GRACE_S)
-        except TimeoutError:
-            hung = [w for w in workers[1:] if launcher.procs[w].poll() is None]
-            for w in hung:
-                c.log(f"tf1_ps_worker: {w} still running {GRACE_S:.0f} s after the chief finished; killing it")
-                launcher.kill(w)
-        ps_rss = launcher.peak_rss_mb("ps0")
-        launcher.kill("ps0")  # server.join() never returns
-        c.log("launcher: ps killed")
+        ps, workers = start_cluster(launcher, args, 1)
+        rss, hung = stop_cluster(launcher, ps, workers, "tf1_ps_worker", narrate=True)
+        ps_rss = rss["ps0"]
         results = {w: launcher.result(w) for w in workers if w not in hung}
         ups, last_step = summarize(args, results)
         chief = results["worker0"]

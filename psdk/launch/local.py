@@ -30,7 +30,7 @@ from psdk.client import checkpoint
 from psdk.config import build, capacity
 from psdk.config.options import TaskOptions, options_from
 from psdk.errors import USAGE_EXIT, JobFailedError, PsdkError
-from psdk.launch import LAUNCHED_ENV, announce, handoff
+from psdk.launch import announce, handoff, mixed
 from psdk.launch.curves import CurvesInBackground
 from psdk.launch.placement import RankPlacement, visible_gpus
 from psdk.launch.progress import ProgressMonitor, make_monitor, ps_progress_path
@@ -57,7 +57,7 @@ from psdk.plugins.loading import (
 from psdk.plugins.models import check_supported
 from psdk.protocol.cluster import ClusterSpec
 from psdk.report.metrics import summary_line, write_json_atomic
-from psdk.report.runs import forget_failure, recorded_failure
+from psdk.report.runs import forget_failure
 from psdk.runtime import liveness
 from psdk.runtime.waits import WaitLog, seconds
 from psdk.transport import security
@@ -66,15 +66,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 CHIEF_GRACE_S = 3.0
-
-
-def final_weights(out: Path) -> Path:
-    """What holds the run's final parameters: ``params.npz``, or the checkpoints where the job had embedding
-    tables (the chief's summary lists them), whose rows only a checkpoint holds (``checkpoint.final``)."""
-    summary = out / "summary.json"
-    tables = json.loads(summary.read_text()).get("tables") if summary.exists() else None
-    checkpoints = out / "checkpoints"
-    return checkpoints if tables and checkpoints.is_dir() else out / "params.npz"
 
 
 class LocalLauncher:
@@ -179,7 +170,7 @@ class LocalLauncher:
         others = sorted(
             {topology.backend_of(i, str(cfg.backend)) for i in range(topology.num_workers)} - {chief_backend}
         )
-        scores = {name: self._evaluate(name, out, common) for name in others}
+        scores = {name: mixed.evaluate(name, out, common) for name in others}
         return self._final_summary(out, start, scores)
 
     def _monitor(self, cfg: DictConfig, num_workers: int, num_ps: int, out: Path) -> ProgressMonitor | None:
@@ -253,38 +244,6 @@ class LocalLauncher:
 
     def _collect(self, out: Path) -> None:
         """Bring the chief's results into ``out`` (here they are there already)."""
-
-    def _evaluate(self, backend: str, out: Path, common: list[str]) -> float | None:
-        """The workload's primary test metric of the final parameters computed by ``backend`` (mixed jobs).
-
-        A model with embedding tables is scored from the run's final checkpoint: ``params.npz`` holds no rows.
-        """
-        folder = out / "tasks" / f"evaluate-{backend}"
-        command = [
-            sys.executable,
-            "-m",
-            "psdk",
-            "evaluate",
-            *(a for a in common if not a.startswith("output_dir=")),
-            f"output_dir={folder}",
-            f"backend={backend}",
-            f"weights={final_weights(out)}",
-            f"hydra.run.dir={folder}",
-            "hydra.job.name=evaluate",
-        ]
-        log.info("launcher: evaluating the final parameters with the %s backend", backend)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1"}
-        forget_failure(folder)
-        done = subprocess.run(command, env=env, timeout=600, preexec_fn=_die_with_parent, check=False)
-        if done.returncode != 0:
-            reason = recorded_failure(folder)
-            raise JobFailedError(
-                f"evaluating the final parameters with the {backend} backend failed" + (f": {reason}" if reason else "")
-            )
-        evaluation = json.loads((folder / "evaluation.json").read_text())
-        head = evaluation.get("primary_metric")
-        value = evaluation.get("metrics", {}).get(head) if head else None
-        return float(value) if value is not None else None
 
     def _start(self, job: str, index: int, out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> None:
         name = f"{job}{index}"

@@ -27,7 +27,7 @@ from psdk.plugins.loading import load_backend
 from psdk.plugins.models import ModelSpec
 from psdk.plugins.registry import installed_workloads
 from psdk.plugins.towers import in_towers
-from psdk.testing.jobs import FAST_HEARTBEATS, psdk_command
+from psdk.testing.jobs import FAST_HEARTBEATS, psdk_command, run_job
 from psdk.workloads.mnist.trainers import IMAGE
 
 SPEC = ModelSpec(name="small", hidden=(32, 16), input_dim=50, num_classes=10)
@@ -122,6 +122,39 @@ def parameters_apart(first: Path, second: Path) -> float:
     a, b = np.load(first / "params.npz"), np.load(second / "params.npz")
     assert sorted(a.files) == sorted(b.files)
     return max(float(np.abs(a[name] - b[name]).max()) for name in a.files)
+
+
+def two_towers_against_one(backend: str, tmp_path: Path, data_dir: Path, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """One worker, sync, the same seed, with ``placement.towers`` 1 (``t1``) and 2 (``t2``): both summaries.
+
+    Its batches are the default job's, so the parameters must be too: a reduction that summed instead of
+    averaging, or kept one tower's gradient, ends hundreds of times further away than float rounding.
+    """
+    job = (f"backend={backend}", "topology.num_workers=1", "sync=sync", "train.steps=200", "report.plot=false")
+    runs: dict[str, tuple[str, ...]] = {f"t{towers}": (*job, f"placement.towers={towers}") for towers in (1, 2)}
+    summaries = run_jobs_at_once(runs, tmp_path, data_dir, timeout_s)
+    apart = parameters_apart(tmp_path / "t1", tmp_path / "t2")
+    assert apart < 1e-4, f"towers=2 ended {apart:g} from the default job's parameters"
+    return summaries
+
+
+def towers_beside_one_without(backend: str, sync: str, tmp_path: Path, data_dir: Path, timeout_s: float) -> None:
+    """A worker with two towers beside one without (``placement.towers=[2,1]``) trains MNIST as any job."""
+    summary, _ = run_job(
+        tmp_path / "run",
+        f"backend={backend}",
+        f"sync={sync}",
+        "placement.towers=[2,1]",
+        "train.steps=300",
+        "report.plot=false",
+        data_dir=data_dir,
+        cwd=tmp_path,
+        timeout_s=timeout_s,
+    )
+    workers = summary["workers"]
+    assert workers["0"]["devices"] == ["cpu:0", "cpu:1"] and workers["1"]["devices"] == ["cpu"]
+    assert all(w["gradients_pushed"] > 0 for w in workers.values())
+    assert summary["global_step"] == 300 and summary["test_accuracy"] >= 0.9
 
 
 if __name__ == "__main__":

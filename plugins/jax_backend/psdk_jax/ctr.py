@@ -33,31 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from psdk.errors import ConfigError, PluginError
+from psdk.errors import ConfigError
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
-from psdk.plugins.variables import Rows
+from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
+from psdk.workloads.ctr.model import table_of
 from psdk_jax.backend import JaxBackend
 from psdk_jax.models import DenseStack
 
-TABLE = "emb"
-"""The one table every categorical field looks its ids up in."""
-DENSE, CAT = "dense", "cat"
-"""The batch's inputs: float32 [B, dense features] and int64 [B, fields] ids into :data:`TABLE`."""
-
 _LAYER = re.compile(r"^(bottom|top)(\d+)/kernel$")
-
-
-def table_of(spec: Any) -> Rows:
-    """The spec's table ``emb``: the ``psdk.Rows`` its ``tables()`` gives (the dense layers are its ``variables()``)."""
-    tables = getattr(spec, "tables", None)
-    declared = tables() if callable(tables) else None
-    if isinstance(declared, Mapping) and isinstance(declared.get(TABLE), Rows):
-        return declared[TABLE]
-    raise PluginError(
-        f"the ctr model on JAX needs the spec's table {TABLE!r}: {type(spec).__name__}.tables() gives no "
-        f"psdk.Rows named {TABLE!r} (use model=dlrm)"
-    )
 
 
 def layer_sizes(spec: Any) -> dict[str, list[tuple[int, int]]]:
@@ -85,7 +69,7 @@ class ClickStack(DenseStack):
     ``params["emb"]`` ([B * fields, dim], field-major per example, as ``cat.reshape(-1)`` orders them)."""
 
     def __init__(self, spec: Any, weights: Mapping[str, np.ndarray], device: Any = None, **options: Any):
-        table = table_of(spec)
+        table = table_of(spec, "JAX")
         sizes = layer_sizes(spec)
         if sizes["bottom"][-1][1] != table.dim:
             raise ConfigError(
@@ -133,9 +117,11 @@ def bce_with_logits(model: ClickStack, params: Any, dense: Any, labels: Any) -> 
 
 def ids_of(batch: Batch) -> np.ndarray:
     """The batch's ids, one per (example, field), example-major: the order ``apply`` reshapes them in."""
-    cat = np.asarray(batch.inputs[CAT])
+    cat = np.asarray(batch.inputs[CAT_INPUT])
     if cat.ndim != 2:
-        raise ConfigError("workload", f"the ctr batch's {CAT!r} must be [batch, fields] ids, got shape {cat.shape}")
+        raise ConfigError(
+            "workload", f"the ctr batch's {CAT_INPUT!r} must be [batch, fields] ids, got shape {cat.shape}"
+        )
     return cat.reshape(-1)
 
 
@@ -152,10 +138,10 @@ class JaxCtr(Trainer):
         )
 
     def forward_backward(self, model: ClickStack, batch: Batch) -> float:
-        dense = np.asarray(batch.inputs[DENSE], np.float32)
+        dense = np.asarray(batch.inputs[DENSE_INPUT], np.float32)
         labels = np.asarray(batch.targets, np.float32)
         return model.value_and_grad(bce_with_logits, dense, labels, ids={TABLE: ids_of(batch)})
 
     def predict(self, model: ClickStack, batch: Batch) -> np.ndarray:
         """The logits of ``batch``, float32 [B]; the workload scores their AUC and log loss."""
-        return model.outputs(np.asarray(batch.inputs[DENSE], np.float32), ids={TABLE: ids_of(batch)})
+        return model.outputs(np.asarray(batch.inputs[DENSE_INPUT], np.float32), ids={TABLE: ids_of(batch)})

@@ -27,6 +27,7 @@ from psdk.plugins.batches import Batch
 from psdk.plugins.hookspecs import TrainerRecord
 from psdk.plugins.variables import Dense, Rows
 from psdk.protocol.tables import TableSpec
+from psdk.testing.ctr import CONTRACT, random_weights, table_rows
 from psdk.testing.jobs import run_job
 from psdk.workloads.ctr.data import FIELDS, ClickLog
 from psdk.workloads.ctr.model import DlrmSpec, backward, forward
@@ -34,31 +35,11 @@ from psdk.workloads.ctr.model import DlrmSpec, backward, forward
 pytestmark = pytest.mark.timeout(60)
 
 SPEC = DlrmSpec(capacity=4096)
-CONTRACT = {  # the contract's canonical names and shapes, written out rather than derived
-    "bottom0/kernel": (13, 64),
-    "bottom0/bias": (64,),
-    "bottom1/kernel": (64, 16),
-    "bottom1/bias": (16,),
-    "top0/kernel": (367, 64),
-    "top0/bias": (64,),
-    "top1/kernel": (64, 1),
-    "top1/bias": (1,),
-}
-
-
-def random_weights(spec: DlrmSpec, seed: int) -> dict[str, np.ndarray]:
-    """Weights no job starts from: every bias non-zero, so a dropped bias shows."""
-    rng = np.random.default_rng(seed)
-    return {name: rng.normal(0, 0.2, shape).astype(np.float32) for name, shape in spec.variables()}
 
 
 def click_batch(size: int, seed: int, spec: DlrmSpec = SPEC, vocab: int = 300) -> Batch:
     """The workload's own batch; a small vocabulary, so that ids repeat within and across fields."""
     return ClickLog(seed=seed, vocab=vocab, capacity=spec.capacity).batch(0, seed, 0, size)
-
-
-def table_rows(spec: DlrmSpec, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed + 100).normal(0, 0.3, (spec.capacity, spec.dim)).astype(np.float32)
 
 
 def reference(spec: DlrmSpec, weights: dict[str, np.ndarray], table: np.ndarray, batch: Batch) -> dict[str, Any]:
@@ -90,7 +71,7 @@ def trainer(backend: JaxBackend) -> JaxCtr:
 
 def built(trainer: JaxCtr, spec: DlrmSpec, seed: int) -> tuple[ClickStack, dict[str, np.ndarray], np.ndarray]:
     """A model holding random weights and, for every id, a random row written as the ps writes it (read-only)."""
-    weights, table = random_weights(spec, seed), table_rows(spec, seed)
+    weights, table = random_weights(spec, seed), table_rows(spec.capacity, seed, spec.dim)
     model = trainer.build_model(spec, weights)
     rows = table.copy()
     rows.flags.writeable = False

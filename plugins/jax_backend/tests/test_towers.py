@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk.testing import run_job
-from psdk.testing.towers import compare_in_subprocess, parameters_apart, run_jobs_at_once
+from psdk.testing.towers import compare_in_subprocess, towers_beside_one_without, two_towers_against_one
 
 JOB_TIMEOUT_S = 110
 """A job trains for seconds and starts for 10-30 s (a loaded 2-core host: 30); two at once, as long."""
@@ -38,34 +37,14 @@ def test_towers_are_refused_by_name_once_jax_started_with_fewer_cpu_devices() ->
         load_backend("jax").setup_towers([f"cpu:{k}" for k in range(have + 1)])
 
 
-JOB = ("backend=jax", "topology.num_workers=1", "sync=sync", "train.steps=200", "report.plot=false")
-
-
 @pytest.mark.timeout(JOB_TIMEOUT_S + 10)
 def test_a_job_with_two_towers_trains_as_the_default_job(tmp_path: Path, psdk_mnist_dir: Path) -> None:
     """One worker, sync, the same seed: the same batches, so the same parameters up to float rounding."""
-    runs = {f"t{towers}": (*JOB, f"placement.towers={towers}") for towers in (1, 2)}
-    summaries = run_jobs_at_once(runs, tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)
-    apart = parameters_apart(tmp_path / "t1", tmp_path / "t2")
-    assert apart < 1e-4, f"towers=2 ended {apart:g} from the default job's parameters"
+    summaries = two_towers_against_one("jax", tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)
     assert summaries["t2"]["workers"]["0"]["devices"] == ["cpu:0", "cpu:1"]
     assert summaries["t1"]["test_accuracy"] == pytest.approx(summaries["t2"]["test_accuracy"], abs=0.002)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 10)
 def test_an_async_worker_with_towers_beside_one_without(tmp_path: Path, psdk_mnist_dir: Path) -> None:
-    summary, _ = run_job(
-        tmp_path / "run",
-        "backend=jax",
-        "sync=async",
-        "placement.towers=[2,1]",
-        "train.steps=300",
-        "report.plot=false",
-        data_dir=psdk_mnist_dir,
-        cwd=tmp_path,
-        timeout_s=JOB_TIMEOUT_S,
-    )
-    workers = summary["workers"]
-    assert workers["0"]["devices"] == ["cpu:0", "cpu:1"] and workers["1"]["devices"] == ["cpu"]
-    assert all(w["gradients_pushed"] > 0 for w in workers.values())
-    assert summary["global_step"] == 300 and summary["test_accuracy"] >= 0.9
+    towers_beside_one_without("jax", "async", tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)

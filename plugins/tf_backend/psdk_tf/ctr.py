@@ -47,34 +47,18 @@ from typing import Any
 
 import numpy as np
 
-from psdk.errors import ConfigError, PluginError, PsdkError
+from psdk.errors import ConfigError, PsdkError
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
-from psdk.plugins.variables import Rows
 from psdk.protocol.sharding import flat_size, layout, views
+from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
+from psdk.workloads.ctr.model import table_of
 from psdk_tf._tf import tf
 from psdk_tf.backend import TfBackend
 from psdk_tf.models import OwnBinding
 from psdk_tf.pulled_rows import PulledRows
 
-TABLE = "emb"
-"""The one table every categorical field looks its ids up in."""
-DENSE, CAT = "dense", "cat"
-"""The batch's inputs: float32 [B, dense features] and int64 [B, fields] ids into :data:`TABLE`."""
-
 _LAYER = re.compile(r"^(bottom|top)(\d+)/(kernel|bias)$")
-
-
-def table_of(spec: Any) -> Rows:
-    """The spec's table ``emb``: the ``psdk.Rows`` its ``tables()`` gives (the dense layers are its ``variables()``)."""
-    tables = getattr(spec, "tables", None)
-    declared = tables() if callable(tables) else None
-    if isinstance(declared, Mapping) and isinstance(declared.get(TABLE), Rows):
-        return declared[TABLE]
-    raise PluginError(
-        f"the ctr model on TensorFlow needs the spec's table {TABLE!r}: {type(spec).__name__}.tables() gives no "
-        f"psdk.Rows named {TABLE!r} (use model=dlrm)"
-    )
 
 
 def layer_counts(variables: list[tuple[str, tuple[int, ...]]]) -> tuple[int, int]:
@@ -118,7 +102,7 @@ class ClickModel(OwnBinding):
     """
 
     def __init__(self, spec: Any, weights: Mapping[str, np.ndarray], device: str = "/CPU:0"):
-        table = table_of(spec)
+        table = table_of(spec, "TensorFlow")
         variables = [(name, tuple(int(d) for d in shape)) for name, shape in spec.variables()]
         self.bottom_layers, self.top_layers = layer_counts(variables)
         shapes = dict(variables)
@@ -202,7 +186,7 @@ class ClickModel(OwnBinding):
     # -------------------------------------------------------------- a step
     def _inputs(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(dense, ids, their rows) of ``batch``; a batch of another number of fields is refused by name."""
-        cat = np.asarray(batch.inputs[CAT], np.int64)
+        cat = np.asarray(batch.inputs[CAT_INPUT], np.int64)
         if cat.ndim != 2 or cat.shape[1] != self.fields:
             fields = cat.shape[1] if cat.ndim == 2 else cat.shape
             raise ConfigError(
@@ -211,7 +195,7 @@ class ClickModel(OwnBinding):
                 f"bottom output and the dot products of {self.fields} fields' rows with it): the model's fields "
                 "must be the data's",
             )
-        dense = np.asarray(batch.inputs[DENSE], np.float32)
+        dense = np.asarray(batch.inputs[DENSE_INPUT], np.float32)
         return dense, cat, self.rows.gather(cat)
 
     def train(self, batch: Batch) -> float:

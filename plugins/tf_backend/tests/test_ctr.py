@@ -24,26 +24,16 @@ from psdk_tf.pulled_rows import PulledRows
 from psdk import plugins
 from psdk.errors import ConfigError, PluginError, PsdkError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
-from psdk.plugins.batches import Batch, JaggedIds
+from psdk.plugins.batches import Batch
 from psdk.plugins.hookspecs import TrainerRecord
 from psdk.plugins.variables import Dense, Rows
+from psdk.testing.ctr import CONTRACT, click_batch, random_weights, table_rows
 from psdk.testing.jobs import run_job
 from psdk.workloads.ctr.model import DlrmSpec, backward, forward
 
 pytestmark = pytest.mark.timeout(60)
 
-FIELDS, DENSE = 26, 13
 SPEC = DlrmSpec(capacity=4096)
-CONTRACT = {  # the contract's canonical names and shapes, written out rather than derived
-    "bottom0/kernel": (13, 64),
-    "bottom0/bias": (64,),
-    "bottom1/kernel": (64, 16),
-    "bottom1/bias": (16,),
-    "top0/kernel": (367, 64),
-    "top0/bias": (64,),
-    "top1/kernel": (64, 1),
-    "top1/bias": (1,),
-}
 
 
 class Narrow(DlrmSpec):
@@ -58,25 +48,6 @@ class Users(DlrmSpec):
 
     def tables(self) -> dict[str, Rows]:
         return {"users": Rows(dim=16, capacity=10)}
-
-
-def random_weights(spec: DlrmSpec, seed: int) -> dict[str, np.ndarray]:
-    """Weights no job starts from: every bias non-zero, so a dropped bias shows."""
-    rng = np.random.default_rng(seed)
-    return {name: rng.normal(0, 0.2, shape).astype(np.float32) for name, shape in spec.variables()}
-
-
-def click_batch(size: int, seed: int, vocab: int = 300) -> Batch:
-    """The contract's batch: ids drawn from a few hundred, so that a batch repeats ids within and across fields."""
-    rng = np.random.default_rng(seed)
-    dense = np.log1p(rng.exponential(3.0, (size, DENSE))).astype(np.float32)
-    cat = rng.integers(0, vocab, (size, FIELDS), dtype=np.int64)
-    ids = {"emb": JaggedIds(cat.reshape(-1), np.arange(0, FIELDS * size + 1, FIELDS))}
-    return Batch({"dense": dense, "cat": cat}, (rng.random(size) < 0.3).astype(np.float32), ids)
-
-
-def table_rows(capacity: int, seed: int, dim: int = 16) -> np.ndarray:
-    return np.random.default_rng(seed + 100).normal(0, 0.3, (capacity, dim)).astype(np.float32)
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from psdk.testing import run_job
-from psdk.testing.towers import compare_in_subprocess
+from psdk.testing.towers import compare_in_subprocess, towers_beside_one_without
 
 JOB_TIMEOUT_S = 200
 """A job trains for seconds and starts for 10-30 s; on a 2-core host at load 30, TensorFlow's took 2 minutes."""
@@ -28,18 +27,4 @@ def test_replicas_on_slices_equal_one_device_on_the_whole_batch(size: int, count
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 10)
 def test_a_sync_worker_with_towers_beside_one_without(tmp_path: Path, psdk_mnist_dir: Path) -> None:
-    summary, _ = run_job(
-        tmp_path / "run",
-        "backend=tf",
-        "sync=sync",
-        "placement.towers=[2,1]",
-        "train.steps=300",
-        "report.plot=false",
-        data_dir=psdk_mnist_dir,
-        cwd=tmp_path,
-        timeout_s=JOB_TIMEOUT_S,
-    )
-    workers = summary["workers"]
-    assert workers["0"]["devices"] == ["cpu:0", "cpu:1"] and workers["1"]["devices"] == ["cpu"]
-    assert all(w["gradients_pushed"] > 0 for w in workers.values())
-    assert summary["global_step"] == 300 and summary["test_accuracy"] >= 0.9
+    towers_beside_one_without("tf", "sync", tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)

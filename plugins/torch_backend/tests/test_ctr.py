@@ -29,10 +29,11 @@ from psdk import plugins
 from psdk.client.rows import sum_duplicates
 from psdk.errors import ConfigError, PluginError
 from psdk.plugins.backends.numpy_backend import NumpyBackend
-from psdk.plugins.batches import Batch, JaggedIds
+from psdk.plugins.batches import Batch
 from psdk.plugins.hookspecs import TrainerRecord
 from psdk.plugins.variables import Dense, Rows
 from psdk.protocol.tables import TableSpec
+from psdk.testing.ctr import CONTRACT, click_batch, random_weights, table_rows
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,35 +68,6 @@ class Spec:
 
 
 SPEC = Spec()
-CONTRACT = {  # the contract's canonical names and shapes, written out rather than derived
-    "bottom0/kernel": (13, 64),
-    "bottom0/bias": (64,),
-    "bottom1/kernel": (64, 16),
-    "bottom1/bias": (16,),
-    "top0/kernel": (367, 64),
-    "top0/bias": (64,),
-    "top1/kernel": (64, 1),
-    "top1/bias": (1,),
-}
-
-
-def random_weights(spec: Spec, seed: int) -> dict[str, np.ndarray]:
-    """Weights no job starts from: every bias non-zero, so a dropped bias shows."""
-    rng = np.random.default_rng(seed)
-    return {name: rng.normal(0, 0.2, shape).astype(np.float32) for name, shape in spec.variables()}
-
-
-def click_batch(size: int, seed: int, vocab: int = 300, spec: Spec = SPEC) -> Batch:
-    """The contract's batch: ids drawn from a few hundred, so that a batch repeats ids within and across fields."""
-    rng = np.random.default_rng(seed)
-    dense = np.log1p(rng.exponential(3.0, (size, DENSE))).astype(np.float32)
-    cat = rng.integers(0, min(vocab, spec.capacity), (size, FIELDS), dtype=np.int64)
-    ids = {"emb": JaggedIds(cat.reshape(-1), np.arange(0, FIELDS * size + 1, FIELDS))}
-    return Batch({"dense": dense, "cat": cat}, (rng.random(size) < 0.3).astype(np.float32), ids)
-
-
-def table_rows(spec: Spec, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed + 100).normal(0, 0.3, (spec.capacity, spec.dim)).astype(np.float32)
 
 
 @dataclass
@@ -156,7 +128,7 @@ def trainer(backend: TorchBackend) -> TorchCtr:
 
 def built(trainer: TorchCtr, spec: Spec, seed: int) -> tuple[ClickModel, dict[str, np.ndarray], np.ndarray]:
     """A model holding random weights and, for every id, a random row written as the ps would write it."""
-    weights, table = random_weights(spec, seed), table_rows(spec, seed)
+    weights, table = random_weights(spec, seed), table_rows(spec.capacity, seed, spec.dim)
     model = trainer.build_model(spec, weights)
     trainer.bridge.write_rows(model, "emb", np.arange(spec.capacity, dtype=np.int64), table)
     return model, weights, table
@@ -277,7 +249,7 @@ def test_a_ten_million_row_table_maps_no_memory_until_rows_arrive(backend: Torch
     spec = Spec(capacity=10_000_000)
     before = resident_mb()
     model = trainer.build_model(spec, random_weights(spec, 6))
-    data = click_batch(256, 6, vocab=spec.capacity, spec=spec)
+    data = click_batch(256, 6, vocab=spec.capacity)
     ids = data.ids["emb"].unique()
     backend.write_rows(model, "emb", ids, np.full((len(ids), spec.dim), 0.1, np.float32))
     trainer.forward_backward(model, data)
@@ -302,9 +274,9 @@ def test_time_one_step_at_batch_1024(trainer: TorchCtr, capsys: pytest.CaptureFi
     """Printed, never asserted: the machine is shared. One torch thread, as the recipe's job sets (then restored)."""
     spec = Spec(capacity=1_000_000)
     model = trainer.build_model(spec, random_weights(spec, 8))
-    data = click_batch(1024, 8, vocab=spec.capacity, spec=spec)
+    data = click_batch(1024, 8, vocab=spec.capacity)
     ids = data.ids["emb"].unique()
-    trainer.bridge.write_rows(model, "emb", ids, table_rows(Spec(capacity=len(ids)), 8))
+    trainer.bridge.write_rows(model, "emb", ids, table_rows(len(ids), 8))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

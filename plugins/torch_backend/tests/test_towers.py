@@ -19,8 +19,7 @@ from psdk_torch.mnist import TorchClassifier
 from psdk import plugins
 from psdk.errors import ConfigError
 from psdk.plugins.towers import TowerBridge, Towers, TowerTrainer, in_towers
-from psdk.testing import run_job
-from psdk.testing.towers import parameters_apart, run_jobs_at_once
+from psdk.testing.towers import towers_beside_one_without, two_towers_against_one
 
 from .conftest import SPEC, batch
 
@@ -121,7 +120,6 @@ def test_a_model_with_embedding_tables_is_refused_by_key() -> None:
 
 
 # ------------------------------------------------------------------ jobs
-JOB = ("backend=torch", "topology.num_workers=1", "sync=sync", "train.steps=200", "report.plot=false")
 JOB_TIMEOUT_S = 110
 """A job trains for 3 s and starts for 10-30 s (a loaded 2-core host: 30); two at once, as long."""
 
@@ -134,10 +132,7 @@ def test_a_job_with_two_towers_trains_as_the_default_job(tmp_path: Path, psdk_mn
     gradient, ends hundreds of times further away than float rounding.
     Both jobs run at once (a job is mostly start-up).
     """
-    runs = {f"t{towers}": (*JOB, f"placement.towers={towers}") for towers in (1, 2)}
-    summaries = run_jobs_at_once(runs, tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)
-    apart = parameters_apart(tmp_path / "t1", tmp_path / "t2")
-    assert apart < 1e-4, f"towers=2 ended {apart:g} from the default job's parameters"
+    summaries = two_towers_against_one("torch", tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)
     assert [s["workers"]["0"]["devices"] for s in summaries.values()] == [["cpu"], ["cpu:0", "cpu:1"]]
     assert summaries["t1"]["test_accuracy"] == pytest.approx(summaries["t2"]["test_accuracy"], abs=0.002)
 
@@ -145,18 +140,4 @@ def test_a_job_with_two_towers_trains_as_the_default_job(tmp_path: Path, psdk_mn
 @pytest.mark.timeout(JOB_TIMEOUT_S + 10)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_worker_with_towers_beside_one_without(tmp_path: Path, psdk_mnist_dir: Path, mode: str) -> None:
-    summary, _ = run_job(
-        tmp_path / "run",
-        "backend=torch",
-        f"sync={mode}",
-        "placement.towers=[2,1]",
-        "train.steps=300",
-        "report.plot=false",
-        data_dir=psdk_mnist_dir,
-        cwd=tmp_path,
-        timeout_s=JOB_TIMEOUT_S,
-    )
-    workers = summary["workers"]
-    assert workers["0"]["devices"] == ["cpu:0", "cpu:1"] and workers["1"]["devices"] == ["cpu"]
-    assert all(w["gradients_pushed"] > 0 for w in workers.values())
-    assert summary["global_step"] == 300 and summary["test_accuracy"] >= 0.9
+    towers_beside_one_without("torch", mode, tmp_path, psdk_mnist_dir, JOB_TIMEOUT_S)

@@ -31,6 +31,8 @@ DENSE = 13
 """Dense (integer count) features, as Criteo's."""
 TABLE = "emb"
 """The one table every field's ids index."""
+DENSE_INPUT, CAT_INPUT = "dense", "cat"
+"""A batch's inputs: float32 [B, :data:`DENSE`] features and int64 [B, :data:`FIELDS`] ids into :data:`TABLE`."""
 TRAIN, VALIDATION, TEST = 1, 2, 3
 """Seed streams: each set is its own, so the training data never overlaps the held-out sets."""
 
@@ -62,7 +64,7 @@ def make_batch(dense: np.ndarray, cat: np.ndarray, labels: np.ndarray) -> Batch:
     n = len(labels)
     offsets = np.arange(0, FIELDS * n + 1, FIELDS, dtype=np.int64)
     ids = {TABLE: JaggedIds(values=cat.reshape(-1), offsets=offsets)}
-    return Batch({"dense": dense.astype(np.float32), "cat": cat}, labels.astype(np.float32), ids)
+    return Batch({DENSE_INPUT: dense.astype(np.float32), CAT_INPUT: cat}, labels.astype(np.float32), ids)
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from psdk.errors import ConfigError
+from psdk.errors import ConfigError, PluginError
 from psdk.plugins.models import init_weights
 from psdk.plugins.variables import Rows
 from psdk.workloads.ctr.data import DENSE, FIELDS, TABLE
@@ -136,3 +137,18 @@ def backward(
     d_bottom = d_top_in[:, :dim] + d_vectors[:, 0]
     _mlp_backward(weights, grads, "bottom", fwd.bottom, d_bottom, last_relu=True)
     return d_vectors[:, 1:]
+
+
+def table_of(spec: Any, framework: str) -> Rows:
+    """The spec's table ``emb``: the ``psdk.Rows`` its ``tables()`` gives (the dense layers are its ``variables()``).
+
+    Every framework's ctr trainer needs it; ``framework`` names the one asking in the error.
+    """
+    tables = getattr(spec, "tables", None)
+    declared = tables() if callable(tables) else None
+    if isinstance(declared, Mapping) and isinstance(declared.get(TABLE), Rows):
+        return declared[TABLE]
+    raise PluginError(
+        f"the ctr model on {framework} needs the spec's table {TABLE!r}: {type(spec).__name__}.tables() gives no "
+        f"psdk.Rows named {TABLE!r} (use model=dlrm)"
+    )

@@ -16,7 +16,7 @@ import numpy as np
 from psdk.plugins.backends.numpy_tables import NumpyTableModel
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
-from psdk.workloads.ctr.data import TABLE
+from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
 from psdk.workloads.ctr.model import DlrmSpec, backward, forward
 
 
@@ -38,14 +38,14 @@ class NumpyDlrm(Trainer):
 
     def forward_backward(self, model: NumpyTableModel, batch: Batch) -> float:
         model.zero_grad()
-        cat = batch.inputs["cat"]
-        fwd = forward(model.spec, model.params, batch.inputs["dense"], model.lookup(TABLE, cat))  # type: ignore[attr-defined]
+        cat = batch.inputs[CAT_INPUT]
+        fwd = forward(model.spec, model.params, batch.inputs[DENSE_INPUT], model.lookup(TABLE, cat))  # type: ignore[attr-defined]
         loss, d_logits = bce_with_logits(fwd.logits, np.asarray(batch.targets, np.float64))
         d_rows = backward(model.spec, model.params, model.grads, fwd, d_logits)  # type: ignore[attr-defined]
         model.backward_rows(TABLE, cat.reshape(-1), d_rows.reshape(-1, d_rows.shape[-1]))
         return loss
 
     def predict(self, model: NumpyTableModel, batch: Batch) -> np.ndarray:
-        cat = batch.inputs["cat"]
-        fwd = forward(model.spec, model.params, batch.inputs["dense"], model.lookup(TABLE, cat))  # type: ignore[attr-defined]
+        cat = batch.inputs[CAT_INPUT]
+        fwd = forward(model.spec, model.params, batch.inputs[DENSE_INPUT], model.lookup(TABLE, cat))  # type: ignore[attr-defined]
         return fwd.logits.astype(np.float32)
