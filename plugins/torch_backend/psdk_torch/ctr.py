@@ -32,18 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psdk.errors import ConfigError, PluginError
+from psdk.errors import ConfigError
 from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
 from psdk.plugins.variables import Rows
+from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
+from psdk.workloads.ctr.model import table_of
 from psdk_torch.backend import TorchBackend
 from psdk_torch.models import Dense
 from psdk_torch.pulled import PulledEmbedding
-
-TABLE = "emb"
-"""The one table every categorical field looks its ids up in."""
-DENSE, CAT = "dense", "cat"
-"""The batch's inputs: float32 [B, dense features] and int64 [B, fields] ids into :data:`TABLE`."""
 
 _LAYER = re.compile(r"^(bottom|top)(\d+)/(kernel|bias)$")
 
@@ -141,18 +138,6 @@ class ClickModel(nn.Module):
         return x[:, 0]
 
 
-def table_of(spec: Any) -> Rows:
-    """The spec's table ``emb``: the ``psdk.Rows`` its ``tables()`` gives (the dense layers are its ``variables()``)."""
-    tables = getattr(spec, "tables", None)
-    declared = tables() if callable(tables) else None
-    if isinstance(declared, Mapping) and isinstance(declared.get(TABLE), Rows):
-        return declared[TABLE]
-    raise PluginError(
-        f"the ctr model on torch needs the spec's table {TABLE!r}: {type(spec).__name__}.tables() gives no "
-        f"psdk.Rows named {TABLE!r} (use model=dlrm)"
-    )
-
-
 def layers_of(spec: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(fan_in, fan_out) of the bottom and the top MLP's layers, from the spec's dense variables."""
     sizes: dict[str, dict[int, tuple[int, int]]] = {"bottom": {}, "top": {}}
@@ -182,7 +167,7 @@ def build(spec: Any, weights: Mapping[str, np.ndarray], backend: TorchBackend) -
     """``spec``'s model on the backend's device, holding ``weights`` (dense only: the rows come from the ps)."""
     bottom, top = layers_of(spec)
     device = backend.torch_device
-    model = ClickModel(table_of(spec), bottom, top, device).to(device)
+    model = ClickModel(table_of(spec, "torch"), bottom, top, device).to(device)
     backend.write_weights(model, weights)
     return model
 
@@ -207,8 +192,8 @@ class TorchCtr(Trainer):
     def inputs(self, model: ClickModel, batch: Batch) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
         """The dense features, the ids, and where each id is among the rows the table holds (when they are
         the batch's own: ``None`` makes the table search)."""
-        dense = tensor(batch.inputs[DENSE], np.dtype(np.float32), self.bridge.torch_device)
-        cat = np.asarray(batch.inputs[CAT])
+        dense = tensor(batch.inputs[DENSE_INPUT], np.dtype(np.float32), self.bridge.torch_device)
+        cat = np.asarray(batch.inputs[CAT_INPUT])
         ids = batch.ids.get(TABLE)
         positions = None
         if ids is not None and len(ids.values) == cat.size and np.array_equal(ids.unique(), model.emb.ids):
