@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from psdk.plugins.batches import JaggedIds
-from psdk.protocol.ids import sorted_unique, unique_positions
+from psdk.protocol.ids import unique_positions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,7 +20,6 @@ def test_they_equal_np_unique(count: int, high: int) -> None:
     np.testing.assert_array_equal(got_unique, unique)
     np.testing.assert_array_equal(positions, inverse.reshape(-1))
     assert positions.dtype == np.int64 and got_unique.dtype == ids.dtype
-    np.testing.assert_array_equal(sorted_unique(ids), unique)
 
 
 def test_any_shape_and_negative_ids_too() -> None:
@@ -28,7 +27,6 @@ def test_any_shape_and_negative_ids_too() -> None:
     unique, positions = unique_positions(ids)
     np.testing.assert_array_equal(unique, [-3, 0, 5, 2**40])
     np.testing.assert_array_equal(unique[positions], ids.reshape(-1))
-    np.testing.assert_array_equal(sorted_unique(ids), unique)
 
 
 def test_a_batchs_ids_sort_once_and_keep_both() -> None:

@@ -63,8 +63,10 @@ def sum_duplicates(spec: TableSpec, ids: Any, grads: Any) -> RowPush:
     if strictly_increasing(flat):
         return flat, np.ascontiguousarray(rows)
     unique, inverse = unique_positions(flat)
-    if len(unique) == len(flat):
-        return unique, np.ascontiguousarray(rows[np.argsort(flat, kind="stable")])
+    if len(unique) == len(flat):  # no duplicates: each row goes where its id went
+        ordered = np.empty_like(rows)
+        ordered[inverse] = rows
+        return unique, ordered
     # One bincount per column: 1.2 ms for a click batch's 26,624 rows of 16 (np.add.at: 12 ms; np.add.reduceat
     # over the rows sorted by id: 1.6 ms), summed in float64.
     summed = np.empty((len(unique), spec.dim), np.float32)

@@ -6,11 +6,10 @@ pulled rows finds each lookup's row by its position among them. numpy 2's
 ``np.unique`` finds the distinct values by hashing first and sorts them after,
 which on a click batch (26,624 ids over ten million, about 9,700 distinct)
 takes 3.0 ms; ``np.unique(..., return_inverse=True)`` argsorts, 2.2 ms. A
-plain ``np.sort`` of the same ids takes 0.3 ms, so both are done here by
-sorting: the distinct ids by sorting a copy, and the positions by sorting the
-ids packed with their own index into one int64 (id in the high bits, index in
-the low), which keeps the sort a plain one where ``argsort`` would not be
-(0.5 ms and 0.7 ms; ``python -m psdk.protocol.ids`` prints the figures).
+plain ``np.sort`` of the same ids takes 0.3 ms, so both come here from one
+plain sort of the ids packed with their own index into one int64 (id in the
+high bits, index in the low), where ``argsort`` would be needed otherwise
+(0.65-1.4 ms; ``python -m psdk.protocol.ids`` prints the figures).
 """
 
 from __future__ import annotations
@@ -19,17 +18,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
-
-def sorted_unique(ids: np.ndarray) -> np.ndarray:
-    """The distinct values of ``ids`` (any shape, integers), sorted: ``np.unique(ids)``."""
-    ordered = np.sort(np.asarray(ids), axis=None)
-    if len(ordered) < 2:
-        return ordered
-    keep = np.empty(len(ordered), bool)
-    keep[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-    return ordered[keep]
 
 
 def _sort(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -77,7 +65,7 @@ def _figures(repeats: int = 20) -> None:
     ways: dict[str, Callable[[np.ndarray], object]] = {
         "np.unique": np.unique,
         "np.unique(return_inverse=True)": lambda ids: np.unique(ids, return_inverse=True),
-        "sorted_unique": sorted_unique,
+        "np.sort (the floor)": lambda ids: np.sort(ids, axis=None),
         "unique_positions": unique_positions,
     }
     for name, way in ways.items():

@@ -95,7 +95,8 @@ class PulledEmbedding(nn.Module):
         return self._device_anchor.device
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.float32, device=self.device).requires_grad_()
+        """``rows`` (a float32 array this module made and owns) as the held leaf: no copy on the CPU."""
+        return torch.from_numpy(rows).to(self.device).requires_grad_()
 
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Hold ``rows`` (copied) as the rows of ``ids`` (strictly increasing).
