@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from psdk.bench import ctr, window
 from psdk.errors import ConfigError
@@ -21,6 +21,12 @@ TINY = [
     "suite=ctr", "reps=1", "ctr.peers=[]", "ctr.backends=[numpy]", "ctr.steps=40", "ctr.warmup=10",
     "ctr.batch_size=256", "ctr.capacity=50000", "ctr.vocab=10000", "ctr.test_size=2000", "timeout_s=120",
 ]  # fmt: skip
+
+
+def recipe(**extra: object) -> DictConfig:
+    """A ``ctr:`` block with every recipe key (all 1) and no overrides, for building commands."""
+    keys = ("vocab", "test_size", "capacity", "dim", "lr", "init_acc", "steps", "batch_size", "workers", "num_ps")
+    return OmegaConf.create({"psdk_overrides": [], **dict.fromkeys(keys, 1), **extra})
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +61,23 @@ def test_psdk_also_runs_without_curve_as_the_peers_do(tiny_suite: tuple[dict, st
     (run,) = report["runs"]["psdk-numpy-plaintext"]
     assert run["error"] is None and run["cpu_s_per_1k_examples"] > 0, run
     assert "| psdk-numpy-plaintext |" in text and "- psdk-numpy-plaintext: CPU per example" in text
-    ctr_cfg = OmegaConf.create({"psdk_overrides": [], **{k: 1 for k in ("vocab", "test_size", "capacity", "dim",
-                                "lr", "init_acc", "steps", "batch_size", "workers", "num_ps")}})  # fmt: skip
+    ctr_cfg = recipe()
     assert "transport.secure=false" in ctr.psdk_command(ctr_cfg, "numpy", 0, "/tmp/x", plaintext=True)
     assert "transport.secure=false" not in ctr.psdk_command(ctr_cfg, "numpy", 0, "/tmp/x")
+
+
+def test_psdk_preallocates_its_table_as_the_peers_do_and_also_runs_it_lazy(tiny_suite: tuple[dict, str]) -> None:
+    """``ctr.preallocate`` (on by default): every row made at init; ``ctr.lazy``: a third row, rows on first pull."""
+    report, text = tiny_suite
+    (whole,) = report["runs"]["psdk-numpy"]
+    (lazy,) = report["runs"]["psdk-numpy-lazy"]
+    assert whole["error"] is None and lazy["error"] is None, (whole, lazy)
+    assert whole["table_rows"] == 50000  # ctr.capacity: all of them, made on the ps at init
+    assert 0 < lazy["table_rows"] < 50000  # 40 batches of 256 x 26 Zipf ids touch fewer
+    assert "| psdk-numpy-lazy |" in text and "(preallocated in psdk's rows)" in text
+    ctr_cfg = recipe(preallocate=True)
+    assert "+tables.emb.preallocate=true" in ctr.psdk_command(ctr_cfg, "numpy", 0, "/tmp/x")
+    assert "+tables.emb.preallocate=true" not in ctr.psdk_command(ctr_cfg, "numpy", 0, "/tmp/x", lazy=True)
 
 
 def test_ratios_divide_by_the_single_process_tf1_and_the_rpc_server(tiny_suite: tuple[dict, str]) -> None:

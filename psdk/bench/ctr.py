@@ -59,6 +59,8 @@ class CtrRun:
     best_auc: float | None = None
     wall_s: float | None = None
     ps_max_rss_mb: float | None = None
+    table_rows: int | None = None
+    """Rows psdk's table held at the end (every one when preallocated; those pulled when lazy)."""
     time_split: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -75,10 +77,22 @@ def recipe_flags(ctr: DictConfig) -> list[str]:
 
 PLAINTEXT = "-plaintext"
 """The suffix of a psdk row run with ``transport.secure=false`` (``ctr.plaintext``): the peers encrypt nothing."""
+LAZY = "-lazy"
+"""The suffix of a psdk row whose table makes rows on their first pull (``ctr.lazy``), hash-sharded."""
+PREALLOCATED = [
+    "+tables.emb.sharding=range", "+tables.emb.preallocate=true", "transport.heartbeat_timeout_s=240",
+    "liveness.stall_timeout_s=300", "ps.idle_timeout_s=900", "recovery.timeout_s=900",
+]  # fmt: skip
+"""psdk's table as the peers have theirs (``ctr.preallocate``): every row made on its ps at init, in contiguous
+blocks (TensorFlow 1.x's ``fixed_size_partitioner`` variable, the RPC server's tensor). A ps making 5 million rows
+answers no heartbeat for seconds, so the timeouts are those of ``benchmarks/ctr_memory.py`` (docs/ctr.md)."""
 
 
-def psdk_command(ctr: DictConfig, backend: str, seed: int, run_dir: str, plaintext: bool = False) -> list[str]:
+def psdk_command(
+    ctr: DictConfig, backend: str, seed: int, run_dir: str, plaintext: bool = False, lazy: bool = False
+) -> list[str]:
     """``python -m psdk run workload=ctr`` with the recipe; a log line per step gives the window its steps."""
+    table = PREALLOCATED if ctr.get("preallocate", False) and not lazy else []
     return [
         sys.executable, "-m", "psdk", "run", "workload=ctr", f"backend={backend}", "sync=async",
         f"seed={seed}", f"workload.seed={seed}", f"workload.vocab={ctr.vocab}", f"workload.test_size={ctr.test_size}",
@@ -86,7 +100,7 @@ def psdk_command(ctr: DictConfig, backend: str, seed: int, run_dir: str, plainte
         f"optimizer.initial_accumulator_value={ctr.init_acc}", f"train.steps={ctr.steps}",
         f"train.batch_size={ctr.batch_size}", "train.threads=1", "train.validate_every=0", "train.log_every=1",
         f"topology.num_workers={ctr.workers}", f"topology.num_ps={ctr.num_ps}", "checkpoint.final=false",
-        "checkpoint.every_seconds=0", "progress.mode=off", "report.plot=false", *ctr.psdk_overrides,
+        "checkpoint.every_seconds=0", "progress.mode=off", "report.plot=false", *table, *ctr.psdk_overrides,
         *(["transport.secure=false"] if plaintext else []), f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
 
@@ -126,16 +140,16 @@ def found_time_split(summary: Mapping[str, Any]) -> dict[str, Any]:
     return split
 
 
-def run_psdk(cfg: DictConfig, backend: str, plaintext: bool = False) -> CtrRun:
+def run_psdk(cfg: DictConfig, backend: str, plaintext: bool = False, lazy: bool = False) -> CtrRun:
     """One psdk job, its window measured from outside (:mod:`psdk.bench.window`)."""
     ctr = cfg.ctr
-    system = f"psdk-{backend}{PLAINTEXT if plaintext else ''}"
+    system = f"psdk-{backend}{PLAINTEXT if plaintext else ''}{LAZY if lazy else ''}"
     with tempfile.TemporaryDirectory(prefix="psdk-bench-ctr-") as tmp:
         run_dir = Path(tmp)
         started = time.time()
         with (run_dir / "job.log").open("w") as out:
             job = subprocess.Popen(
-                psdk_command(ctr, backend, int(cfg.seed), tmp, plaintext), stdout=out, stderr=subprocess.STDOUT,
+                psdk_command(ctr, backend, int(cfg.seed), tmp, plaintext, lazy), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=_env(None),
             )  # fmt: skip
             with window.CpuSampler(job.pid) as sampler:
@@ -169,6 +183,7 @@ def run_psdk(cfg: DictConfig, backend: str, plaintext: bool = False) -> CtrRun:
         best_auc=metrics.get("best_auc"),
         wall_s=round(time.time() - started, 2),
         ps_max_rss_mb=max((p.get("max_rss_mb") or 0.0) for p in summary["ps"]) or None,
+        table_rows=sum(int(t.get("rows", 0)) for t in summary.get("tables", {}).values()) or None,
         time_split=found_time_split(summary),
     )
 
@@ -372,12 +387,15 @@ def run_ctr_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
         plan[f"psdk-{backend}"] = functools.partial(run_psdk, cfg, str(backend))
         if cfg.ctr.get("plaintext", False):
             plan[f"psdk-{backend}{PLAINTEXT}"] = functools.partial(run_psdk, cfg, str(backend), True)
+        if cfg.ctr.get("preallocate", False) and cfg.ctr.get("lazy", False):
+            plan[f"psdk-{backend}{LAZY}"] = functools.partial(run_psdk, cfg, str(backend), lazy=True)
     runs = interleave(plan, int(cfg.reps))
     rows = compare([summarise(key, rs) for key, rs in runs.items()])
     by_key = {row.key: row for row in rows}
     ctr = cfg.ctr
     recipe = (
-        f"workload=ctr: DLRM, {ctr.capacity:,}-row table of {ctr.dim} dims on {ctr.num_ps} ps, {ctr.workers} async "
+        f"workload=ctr: DLRM, {ctr.capacity:,}-row table of {ctr.dim} dims on {ctr.num_ps} ps "
+        f"({'preallocated' if ctr.get('preallocate', False) else 'lazy'} in psdk's rows), {ctr.workers} async "
         f"workers, batch {ctr.batch_size}, Adagrad lr {ctr.lr} (initial accumulator {ctr.init_acc}), {ctr.steps} "
         f"global steps, 1 thread per process; window from global step {ctr.warmup} to the first worker's end; "
         f"medians of {cfg.reps} interleaved runs."
