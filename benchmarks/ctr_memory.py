@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psdk.bench.ctr import BUSY_PS_TIMEOUTS, PREALLOCATED_TABLE
+
 MB = 1e6
 BASE_MB = 150.0
 TEN_MILLION = 10_000_000
@@ -59,13 +61,10 @@ COMMON = [
 ]  # fmt: skip
 LAZY = [*COMMON, "workload.zipf=0.1", "train.batch_size=4096", "train.steps=320", "checkpoint.every_steps=100"]
 PREALLOCATED = [
-    *COMMON, "+tables.emb.sharding=range", "+tables.emb.preallocate=true", "train.batch_size=1024",
-    "train.steps=10", "checkpoint.every_steps=0", "transport.heartbeat_timeout_s=240",
-    "liveness.stall_timeout_s=300", "ps.idle_timeout_s=900", "recovery.timeout_s=900",
+    *COMMON, *PREALLOCATED_TABLE, "train.batch_size=1024", "train.steps=10", "checkpoint.every_steps=0",
+    *BUSY_PS_TIMEOUTS,
 ]  # fmt: skip
-"""A ps making its 5 million rows at init answers no heartbeat until done: over the default 10 s on a loaded
-2-core machine, so the chief would take it for dead (docs/ctr.md). The liveness and idle timeouts must exceed
-the heartbeat timeout (and recovery.timeout_s the liveness one), so they move too."""
+"""Every row made at init: with the timeouts a ps busy making its 5 million rows needs (``BUSY_PS_TIMEOUTS``)."""
 CASES: dict[str, tuple[list[str], str | None]] = {
     "lazy": (LAZY, None),
     "lazy-restore": (LAZY, "ps1/ps.update@250"),

@@ -74,7 +74,7 @@ def test_psdk_preallocates_its_table_as_the_peers_do_and_also_runs_it_lazy(tiny_
     assert whole["error"] is None and lazy["error"] is None, (whole, lazy)
     assert whole["table_rows"] == 50000  # ctr.capacity: all of them, made on the ps at init
     assert 0 < lazy["table_rows"] < 50000  # 40 batches of 256 x 26 Zipf ids touch fewer
-    assert "| psdk-numpy-lazy |" in text and "(preallocated in psdk's rows)" in text
+    assert "| psdk-numpy-lazy |" in text and "on 2 ps (psdk's preallocated)" in text
     ctr_cfg = recipe(preallocate=True)
     assert "+tables.emb.preallocate=true" in ctr.psdk_command(ctr_cfg, "numpy", 0, "/tmp/x")
     assert "+tables.emb.preallocate=true" not in ctr.psdk_command(ctr_cfg, "numpy", 0, "/tmp/x", lazy=True)

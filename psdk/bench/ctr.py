@@ -79,20 +79,33 @@ PLAINTEXT = "-plaintext"
 """The suffix of a psdk row run with ``transport.secure=false`` (``ctr.plaintext``): the peers encrypt nothing."""
 LAZY = "-lazy"
 """The suffix of a psdk row whose table makes rows on their first pull (``ctr.lazy``), hash-sharded."""
-PREALLOCATED = [
-    "+tables.emb.sharding=range", "+tables.emb.preallocate=true", "transport.heartbeat_timeout_s=240",
-    "liveness.stall_timeout_s=300", "ps.idle_timeout_s=900", "recovery.timeout_s=900",
-]  # fmt: skip
+PREALLOCATED_TABLE = ["+tables.emb.sharding=range", "+tables.emb.preallocate=true"]
 """psdk's table as the peers have theirs (``ctr.preallocate``): every row made on its ps at init, in contiguous
-blocks (TensorFlow 1.x's ``fixed_size_partitioner`` variable, the RPC server's tensor). A ps making 5 million rows
-answers no heartbeat for seconds, so the timeouts are those of ``benchmarks/ctr_memory.py`` (docs/ctr.md)."""
+blocks (TensorFlow 1.x's ``fixed_size_partitioner`` variable, the RPC server's tensor)."""
+BUSY_PS_TIMEOUTS = [
+    "transport.heartbeat_timeout_s=240", "liveness.stall_timeout_s=300", "ps.idle_timeout_s=900",
+    "recovery.timeout_s=900",
+]  # fmt: skip
+"""A ps making its 5 million rows at init answers no heartbeat until done: over the default 10 s on a loaded
+2-core machine, so the chief would take it for dead (docs/ctr.md). The liveness and idle timeouts must exceed
+the heartbeat timeout (and recovery.timeout_s the liveness one), so they move too."""
+
+
+def preallocates(ctr: DictConfig) -> bool:
+    """Whether psdk's rows run with :data:`PREALLOCATED_TABLE` (``ctr.preallocate``); the lazy row never does."""
+    return bool(ctr.get("preallocate", False))
+
+
+def psdk_system(backend: str, plaintext: bool = False, lazy: bool = False) -> str:
+    """A psdk row's name: ``psdk-<backend>``, then ``-plaintext`` and ``-lazy`` for those runs."""
+    return f"psdk-{backend}{PLAINTEXT if plaintext else ''}{LAZY if lazy else ''}"
 
 
 def psdk_command(
     ctr: DictConfig, backend: str, seed: int, run_dir: str, plaintext: bool = False, lazy: bool = False
 ) -> list[str]:
     """``python -m psdk run workload=ctr`` with the recipe; a log line per step gives the window its steps."""
-    table = PREALLOCATED if ctr.get("preallocate", False) and not lazy else []
+    table = [*PREALLOCATED_TABLE, *BUSY_PS_TIMEOUTS] if preallocates(ctr) and not lazy else []
     return [
         sys.executable, "-m", "psdk", "run", "workload=ctr", f"backend={backend}", "sync=async",
         f"seed={seed}", f"workload.seed={seed}", f"workload.vocab={ctr.vocab}", f"workload.test_size={ctr.test_size}",
@@ -143,7 +156,7 @@ def found_time_split(summary: Mapping[str, Any]) -> dict[str, Any]:
 def run_psdk(cfg: DictConfig, backend: str, plaintext: bool = False, lazy: bool = False) -> CtrRun:
     """One psdk job, its window measured from outside (:mod:`psdk.bench.window`)."""
     ctr = cfg.ctr
-    system = f"psdk-{backend}{PLAINTEXT if plaintext else ''}{LAZY if lazy else ''}"
+    system = psdk_system(backend, plaintext, lazy)
     with tempfile.TemporaryDirectory(prefix="psdk-bench-ctr-") as tmp:
         run_dir = Path(tmp)
         started = time.time()
@@ -384,18 +397,18 @@ def run_ctr_suite(cfg: DictConfig, out: Path) -> dict[str, Any]:
     for peer in cfg.ctr.peers:
         plan[str(peer)] = functools.partial(run_peer, cfg, str(peer), isolate)
     for backend in cfg.ctr.backends:
-        plan[f"psdk-{backend}"] = functools.partial(run_psdk, cfg, str(backend))
+        plan[psdk_system(backend)] = functools.partial(run_psdk, cfg, str(backend))
         if cfg.ctr.get("plaintext", False):
-            plan[f"psdk-{backend}{PLAINTEXT}"] = functools.partial(run_psdk, cfg, str(backend), True)
-        if cfg.ctr.get("preallocate", False) and cfg.ctr.get("lazy", False):
-            plan[f"psdk-{backend}{LAZY}"] = functools.partial(run_psdk, cfg, str(backend), lazy=True)
+            plan[psdk_system(backend, plaintext=True)] = functools.partial(run_psdk, cfg, str(backend), True)
+        if preallocates(cfg.ctr) and cfg.ctr.get("lazy", False):
+            plan[psdk_system(backend, lazy=True)] = functools.partial(run_psdk, cfg, str(backend), lazy=True)
     runs = interleave(plan, int(cfg.reps))
     rows = compare([summarise(key, rs) for key, rs in runs.items()])
     by_key = {row.key: row for row in rows}
     ctr = cfg.ctr
     recipe = (
         f"workload=ctr: DLRM, {ctr.capacity:,}-row table of {ctr.dim} dims on {ctr.num_ps} ps "
-        f"({'preallocated' if ctr.get('preallocate', False) else 'lazy'} in psdk's rows), {ctr.workers} async "
+        f"(psdk's {'preallocated' if preallocates(ctr) else 'lazy'}), {ctr.workers} async "
         f"workers, batch {ctr.batch_size}, Adagrad lr {ctr.lr} (initial accumulator {ctr.init_acc}), {ctr.steps} "
         f"global steps, 1 thread per process; window from global step {ctr.warmup} to the first worker's end; "
         f"medians of {cfg.reps} interleaved runs."
