@@ -16,10 +16,11 @@ its own process, over TCP on 127.0.0.1:
 The rule is excluded by running the ps with the no-op rule
 (:class:`~psdk.ps.rules.NoOp`) in both: it changes nothing. CPU is the
 client's and the ps's process time (every thread: ZeroMQ's I/O threads too)
-per round trip, medians over ``--reps`` alternated runs. Both run on the same
-transport: ZeroMQ frames (``transport.shared_memory=false``), which is how
-rows always travel; the dense push on one host by default goes through
-shared memory instead, which is measured too (``dense, shared memory``).
+per round trip, medians over ``--reps`` alternated runs. Both run on each
+transport: ZeroMQ frames (``transport.shared_memory=false``, as between
+hosts) and, as a worker and its ps on one host do by default, shared memory
+(the dense array in its lent region, a push's ids and rows and the pulled
+rows in its heaps: :mod:`psdk.transport.heap`).
 
 What a sparse round trip costs besides moving bytes is measured on its own,
 in this process, on the same batches, and subtracted to give **sparse
@@ -102,8 +103,8 @@ def _measured(client: ParameterClient, step: Callable[[int], None], count: int, 
 
 
 def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -> Run:
-    """``kind`` is "sparse", "dense" (frames) or "dense-shm" (shared memory); the ps in its own process."""
-    shared_memory = kind == "dense-shm"
+    """``kind`` is "sparse" or "dense" over frames, or either with "-shm" (shared memory); the ps in its own process."""
+    shared_memory = kind.endswith("-shm")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     server = ctx.Process(target=_psdk_server, args=(0, queue, None, shared_memory), daemon=True)
@@ -112,10 +113,11 @@ def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -
         client, transport = _client(queue.get(timeout=60), shared_memory)
         try:
             job = JobSpec(SyncSpec("async").resolved(1), 10**12, 1)
-            if kind == "sparse":
+            if kind.startswith("sparse"):
                 spec = TableSpec(TABLE, DIM, capacity=vocab, max_ids=max(len(ids) for ids, _ in batches))
                 client.initialize({"w": np.zeros(1, np.float32)}, job, NoOp(), tables=[spec])
                 client.pull_rows({TABLE: batches[0][0]})
+                client.status()  # the ps's answer to the offer of shared memory is in
 
                 def step(i: int) -> None:
                     ids, grads = batches[i % len(batches)]
@@ -171,7 +173,13 @@ def index_work(batches: list[Batch], vocab: int, count: int, warmup: int) -> tup
     return worker / count * 1e6, ps / count * 1e6
 
 
-KINDS = ("sparse", "dense", "dense-shm")
+KINDS = ("sparse", "dense", "sparse-shm", "dense-shm")
+LABELS = {
+    "sparse": "sparse push + pull (frames)",
+    "dense": "dense push + pull (frames)",
+    "sparse-shm": "sparse push + pull (shared memory)",
+    "dense-shm": "dense push + pull (shared memory)",
+}
 
 
 def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: int) -> dict[str, Any]:
@@ -197,10 +205,11 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
         out[kind] = {f: round(median(kind, f), 1) for f in ("client_us", "ps_us", "total_us")}
     out["sorting_us"] = round(statistics.median(w[0] for w in work), 1)
     out["ps_table_us"] = round(statistics.median(w[1] for w in work), 1)
-    out["sparse_transport_us"] = round(out["sparse"]["total_us"] - out["sorting_us"] - out["ps_table_us"], 1)
-    dense = max(out["dense"]["total_us"], 1e-9)  # process times tick in 10 ms: a tiny run may read 0
-    out["ratio_all"] = round(out["sparse"]["total_us"] / dense, 3)
-    out["ratio"] = round(out["sparse_transport_us"] / dense, 3)
+    work_us = out["sorting_us"] + out["ps_table_us"]
+    for suffix in ("", "-shm"):  # each transport against the dense round trip on the same one
+        sparse, dense = out["sparse" + suffix]["total_us"], max(out["dense" + suffix]["total_us"], 1e-9)
+        out[f"sparse_transport{suffix.replace('-', '_')}_us"] = round(sparse - work_us, 1)
+        out[f"ratio{suffix.replace('-', '_')}"] = round((sparse - work_us) / dense, 3)  # 1e-9: a run may read 0
     return out
 
 
@@ -208,22 +217,22 @@ def table(out: dict[str, Any]) -> str:
     """The figures as a markdown table (µs of CPU per round trip, client + ps)."""
     b = out["bytes"]
     lines = [
+        "÷ dense: against the dense round trip on the same transport",
         f"{out['reps']} x {out['count']} round trips; batches of {out['batch']} x 26 ids over {out['vocab']:,} "
         f"(median {out['unique_ids']:.0f} unique), dim {DIM}; sparse {b['sparse_up']:,} B up, "
         f"{b['sparse_down']:,} B down; dense {b['dense_each_way']:,} B each way",
         "| round trip | client µs | ps µs | CPU µs | ÷ dense |",
         "| --- | --- | --- | --- | --- |",
     ]
-    dense = max(out["dense"]["total_us"], 1e-9)
-    for kind, label in (("sparse", "sparse push + pull (frames)"), ("dense", "dense push + pull (frames)"),
-                        ("dense-shm", "dense push + pull (shared memory)")):  # fmt: skip
-        r = out[kind]
-        lines.append(f"| {label} | {r['client_us']:.0f} | {r['ps_us']:.0f} | {r['total_us']:.0f} | "
+    for kind in KINDS:
+        r, dense = out[kind], max(out["dense" + kind.removeprefix("sparse").removeprefix("dense")]["total_us"], 1e-9)
+        lines.append(f"| {LABELS[kind]} | {r['client_us']:.0f} | {r['ps_us']:.0f} | {r['total_us']:.0f} | "
                      f"{r['total_us'] / dense:.2f}× |")  # fmt: skip
     lines.append(f"| sparse: worker's sort and cut of the ids | {out['sorting_us']:.0f} | | | |")
     lines.append(f"| sparse: ps's id checks, index, rows gathered and created | | {out['ps_table_us']:.0f} | | |")
-    lines.append(f"| sparse transport (encode to decode) | | | {out['sparse_transport_us']:.0f} | "
-                 f"{out['ratio']:.2f}× |")  # fmt: skip
+    for suffix, where in (("", "frames"), ("_shm", "shared memory")):
+        lines.append(f"| sparse transport, {where} (encode to decode) | | | "
+                     f"{out[f'sparse_transport{suffix}_us']:.0f} | {out[f'ratio{suffix}']:.2f}× |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ about how variables are laid out on them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,15 +99,22 @@ def shards_from(
 ) -> tuple[list[Shard], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Each shard's buffers (from the transport, which may lend them to the ps) and the named views into them."""
     shards, params, grads = [], {}, {}
+    extra = table_arrays(tables_of(replies).values())
     for index in range(num_ps):
         fields = replies[index].fields
         specs = layout([(n, tuple(s)) for n, s in zip(fields["names"], fields["shapes"], strict=True)])
-        buffers = endpoint.buffers(index, flat_size(specs))
+        buffers = endpoint.buffers(index, flat_size(specs), *extra)
         shard = Shard(specs, int(fields["version"]), buffers.params, buffers.grads, buffers.outbox)
         shards.append(shard)
         params.update(views(shard.params, specs))
         grads.update(views(shard.grads, specs))
     return shards, params, grads
+
+
+def table_arrays(tables: Collection[TableSpec]) -> tuple[int, int]:
+    """The bytes and the number of one push's table arrays to a shard at their most (per table: ``max_ids``
+    ids and rows pushed, as many ids pulled), more than its reply's rows: what the transport may lend room for."""
+    return sum(spec.max_ids * (8 + spec.row_bytes() + 8) for spec in tables), 3 * len(tables)
 
 
 def job_of(replies: Mapping[int, Message]) -> JobSpec:

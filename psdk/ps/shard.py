@@ -183,8 +183,8 @@ class ServedShard:
             rows = pulled_rows(pulls)
             if outcome != "pulled":  # a step's pull (a plain pull's, evaluation's, is no push's)
                 self.stats.index_s += time.perf_counter() - looking
-        if self.endpoint.lent_memory(peer) and not rows:  # written into the worker's memory: no copy of ours
-            self.outbox.deliver(peer, Message("params", fields, [self.store.params()], rid, in_place=True))
+        if self.endpoint.lent_memory(peer):  # written into the worker's memory (rows too): no copy of ours
+            self.outbox.deliver(peer, Message("params", fields, [self.store.params(), *rows], rid, in_place=True))
             return
         # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is
         # safe to refill on the worker's next request: the worker only sends one once it has this reply.

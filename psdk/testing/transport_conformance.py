@@ -286,6 +286,40 @@ class TransportConformance:
             np.testing.assert_array_equal(reply.arrays[0], float(-step))
         assert isinstance(client.sharing(0), str)
 
+    def test_a_push_with_table_arrays_and_a_reply_with_rows_carry_every_array(self, net: Net) -> None:
+        """A push's ids and rows after its gradient, and the rows its reply pulled, arrive as sent, step after step.
+
+        The client said how much room they take (``buffers``'s extras), so a
+        transport may lend that too; the next step's arrays never change a
+        message already handed over.
+        """
+        server = net.serve(0)
+        client = net.connect([server])
+        size, ids = 1000, np.arange(0, 400, 4, dtype=np.int64)
+        buffers = client.buffers(0, size, extra_bytes=ids.size * (8 + 64 + 8), extra_arrays=3)
+        earlier: list[tuple[np.ndarray, np.ndarray]] = []  # the last step's table arrays, and copies of them
+        for step in range(1, 8):
+            buffers.grads[:] = step
+            rows = np.full((ids.size, 16), step, np.float32)
+            push = Message("push_pull", {"step": step}, [buffers.grads, ids + step, rows, ids], stable=True)
+            pending = client.start_many({0: push})
+            peer, message = request(server)
+            for taken, copy in earlier:  # this step's push changed nothing the server took before
+                np.testing.assert_array_equal(taken, copy)
+            earlier = [(a, a.copy()) for a in message.arrays[1:]]
+            assert [a.dtype for a in message.arrays] == [np.float32, np.int64, np.float32, np.int64]
+            np.testing.assert_array_equal(message.arrays[0], float(step))
+            np.testing.assert_array_equal(message.arrays[1], ids + step)
+            np.testing.assert_array_equal(message.arrays[2], rows)
+            pulled = rows[: ids.size // 2] * -1
+            reply = Message("params", {"step": step}, [np.full(size, -step, np.float32), pulled], message.rid)
+            reply.in_place = True
+            assert server.reply(peer, reply)
+            answer = pending.wait(transport_net.WAIT_S, "the parameters")[0]
+            assert answer.fields == {"step": step} and len(answer.arrays) == 2
+            np.testing.assert_array_equal(answer.arrays[0], float(-step))
+            np.testing.assert_array_equal(answer.arrays[1], pulled)
+
     # -------------------------------------------------------------- peers
     def test_the_server_sees_each_clients_identity_as_a_stable_peer_id(self, net: Net) -> None:
         """The ps binds a worker to its identity, and its heartbeats to identity + /hb; replies go back to each."""

@@ -125,11 +125,14 @@ class ClientEndpoint(ABC):
     def __init__(self) -> None:
         self._next_rid = 1
 
-    def buffers(self, index: int, size: int) -> ShardBuffers:
+    def buffers(self, index: int, size: int, extra_bytes: int = 0, extra_arrays: int = 0) -> ShardBuffers:
         """Buffers for server ``index``'s arrays of ``size`` floats, replacing any it had.
 
         A transport that can lends them to the server (memory it maps,
-        on the same host); any other gets private ones.
+        on the same host); any other gets private ones. ``extra_bytes`` and
+        ``extra_arrays``: what a request's arrays after its first (a push's
+        table ids and rows) take at most, and its reply's: a transport may
+        lend room for those too.
         """
         return ShardBuffers.private(size)
 

@@ -26,7 +26,7 @@ from psdk.errors import ProtocolError, PsdkError
 from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import Incoming, ShardBuffers
 from psdk.transport.compact import Packer, Unpacker
-from psdk.transport.shm import REPLY_SLOT, AttachedBuffers, WorkerBuffers
+from psdk.transport.shm import HEAP, REPLY_SLOT, AttachedBuffers, WorkerBuffers
 from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode_reply
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,13 @@ class ServerLinks:
             raise MalformedMessage(f"the request names memory its sender has not lent to {self.name}", message.rid)
         if message.arrays:
             raise MalformedMessage("a request carries its arrays in frames or in lent memory, not both", message.rid)
+        names = message.lent
+        if HEAP in names[:-1] or names[:1] == [HEAP]:
+            raise MalformedMessage(f"a request names the {HEAP} once, last, after a region", message.rid)
         try:
-            message.arrays = [lent.region(slot) for slot in message.lent]
+            message.arrays = [lent.region(slot) for slot in names if slot != HEAP]
+            if names[-1] == HEAP:  # copied out now: the ps never reads ids the worker could change after
+                message.arrays += lent.take_arrays(message.rid)
         except ProtocolError as exc:
             raise MalformedMessage(str(exc), message.rid) from None
         message.lent, message.borrowed = [], True
@@ -147,17 +152,18 @@ class ServerLinks:
             return Incoming(peer, None, exc, rid=exc.rid if exc.rid is not None else rid, user=user)
 
     def write(self, peer: bytes, message: Message) -> bool | None:
-        """Put ``message``'s one array in ``peer``'s memory: True if rung, False if its header must still go,
-        ``None`` if it could not be written there at all (send it whole)."""
+        """Put ``message``'s arrays in ``peer``'s memory (the first as its parameters, any others in its heap):
+        True if rung, False if its header must still go (naming :func:`reply_regions`), ``None`` if it could
+        not be written there at all (send it whole)."""
         lent = self.by_peer.get(peer)
-        if lent is None or len(message.arrays) != 1 or peer in self._unread:
+        if lent is None or not message.arrays or peer in self._unread:
             return None
-        array = message.arrays[0]
-        if array.dtype != np.float32 or array.shape != (lent.size,):
+        array, rest = message.arrays[0], message.arrays[1:]
+        if array.dtype != np.float32 or array.shape != (lent.size,) or not lent.fits(rest):
             return None
         self._unread.add(peer)
-        header = self._packer.pack(message, [REPLY_SLOT]) if lent.bell >= 0 else None
-        return lent.write_reply(array, message.rid, header)
+        header = self._packer.pack(message, reply_regions(message)) if lent.bell >= 0 else None
+        return lent.write_reply(array, message.rid, header, rest)
 
     def forget(self, peer: bytes) -> None:
         lent = self.by_peer.pop(peer, None)
@@ -173,6 +179,11 @@ class ServerLinks:
     def close(self) -> None:
         for peer in list(self.by_peer):
             self.forget(peer)
+
+
+def reply_regions(message: Message) -> list[str]:
+    """What a reply written into lent memory names: the parameters, and the heap if it has more arrays."""
+    return [REPLY_SLOT, HEAP] if len(message.arrays) > 1 else [REPLY_SLOT]
 
 
 @dataclass
@@ -201,11 +212,14 @@ class ClientLinks:
         self._packer = Packer(MAX_HEADER_BYTES)  # knocked request headers
         self._unpacker = Unpacker(MAX_REPLY_HEADER_BYTES)  # rung reply headers
 
-    def lend(self, index: int, size: int, rid: int) -> tuple[ShardBuffers, Message | None]:
-        """Buffers for server ``index`` and the offer to send it (None: memory could not be had, frames it is)."""
+    def lend(self, index: int, size: int, rid: int, heap: int = 0) -> tuple[ShardBuffers, Message | None]:
+        """Buffers for server ``index`` and the offer to send it (None: memory could not be had, frames it is).
+
+        ``heap``: bytes for a request's arrays after its first, and as many for a reply's (0: none).
+        """
         self.release(index)
         try:
-            memory = WorkerBuffers(size)
+            memory = WorkerBuffers(size, heap)
         except OSError as exc:  # e.g. a memfd limit: plain frames work as well, only slower
             log.info("no shared memory for %s (%s); its arrays go over ZeroMQ", self.peers[index], exc)
             return ShardBuffers.private(size), None
@@ -230,14 +244,17 @@ class ClientLinks:
             return message, None
         lent.awaited.append(message.rid)
         del lent.awaited[:-AWAITED_KEPT]
-        slot = lent.memory.slot_of(message.arrays[0]) if lent.attached and len(message.arrays) == 1 else None
+        slot = lent.memory.slot_of(message.arrays[0]) if lent.attached and message.arrays else None
         if slot is None:
             return message, None
-        light = Message(message.op, message.fields, [], message.rid, lent=[slot])
+        names = [slot] if len(message.arrays) == 1 else [slot, HEAP]
+        if len(names) > 1 and not lent.memory.put_arrays(message.rid, message.arrays[1:]):
+            return message, None  # arrays the heap cannot hold: the whole message goes in frames
+        light = Message(message.op, message.fields, [], message.rid, lent=names)
         lent.sent[message.rid] = message
         if len(lent.sent) > AWAITED_KEPT:  # the oldest, abandoned long ago
             del lent.sent[next(iter(lent.sent))]
-        return light, self._packer.pack(message, [slot]) if lent.knocks else None
+        return light, self._packer.pack(message, names) if lent.knocks else None
 
     def knock(self, index: int, rid: int, header: bytes) -> bool:
         """Knock for request ``rid``; ``False``: the pipe broke (the server let go, or died), send it whole."""
@@ -307,14 +324,14 @@ class ClientLinks:
                 lent.awaited.remove(message.rid)
                 lent.sent.pop(message.rid, None)
             return message
-        if lent is None or message.lent != [REPLY_SLOT] or message.arrays:
+        if lent is None or message.lent not in ([REPLY_SLOT], [REPLY_SLOT, HEAP]) or message.arrays:
             raise PsdkError(f"{self.peers[index]} answered through shared memory this worker did not lend it")
         if message.rid not in lent.awaited:
             return None  # a late answer to an abandoned request: its memory is not read
         lent.awaited.remove(message.rid)
         lent.sent.pop(message.rid, None)
-        lent.memory.read_params(lent.params, message.rid)
-        message.arrays, message.lent = [lent.params], []
+        rest = lent.memory.read_params(lent.params, message.rid, heap=len(message.lent) > 1)
+        message.arrays, message.lent = [lent.params, *rest], []
         return message
 
     def sharing(self, index: int) -> str:

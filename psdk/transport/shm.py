@@ -48,7 +48,9 @@ check relies on stores becoming visible in order, as on x86: elsewhere
 only the pipes' system calls order them), then three
 float32 regions of the shard's size: the gradient the backend writes
 into, an outbox (a copy sent while the next gradient is computed into the
-first region), and the parameters the ps writes.
+first region), and the parameters the ps writes; then, for a job with
+embedding tables, two heaps for a request's other arrays and its reply's
+(:mod:`psdk.transport.heap`: a push's ids and row gradients, the rows it pulled).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ProtocolError, PsdkError
+from psdk.transport.heap import ALIGN, PREFIX_BYTES, Heap
 
 HEADER_BYTES = 4096
 TOKEN_BYTES = 16
@@ -77,7 +80,9 @@ _KNOCK_HEADER = (2112, 1984)  # where the knocked request's wire header lies
 SLOTS = ("grads", "outbox")
 """Where a request's gradient lies: the buffer the backend writes, or the copy made as it left."""
 REPLY_SLOT = "params"
-"""Where the ps writes the one array of a reply it writes in place."""
+"""Where the ps writes the first array of a reply it writes in place."""
+HEAP = "heap"
+"""Named last by a message whose arrays after the first lie in a heap (:mod:`psdk.transport.heap`)."""
 # Sealed sizes: neither side can shrink the file under the other's mapping.
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
 
@@ -91,9 +96,9 @@ def _region_bytes(size: int) -> int:
     return -(-size * 4 // 64) * 64  # each region starts 64-byte aligned
 
 
-def total_bytes(size: int) -> int:
-    """The memory file's length for a shard of ``size`` floats."""
-    return HEADER_BYTES + 3 * _region_bytes(size)
+def total_bytes(size: int, heap: int = 0) -> int:
+    """The memory file's length for a shard of ``size`` floats and two heaps of ``heap`` bytes."""
+    return HEADER_BYTES + 3 * _region_bytes(size) + 2 * heap
 
 
 class _Header:
@@ -130,28 +135,34 @@ class _Header:
 
 
 class _Views:
-    """Numpy views of one memory file: the two headers and the three float32 regions."""
+    """Numpy views of one memory file: the two headers, the three float32 regions and the two heaps."""
 
-    def __init__(self, buffer: mmap.mmap, size: int):
+    def __init__(self, buffer: mmap.mmap, size: int, heap: int):
         region = _region_bytes(size)
         self.reply = _Header(buffer, _SEQ_OFFSET, 0, _REPLY_HEADER)
         self.knock = _Header(buffer, _KNOCK_SEQ_OFFSET, 1, _KNOCK_HEADER)
         self.grads, self.outbox, self.params = (
             np.frombuffer(buffer, np.float32, size, offset=HEADER_BYTES + i * region) for i in range(3)
         )
+        heaps = HEADER_BYTES + 3 * region
+        self.up = Heap(buffer, heaps, heap) if heap else None
+        self.down = Heap(buffer, heaps + heap, heap) if heap else None
 
 
 class WorkerBuffers:
-    """A worker's side: one shard's gradient, outbox and parameter regions in a memfd it owns."""
+    """A worker's side: one shard's gradient, outbox and parameter regions in a memfd it owns.
 
-    def __init__(self, size: int):
-        self.size = size
+    ``heap``: the bytes of each of its two heaps (see :mod:`psdk.transport.heap`), 0 for none.
+    """
+
+    def __init__(self, size: int, heap: int = 0):
+        self.size, self.heap = size, heap
         self.bell = self._bell_write = self._knock_read = self._knock_write = -1
         self.fd = os.memfd_create("psdk-shard", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, total_bytes(size))
+            os.ftruncate(self.fd, total_bytes(size, heap))
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map = mmap.mmap(self.fd, total_bytes(size))
+            self._map = mmap.mmap(self.fd, total_bytes(size, heap))
             self.bell, self._bell_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             """The doorbell's read end: readable when the ps has written a reply (poll it with the sockets)."""
         except BaseException:
@@ -159,7 +170,7 @@ class WorkerBuffers:
             raise
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._map[:TOKEN_BYTES] = self.token
-        views = self._views = _Views(self._map, size)
+        views = self._views = _Views(self._map, size, heap)
         self.grads, self.outbox, self._params = views.grads, views.outbox, views.params
 
     def slot_of(self, array: np.ndarray) -> str | None:
@@ -182,8 +193,9 @@ class WorkerBuffers:
             "pid": os.getpid(),
             "fd": self.fd,
             "token": self.token.hex(),
-            "bytes": total_bytes(self.size),
+            "bytes": total_bytes(self.size, self.heap),
             "size": self.size,
+            "heap": self.heap,
         }
         if bell:
             self._close_knock_pipe()
@@ -236,8 +248,16 @@ class WorkerBuffers:
             os.read(self.bell, 65536)
         return self._views.reply.read()
 
-    def read_params(self, into: np.ndarray, rid: int) -> None:
-        """Copy the parameters the ps wrote for request ``rid`` into ``into``.
+    def put_arrays(self, rid: int, arrays: list[np.ndarray]) -> bool:
+        """Write request ``rid``'s arrays after its first into the up heap; ``False`` if they do not fit there."""
+        heap = self._views.up
+        if heap is None or not heap.fits(arrays):
+            return False
+        heap.write(rid, arrays)
+        return True
+
+    def read_params(self, into: np.ndarray, rid: int, heap: bool = False) -> list[np.ndarray]:
+        """Copy the parameters the ps wrote for request ``rid`` into ``into``; with ``heap``, the arrays after them.
 
         The ps writes before it replies and the worker reads after, so this
         only fails if a late reply to an abandoned request overwrote them
@@ -247,8 +267,18 @@ class WorkerBuffers:
         if int(seq[1]) != rid:
             raise PsdkError(f"the parameters in shared memory belong to request {int(seq[1])}, not {rid}")
         np.copyto(into, self._params)
+        arrays = self._read_heap(rid) if heap else []
         if int(seq[0]) != rid:
             raise PsdkError("the ps overwrote the parameters in shared memory while they were read")
+        return arrays
+
+    def _read_heap(self, rid: int) -> list[np.ndarray]:
+        if self._views.down is None:
+            raise PsdkError("the ps answered with arrays in a heap this worker did not lend it")
+        try:
+            return self._views.down.read(rid)
+        except ProtocolError as exc:
+            raise PsdkError(str(exc)) from None
 
     def _close_knock_pipe(self) -> None:
         _close(self._knock_read, self._knock_write)
@@ -261,8 +291,8 @@ class WorkerBuffers:
         self.fd = self.bell = self._bell_write = -1
 
 
-def _int_field(fields: dict[str, Any], key: str) -> int:
-    value = fields.get(key)
+def _int_field(fields: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = fields.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ProtocolError(f"shared memory offer has a bad {key} {value!r}")
     return value
@@ -273,16 +303,20 @@ class AttachedBuffers:
 
     def __init__(self, fields: dict[str, Any], max_size: int, pipes: bool = True):
         pid, fd, nbytes = _int_field(fields, "pid"), _int_field(fields, "fd"), _int_field(fields, "bytes")
-        size = _int_field(fields, "size")
+        size, heap = _int_field(fields, "size"), _int_field(fields, "heap", 0)
         try:
             token = bytes.fromhex(str(fields.get("token")))
         except ValueError:
             raise ProtocolError("shared memory offer has a bad token") from None
         if size > max_size:
             raise ProtocolError(f"shared memory for {size:,} floats offered, more than a message may hold here")
-        if nbytes != total_bytes(size):
+        if heap and (heap > 4 * max_size or heap < PREFIX_BYTES or heap % ALIGN):
+            raise ProtocolError(f"shared memory offered with heaps of {heap:,} bytes (0, or {PREFIX_BYTES} to "
+                                f"{4 * max_size:,} in steps of {ALIGN})")  # fmt: skip
+        if nbytes != total_bytes(size, heap):
             raise ProtocolError(
-                f"shared memory of {nbytes} bytes offered for {size} floats, which need {total_bytes(size)}"
+                f"shared memory of {nbytes} bytes offered for {size} floats and heaps of {heap}, which need "
+                f"{total_bytes(size, heap)}"
             )
         handle = _open_checked(
             pid, fd, os.O_RDWR, lambda found: stat.S_ISREG(found.st_mode) and found.st_size == nbytes
@@ -301,8 +335,8 @@ class AttachedBuffers:
             os.close(handle)
         if not secrets.compare_digest(self._map[:TOKEN_BYTES], token):
             raise ProtocolError("the offered memory file does not hold the worker's token")
-        self.size = size
-        views = self._views = _Views(self._map, size)
+        self.size, self.heap = size, heap
+        views = self._views = _Views(self._map, size, heap)
         self._params = views.params
         self._slots = dict(zip(SLOTS, (views.grads, views.outbox), strict=True))
         self.bell = -1
@@ -357,8 +391,21 @@ class AttachedBuffers:
             raise ProtocolError(f"unknown shared-memory slot {str(slot)[:32]!r} (one of {list(SLOTS)})")
         return grad
 
-    def write_reply(self, array: np.ndarray, rid: int, header: bytes | None) -> bool:
-        """Write the reply's one array for request ``rid``; with its wire ``header``, ring the doorbell too.
+    def take_arrays(self, rid: int) -> list[np.ndarray]:
+        """Private copies of the arrays request ``rid`` put in the up heap (ProtocolError: none, or torn)."""
+        if self._views.up is None:
+            raise ProtocolError("the request names a heap its sender did not lend")
+        return self._views.up.read(rid)
+
+    def fits(self, arrays: list[np.ndarray]) -> bool:
+        """Whether a reply's arrays after its first fit the down heap (else the reply goes as frames)."""
+        return not arrays or (self._views.down is not None and self._views.down.fits(arrays))
+
+    def write_reply(
+        self, array: np.ndarray, rid: int, header: bytes | None, arrays: list[np.ndarray] | None = None
+    ) -> bool:
+        """Write the reply's first array for request ``rid`` (and the ``arrays`` after it, which :meth:`fits`);
+        with its wire ``header``, ring the doorbell too.
 
         Returns whether the worker was rung: if not, the header has to go as
         a ZeroMQ message (no doorbell, a header too big for its area, or a
@@ -367,6 +414,8 @@ class AttachedBuffers:
         reply = self._views.reply
         reply.seq[0] = rid
         np.copyto(self._params, array)
+        if arrays and self._views.down is not None:
+            self._views.down.write(rid, arrays)
         ring = self.bell >= 0 and header is not None and reply.write(rid, header)
         if not ring:
             reply.clear(rid)

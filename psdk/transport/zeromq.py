@@ -25,7 +25,8 @@ from psdk.runtime.logs import RateLimitedLog
 from psdk.transport import ClientEndpoint, Incoming, ServerEndpoint, ShardBuffers, Transport, shm, zmq_guard
 from psdk.transport.frames import FrameReuse, TimedReceiver, send_parts
 from psdk.transport.handshakes import HandshakeWatch, listening
-from psdk.transport.lending import ATTACH, CONTROL_PREFIX, PROBE, REPLY_SLOT, ClientLinks, ServerLinks
+from psdk.transport.heap import MAX_ARRAYS, heap_bytes
+from psdk.transport.lending import ATTACH, CONTROL_PREFIX, PROBE, ClientLinks, ServerLinks, reply_regions
 from psdk.transport.security import CurveKeys, PsdkAuthenticator, start_authenticator
 from psdk.transport.wire import MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode, decode_reply, encode
 
@@ -263,7 +264,7 @@ class ZmqServer(ServerEndpoint):
             if written:
                 return True  # rung: no message at all
             if written is not None:  # the array is in the worker's memory; the header goes as a message
-                message = Message(message.op, message.fields, [], message.rid, lent=[REPLY_SLOT])
+                message = Message(message.op, message.fields, [], message.rid, lent=reply_regions(message))
             else:  # the caller may change the array once this returns: copied into the frame
                 message = Message(message.op, message.fields, message.arrays, message.rid, volatile=True)
         return self._send(peer, message)
@@ -335,11 +336,12 @@ class ZmqClient(ClientEndpoint):
         else:
             self.poller.unregister(fd)
 
-    def buffers(self, index: int, size: int) -> ShardBuffers:
+    def buffers(self, index: int, size: int, extra_bytes: int = 0, extra_arrays: int = 0) -> ShardBuffers:
         if not (self.shares_memory and size):
             self.links.release(index)
             return ShardBuffers.private(size)
-        buffers, offer = self.links.lend(index, size, self.new_rid())
+        heap = heap_bytes(extra_bytes, extra_arrays) if extra_arrays <= MAX_ARRAYS else 0  # else: in frames
+        buffers, offer = self.links.lend(index, size, self.new_rid(), heap)
         self._offer(index, offer)
         return buffers
 

@@ -1,0 +1,108 @@
+"""A lent memory's room for a message's other arrays: the ids and rows of embedding tables.
+
+A push with tables carries, after its dense gradient, each table's ids and
+row gradients, and its reply the rows it pulled. Sent as ZeroMQ frames they
+kept both sides' I/O threads busy (a sixth of a CTR job's CPU with CURVE,
+which encrypts every byte) while the dense arrays beside them crossed lent
+memory. A *heap* is a region of the worker's memory file (see
+:mod:`psdk.transport.shm`) that holds such arrays: one heap for what the
+worker sends (``up``), one for what the ps writes back (``down``).
+
+A heap starts with the request id before and after its arrays were written
+(a reader checks both around its copy, so a torn read is detected, never
+used), the number of arrays, and one descriptor per array (dtype, rows,
+columns, offset); the arrays follow, each 64-byte aligned. Whoever reads a
+heap copies the arrays out at once: the ps never computes on ids a worker
+could change after they were checked, and the worker's next request may
+reuse the heap as soon as it has its reply. Descriptors are copied before
+they are checked, for the same reason.
+
+Only what tables send fits (float32 and int64, one or two dimensions, at
+most :data:`MAX_ARRAYS`); anything else, or arrays beyond the heap's size,
+leaves the message on ZeroMQ frames.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from psdk.errors import ProtocolError
+
+MAX_ARRAYS = 24
+"""Arrays one heap holds (a table's push and pull take three: eight tables a request)."""
+_DTYPES = (np.dtype("<f4"), np.dtype("<i8"))
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_SEQ, _COUNT, _DESCRIPTORS = 0, 16, 64  # byte offsets in a heap's prefix
+PREFIX_BYTES = 1024  # the prefix: seq (2 x uint64), count (uint64), descriptors (4 x uint64 each)
+ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def heap_bytes(arrays_bytes: int, count: int) -> int:
+    """The heap size that holds ``count`` arrays of ``arrays_bytes`` bytes in all, whatever their alignment."""
+    return PREFIX_BYTES + aligned(arrays_bytes) + count * ALIGN if arrays_bytes else 0
+
+
+class Heap:
+    """One heap in a memory file: ``write`` arrays under a request id, ``read`` them back as private copies."""
+
+    def __init__(self, buffer: mmap.mmap, offset: int, nbytes: int):
+        self.nbytes = nbytes
+        self._seq = np.frombuffer(buffer, np.uint64, 2, offset=offset + _SEQ)
+        self._count = np.frombuffer(buffer, np.uint64, 1, offset=offset + _COUNT)
+        self._descriptors = np.frombuffer(buffer, np.uint64, 4 * MAX_ARRAYS, offset=offset + _DESCRIPTORS).reshape(
+            MAX_ARRAYS, 4
+        )
+        self._data = np.frombuffer(buffer, np.uint8, nbytes - PREFIX_BYTES, offset=offset + PREFIX_BYTES)
+
+    def fits(self, arrays: list[np.ndarray]) -> bool:
+        """Whether ``arrays`` can be written here (kinds, count and bytes); else they go as frames."""
+        if len(arrays) > MAX_ARRAYS:
+            return False
+        used = 0
+        for array in arrays:
+            if array.dtype not in _CODES or array.ndim not in (1, 2) or (array.ndim == 2 and not array.shape[1]):
+                return False
+            used += aligned(array.nbytes)
+        return used <= self._data.size
+
+    def write(self, rid: int, arrays: list[np.ndarray]) -> None:
+        """Put ``arrays`` (which :meth:`fits`) under request ``rid``."""
+        self._seq[0] = rid
+        at = 0
+        for i, array in enumerate(arrays):
+            rows, cols = (array.shape[0], 0) if array.ndim == 1 else array.shape
+            self._descriptors[i] = (_CODES[array.dtype], rows, cols, at)
+            target = self._data[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
+            np.copyto(target, array)
+            at += aligned(array.nbytes)
+        self._count[0] = len(arrays)
+        self._seq[1] = rid
+
+    def read(self, rid: int) -> list[np.ndarray]:
+        """Copies of the arrays written under request ``rid``; ProtocolError if they are not (or were torn)."""
+        if int(self._seq[1]) != rid:
+            raise ProtocolError(f"the arrays in shared memory belong to request {int(self._seq[1])}, not {rid}")
+        count = int(self._count[0])
+        if count > MAX_ARRAYS:
+            raise ProtocolError(f"shared memory names {count} arrays, more than {MAX_ARRAYS}")
+        descriptors = self._descriptors[:count].copy()  # checked as copied: the writer cannot change them after
+        arrays = [self._copy(i, *(int(v) for v in descriptor)) for i, descriptor in enumerate(descriptors)]
+        if int(self._seq[0]) != rid:
+            raise ProtocolError("the arrays in shared memory were rewritten while they were read")
+        return arrays
+
+    def _copy(self, index: int, code: int, rows: int, cols: int, at: int) -> np.ndarray:
+        if code >= len(_DTYPES):
+            raise ProtocolError(f"array {index} in shared memory has an unknown dtype code {code}")
+        dtype = _DTYPES[code]
+        shape = (rows,) if cols == 0 else (rows, cols)
+        nbytes = rows * max(cols, 1) * dtype.itemsize
+        if at % ALIGN or at + nbytes > self._data.size:
+            raise ProtocolError(f"array {index} in shared memory lies outside its region")
+        return self._data[at : at + nbytes].view(dtype).reshape(shape).copy()

@@ -1,0 +1,188 @@
+"""Table ids and rows through a lent memory's heaps: copied out, checked, never torn, else frames.
+
+The heap is tested on the memory file itself (:mod:`psdk.transport.shm`), a
+hostile worker by writing its descriptors by hand, and the whole on real
+ZeroMQ endpoints: a push with tables and its reply with rows cross the
+worker's memory and arrive as the arrays that were sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from psdk.config.options import TransportOptions
+from psdk.errors import ProtocolError, PsdkError
+from psdk.transport import ClientEndpoint, ServerEndpoint, shm
+from psdk.transport.heap import MAX_ARRAYS, heap_bytes
+from psdk.transport.wire import Message
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not shm.available(), reason="needs Linux memfd and /proc"),
+]
+
+SIZE = 100
+HEAP = heap_bytes(4096, 3)
+IDS = np.array([3, 9, 12, 40], np.int64)
+ROWS = np.arange(16, dtype=np.float32).reshape(4, 4)
+
+
+@contextmanager
+def memory(heap: int = HEAP) -> Iterator[tuple[shm.WorkerBuffers, shm.AttachedBuffers]]:
+    worker = shm.WorkerBuffers(SIZE, heap)
+    ps = shm.AttachedBuffers(worker.offer(), 1 << 20)
+    try:
+        yield worker, ps
+    finally:
+        ps.close()
+        worker.close()
+
+
+def test_a_pushs_ids_and_rows_reach_the_ps_as_private_copies() -> None:
+    with memory() as (worker, ps):
+        assert worker.put_arrays(5, [IDS, ROWS, IDS[:2]])
+        ids, rows, pulled = ps.take_arrays(5)
+        worker.put_arrays(6, [IDS * 0, ROWS * 0, IDS[:2] * 0])  # the worker's next push cannot change them
+        np.testing.assert_array_equal(ids, IDS)
+        np.testing.assert_array_equal(rows, ROWS)
+        np.testing.assert_array_equal(pulled, IDS[:2])
+        assert rows.dtype == np.float32 and ids.dtype == np.int64 and rows.flags.owndata
+
+
+def test_the_rows_a_reply_pulled_land_with_its_parameters() -> None:
+    with memory() as (worker, ps):
+        assert ps.fits([ROWS])
+        assert not ps.write_reply(np.ones(SIZE, np.float32), 8, None, [ROWS])  # no header: written, not rung
+        into = np.zeros(SIZE, np.float32)
+        (rows,) = worker.read_params(into, 8, heap=True)
+        np.testing.assert_array_equal(rows, ROWS)
+        assert (into == 1.0).all()
+
+
+def test_arrays_of_another_request_or_rewritten_while_read_are_never_used() -> None:
+    with memory() as (worker, ps):
+        worker.put_arrays(5, [IDS])
+        with pytest.raises(ProtocolError, match="belong to request 5, not 4"):
+            ps.take_arrays(4)
+        worker._views.up._seq[0] = 6  # type: ignore[union-attr]  # the next request's write began
+        with pytest.raises(ProtocolError, match="rewritten while they were read"):
+            ps.take_arrays(5)
+        ps.write_reply(np.ones(SIZE, np.float32), 8, None, [ROWS])
+        ps._views.down._seq[0] = 9  # type: ignore[union-attr]
+        with pytest.raises(PsdkError, match="rewritten"):
+            worker.read_params(np.zeros(SIZE, np.float32), 8, heap=True)
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "message"),
+    [
+        ((7, 4, 0, 0), "unknown dtype code"),
+        ((1, 1 << 40, 0, 0), "outside its region"),
+        ((0, 4, 1 << 40, 0), "outside its region"),
+        ((1, 4, 0, HEAP), "outside its region"),
+        ((1, 4, 0, 8), "outside its region"),  # not aligned
+        ((1, 1 << 62, 1 << 62, 0), "outside its region"),
+    ],
+)
+def test_a_hostile_descriptor_is_refused_naming_why(descriptor: tuple[int, ...], message: str) -> None:
+    """What a worker writes in its heap is the ps's to check: nothing outside the region is ever read."""
+    with memory() as (worker, ps):
+        worker.put_arrays(5, [IDS])
+        worker._views.up._descriptors[0] = descriptor  # type: ignore[union-attr]
+        with pytest.raises(ProtocolError, match=message):
+            ps.take_arrays(5)
+
+
+def test_a_heap_naming_more_arrays_than_it_may_is_refused() -> None:
+    with memory() as (worker, ps):
+        worker.put_arrays(5, [IDS])
+        worker._views.up._count[0] = MAX_ARRAYS + 1  # type: ignore[union-attr]
+        with pytest.raises(ProtocolError, match="more than"):
+            ps.take_arrays(5)
+
+
+def test_only_what_tables_send_fits_a_heap() -> None:
+    with memory() as (worker, _):
+        assert not worker.put_arrays(1, [IDS.astype(np.float64)])
+        assert not worker.put_arrays(1, [np.zeros((2, 2, 2), np.float32)])
+        assert not worker.put_arrays(1, [np.zeros((2, 0), np.float32)])
+        assert not worker.put_arrays(1, [IDS] * (MAX_ARRAYS + 1))
+        assert not worker.put_arrays(1, [np.zeros(HEAP, np.float32)])
+    with memory(heap=0) as (worker, ps):
+        assert not worker.put_arrays(1, [IDS]) and not ps.fits([ROWS]) and ps.fits([])
+        with pytest.raises(ProtocolError, match="did not lend"):
+            ps.take_arrays(1)
+
+
+@pytest.mark.parametrize(("heap", "message"), [(100, "heaps of 100"), (HEAP + 8, "in steps of"), (1 << 30, "to")])
+def test_a_bad_heap_in_an_offer_is_refused(heap: int, message: str) -> None:
+    worker = shm.WorkerBuffers(SIZE)
+    offer = {**worker.offer(), "heap": heap, "bytes": shm.total_bytes(SIZE, heap)}
+    with pytest.raises(ProtocolError, match=message):
+        shm.AttachedBuffers(offer, 1 << 20)
+    worker.close()
+
+
+# ----------------------------------------------------------------- real endpoints
+@contextmanager
+def endpoints(doorbells: bool, heap: int = HEAP) -> Iterator[tuple[ServerEndpoint, ClientEndpoint, Any]]:
+    options = ZmqOptions(transport=TransportOptions(doorbells=doorbells))
+    server_side, worker_side = ZmqTransport(options), ZmqTransport(options)
+    server = server_side.serve("127.0.0.1:0", "ps 0")
+    client = worker_side.connect([server.address.removeprefix("tcp://")], ["ps 0"], b"w")
+    try:
+        yield server, client, client.buffers(0, SIZE, heap)
+    finally:
+        client.close()
+        server.close()
+        for transport in (worker_side, server_side):
+            transport.close()
+
+
+def round_trip(server: ServerEndpoint, client: ClientEndpoint, buffers: Any, step: int) -> tuple[Message, Message]:
+    """One push with a table's ids, rows and pulled ids, and a reply with the pulled rows."""
+    buffers.grads[:] = step
+    push = Message("push_pull", {"step": step}, [buffers.grads, IDS, ROWS * step, IDS[:2]], stable=True)
+    pending = client.start_many({0: push})
+    incoming = server.receive(5.0)
+    assert incoming is not None and incoming.message is not None, incoming
+    got = incoming.message
+    reply = Message("params", {"step": step}, [np.full(SIZE, step, np.float32), ROWS[:2] + step], got.rid)
+    reply.in_place = True
+    assert server.reply(b"w", reply)
+    return got, pending.wait(10.0, "the parameters")[0]
+
+
+@pytest.mark.parametrize("doorbells", [True, False], ids=["knock", "header"])
+def test_a_push_with_tables_and_its_reply_cross_the_workers_memory(doorbells: bool) -> None:
+    with endpoints(doorbells) as (server, client, buffers):
+        deadline = time.monotonic() + 10
+        for step in range(1, 100):  # lending is agreed beside the first steps: within a few, they use it
+            got, answer = round_trip(server, client, buffers, step)
+            assert got.fields == {"step": step} and (got.arrays[0] == step).all()
+            np.testing.assert_array_equal(got.arrays[1], IDS)
+            np.testing.assert_array_equal(got.arrays[2], ROWS * step)
+            np.testing.assert_array_equal(got.arrays[3], IDS[:2])
+            assert (answer.arrays[0] == step).all() and len(answer.arrays) == 2
+            np.testing.assert_array_equal(answer.arrays[1], ROWS[:2] + step)
+            if got.borrowed or time.monotonic() > deadline:
+                break
+        assert got.borrowed and client.sharing(0) != "frames"
+        assert answer.arrays[0] is buffers.params  # landed in the lent memory, rows and all
+
+
+def test_without_a_heap_a_push_with_tables_goes_whole_in_frames() -> None:
+    with endpoints(doorbells=True, heap=0) as (server, client, buffers):
+        for step in range(1, 30):
+            got, answer = round_trip(server, client, buffers, step)
+            np.testing.assert_array_equal(got.arrays[2], ROWS * step)
+            np.testing.assert_array_equal(answer.arrays[1], ROWS[:2] + step)
+            assert not got.borrowed
+        assert client.sharing(0) != "frames"  # lent, and used for pushes without tables
