@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import zmq
 
-from psdk.client.rows import plan_tables, sum_duplicates, unique_ids
-from psdk.protocol.tables import TableSpec
+from psdk.client.rows import plan_tables, split_by_shard, sum_duplicates, unique_ids
+from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.transport.frames import FrameReuse
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,6 +53,40 @@ def test_pulled_rows_come_back_in_the_callers_order(num_ps: int, order: str) -> 
     rows = plans["emb"].assemble(sent)
     np.testing.assert_allclose(rows, row_of(ids), atol=0)
     assert plans["emb"].ids.tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("sharding", ["hash", "range"])
+@pytest.mark.parametrize("num_ps", [1, 2, 3, 7])
+def test_each_shard_gets_exactly_the_ids_it_holds_and_a_range_tables_parts_are_views(
+    sharding: str, num_ps: int
+) -> None:
+    spec = TableSpec("emb", 4, capacity=1000, sharding=sharding)
+    for draw in range(20):
+        rng = np.random.default_rng(draw)
+        ids = np.unique(rng.integers(0, 1000 if draw % 2 else rng.integers(1, 1000), rng.integers(0, 60)))
+        grads = rng.standard_normal((len(ids), 4)).astype(np.float32)
+        parts, plans = plan_tables({"emb": spec}, num_ps, push={"emb": (ids, grads)}, pull={"emb": ids})
+        where = shard_of_ids(spec, ids, num_ps)
+        for shard in range(num_ps):
+            held = ids[where == shard]
+            if not len(held):
+                assert not parts[shard].entries
+                continue
+            pushed, rows, pulled = parts[shard].arrays
+            assert pushed.tolist() == held.tolist() == pulled.tolist()
+            np.testing.assert_array_equal(rows, grads[where == shard])
+            if sharding == "range" or num_ps == 1:
+                assert np.shares_memory(rows, grads) and np.shares_memory(pulled, ids)
+        if len(ids):
+            sent = {shard: parts[shard].arrays[1] for shard in plans["emb"].masks}
+            np.testing.assert_array_equal(plans["emb"].assemble(sent), grads)
+
+
+def test_ids_a_range_table_cannot_hold_are_refused_whatever_the_shards() -> None:
+    spec = TableSpec("emb", 4, capacity=1000, sharding="range")
+    for num_ps in (1, 2):
+        with pytest.raises(ValueError, match=r"holds ids 0 \.\. 999"):
+            split_by_shard(spec, np.array([5, 1000], np.int64), num_ps)
 
 
 def test_rows_of_the_wrong_shape_are_refused() -> None:

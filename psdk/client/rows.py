@@ -5,7 +5,10 @@ The ps takes ids strictly increasing and each on its own shard
 ``np.unique`` per table and step, which also sums a batch's duplicate ids'
 gradients (as ``IndexedSlices`` are summed before TensorFlow's sparse apply,
 and ``torch.sparse`` tensors are coalesced). Shards are cut from the unique,
-sorted ids with one boolean mask each, which keeps each part sorted.
+sorted ids with one boolean mask each, which keeps each part sorted; where
+every shard's ids are one run of them (a ``range`` table, whose shards hold
+blocks of ids, or a single ps) each part is a slice instead: a view, found
+by one binary search per shard, with nothing copied.
 
 Ids that come unique and sorted already (a batch's ``ids.unique()``, as the
 training loop pulls them and its backend's row gradients are keyed) are
@@ -29,6 +32,8 @@ from psdk.transport.wire import Message
 
 RowPush = tuple[np.ndarray, np.ndarray]
 """(ids, row gradients): ``len(ids) x dim`` float32, ids int64 in any order, duplicates allowed."""
+Part = slice | np.ndarray
+"""Which of a table's unique, sorted ids a shard holds: a run of them, or a boolean mask."""
 
 
 def as_ids(spec: TableSpec, ids: Any) -> np.ndarray:
@@ -83,7 +88,7 @@ class PullPlan:
     unique: np.ndarray
     inverse: np.ndarray | None
     """Where each id the caller gave is in ``unique``; ``None``: they were ``unique`` already."""
-    masks: dict[int, np.ndarray]
+    masks: dict[int, Part]
     """Per shard, which of ``unique`` it was asked for."""
 
     @property
@@ -95,7 +100,7 @@ class PullPlan:
         """The rows of the ids as the caller gave them (duplicates repeated), from each shard's reply."""
         for shard, mask in self.masks.items():
             got = rows[shard]
-            if got.shape != (int(np.count_nonzero(mask)), self.spec.dim):
+            if got.shape != (part_size(mask), self.spec.dim):
                 raise PsdkError(f"ps {shard} sent rows of table {self.spec.name!r} of shape {list(got.shape)}")
         if len(self.masks) == 1 and len(self.unique):  # one shard holds them all: its rows are in order
             out = rows[next(iter(self.masks))]
@@ -106,15 +111,29 @@ class PullPlan:
         return out if self.inverse is None else out[self.inverse]
 
 
-def split_by_shard(spec: TableSpec, ids: np.ndarray, num_ps: int) -> dict[int, np.ndarray]:
+def split_by_shard(spec: TableSpec, ids: np.ndarray, num_ps: int) -> dict[int, Part]:
     """Per shard, which of ``ids`` (unique, sorted) it holds (empty parts left out)."""
+    if spec.sharding == "range" and len(ids):
+        shard_of_ids(spec, ids[[0, -1]], num_ps)  # ids the table cannot hold raise (sorted: its ends tell)
+    if num_ps == 1:
+        return {0: slice(0, len(ids))} if len(ids) else {}
+    if spec.sharding == "range":  # each shard holds a block of ids: its part is a run of the sorted ids
+        per = spec.shard_capacity(num_ps)
+        ends = np.searchsorted(ids, np.arange(1, num_ps + 1, dtype=np.int64) * per)
+        starts = np.concatenate([[0], ends[:-1]])
+        return {s: slice(int(a), int(b)) for s, (a, b) in enumerate(zip(starts, ends, strict=True)) if b > a}
     where = shard_of_ids(spec, ids, num_ps)
-    masks = {}
+    masks: dict[int, Part] = {}
     for shard in range(num_ps):
         mask = where == shard
         if mask.any():
             masks[shard] = mask
     return masks
+
+
+def part_size(part: Part) -> int:
+    """How many ids a shard's part holds."""
+    return part.stop - part.start if isinstance(part, slice) else int(np.count_nonzero(part))
 
 
 @dataclass
