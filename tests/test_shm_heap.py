@@ -84,11 +84,13 @@ def test_arrays_of_another_request_or_rewritten_while_read_are_never_used() -> N
     ("descriptor", "message"),
     [
         ((7, 4, 0, 0), "unknown dtype code"),
-        ((1, 1 << 40, 0, 0), "outside its region"),
-        ((0, 4, 1 << 40, 0), "outside its region"),
+        ((1, 1 << 30, 0, 0), "outside its region"),
+        ((0, 4, 1 << 30, 0), "outside its region"),
         ((1, 4, 0, HEAP), "outside its region"),
         ((1, 4, 0, 8), "outside its region"),  # not aligned
-        ((1, 1 << 62, 1 << 62, 0), "outside its region"),
+        ((1, 1 << 62, 1 << 62, 0), "size over"),
+        ((0, 0, 1 << 63, 0), "size over"),  # no bytes, an impossible shape: refused, never reshaped
+        ((1, 1 << 31, 0, 0), "size over"),
     ],
 )
 def test_a_hostile_descriptor_is_refused_naming_why(descriptor: tuple[int, ...], message: str) -> None:
@@ -97,6 +99,15 @@ def test_a_hostile_descriptor_is_refused_naming_why(descriptor: tuple[int, ...],
         worker.put_arrays(5, [IDS])
         worker._views.up._descriptors[0] = descriptor  # type: ignore[union-attr]
         with pytest.raises(ProtocolError, match=message):
+            ps.take_arrays(5)
+
+
+def test_arrays_may_not_overlap_so_a_read_copies_at_most_the_heap() -> None:
+    """24 descriptors of the whole heap would make the ps copy 24 heaps' worth: the second is refused."""
+    with memory() as (worker, ps):
+        worker.put_arrays(5, [IDS, IDS])
+        worker._views.up._descriptors[1] = worker._views.up._descriptors[0]  # type: ignore[union-attr]
+        with pytest.raises(ProtocolError, match="over the one before"):
             ps.take_arrays(5)
 
 
@@ -132,13 +143,13 @@ def test_a_bad_heap_in_an_offer_is_refused(heap: int, message: str) -> None:
 
 # ----------------------------------------------------------------- real endpoints
 @contextmanager
-def endpoints(doorbells: bool, heap: int = HEAP) -> Iterator[tuple[ServerEndpoint, ClientEndpoint, Any]]:
+def endpoints(doorbells: bool, heap: int = 4096) -> Iterator[tuple[ServerEndpoint, ClientEndpoint, Any]]:
     options = ZmqOptions(transport=TransportOptions(doorbells=doorbells))
     server_side, worker_side = ZmqTransport(options), ZmqTransport(options)
     server = server_side.serve("127.0.0.1:0", "ps 0")
     client = worker_side.connect([server.address.removeprefix("tcp://")], ["ps 0"], b"w")
     try:
-        yield server, client, client.buffers(0, SIZE, heap)
+        yield server, client, client.buffers(0, SIZE, extra_bytes=heap, extra_arrays=3 if heap else 0)
     finally:
         client.close()
         server.close()
@@ -176,6 +187,68 @@ def test_a_push_with_tables_and_its_reply_cross_the_workers_memory(doorbells: bo
                 break
         assert got.borrowed and client.sharing(0) != "frames"
         assert answer.arrays[0] is buffers.params  # landed in the lent memory, rows and all
+
+
+def test_a_hostile_heap_is_refused_to_its_sender_and_the_ps_serves_on() -> None:
+    """Whatever a worker writes in its heap, the ps's endpoint hands the ps a refusal, never an exception."""
+    with endpoints(doorbells=True) as (server, client, buffers):
+        for step in range(1, 100):
+            got, _ = round_trip(server, client, buffers, step)
+            if got.borrowed:
+                break
+        assert got.borrowed
+        heap = client.links.by_index[0].memory._views.up  # type: ignore[attr-defined]
+        buffers.grads[:] = 1.0
+        client.start_many({0: Message("push_pull", {}, [buffers.grads, IDS, ROWS, IDS], stable=True)})
+        heap._descriptors[0] = (0, 0, 1 << 63, 0)  # rewritten after the knock, before the ps reads it
+        refused = server.receive(5.0)
+        assert refused is not None and refused.message is None and "size over" in str(refused.error)
+        got, answer = round_trip(server, client, buffers, 200)  # the next push is served as ever
+        np.testing.assert_array_equal(got.arrays[2], ROWS * 200)
+        np.testing.assert_array_equal(answer.arrays[1], ROWS[:2] + 200)
+
+
+def lend(server: ServerEndpoint, client: ClientEndpoint, buffers: Any) -> None:
+    """Push until the lending is agreed and the ps reads a push from the worker's memory."""
+    for step in range(1, 100):
+        got, _ = round_trip(server, client, buffers, step)
+        if got.borrowed:
+            return
+    raise AssertionError("the worker's memory was never used")
+
+
+def test_a_push_naming_a_heap_the_ps_let_go_is_sent_again_whole() -> None:
+    """Say a restarted ps: its endpoint sends the request back, and the worker's sends all four arrays in frames."""
+    with endpoints(doorbells=False) as (server, client, buffers):
+        lend(server, client, buffers)
+        server.forget(b"w")
+        buffers.grads[:] = 7.0
+        pending = client.start_many({0: Message("push_pull", {}, [buffers.grads, IDS, ROWS * 7, IDS[:2]], stable=True)})
+        deadline, got = time.monotonic() + 10, None
+        while got is None and time.monotonic() < deadline:
+            client.receive(0.01)  # the worker takes the endpoint's answer and sends the request again
+            got = server.receive(0.05)
+        assert got is not None and got.message is not None and not got.message.borrowed
+        np.testing.assert_array_equal(got.message.arrays[2], ROWS * 7)
+        assert len(got.message.arrays) == 4 and (got.message.arrays[0] == 7.0).all()
+        assert server.reply(b"w", Message("params", {}, [np.zeros(SIZE, np.float32), ROWS], got.message.rid))
+        np.testing.assert_array_equal(pending.wait(10.0, "the parameters")[0].arrays[1], ROWS)
+
+
+def test_rows_a_heap_cannot_hold_come_back_whole_in_frames() -> None:
+    with endpoints(doorbells=True, heap=200) as (server, client, buffers):  # room for the push's small arrays
+        lend(server, client, buffers)
+        buffers.grads[:] = 3.0
+        pending = client.start_many({0: Message("push_pull", {}, [buffers.grads, IDS, ROWS, IDS], stable=True)})
+        got = server.receive(5.0)
+        assert got is not None and got.message is not None and got.message.borrowed
+        many = np.arange(1600, dtype=np.float32).reshape(100, 16)  # 6,400 bytes: more than the heap holds
+        reply = Message("params", {}, [np.full(SIZE, 3.0, np.float32), many], got.message.rid, in_place=True)
+        assert server.reply(b"w", reply)
+        many[:] = -1.0  # in place means the endpoint is done with it: it went as a copy
+        answer = pending.wait(10.0, "the parameters")[0]
+        assert (answer.arrays[0] == 3.0).all()
+        np.testing.assert_array_equal(answer.arrays[1], np.arange(1600, dtype=np.float32).reshape(100, 16))
 
 
 def test_without_a_heap_a_push_with_tables_goes_whole_in_frames() -> None:

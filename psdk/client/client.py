@@ -335,14 +335,13 @@ class ParameterClient:
     ) -> Pending:
         """Send this step's gradients to every shard; the replies are collected later.
 
-        Between this and :meth:`finish_push_pull` the worker may prepare its
-        next batch, but must not touch :attr:`params`, nor :attr:`grads`
-        unless ``copy``: then the gradients are copied as they leave and the
-        next one may be computed into :attr:`grads` at once. ``basis`` says
-        which parameters the gradients were computed from (default: the
-        current ones). ``rows`` and ``pull``: see :meth:`push_pull`.
+        Between this and :meth:`finish_push_pull` the worker may prepare its next batch, but must
+        not touch :attr:`params`, nor :attr:`grads` or the arrays of ``rows`` and ``pull`` unless
+        ``copy``: then they are copied as they leave and the next gradient may be computed into
+        them at once. ``basis`` says which parameters the gradients were computed from (default:
+        the current ones). ``rows`` and ``pull``: see :meth:`push_pull`.
         """
-        parts, self._row_plans = plan_tables(self.tables, self.cluster.num_ps, push=rows, pull=pull)
+        parts, self._row_plans = plan_tables(self.tables, self.cluster.num_ps, push=rows, pull=pull, copy=copy)
         if grads is not None:
             for name, view in self._grads.items():
                 if grads[name] is not view:

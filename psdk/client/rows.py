@@ -150,8 +150,18 @@ def plan_tables(
     push: Mapping[str, RowPush] | None = None,
     pull: Mapping[str, Any] | None = None,
     read: bool = False,
+    copy: bool = False,
 ) -> tuple[dict[int, ShardTables], dict[str, PullPlan]]:
-    """Each shard's table entries for one request, and how to put the pulled rows back together."""
+    """Each shard's table entries for one request, and how to put the pulled rows back together.
+
+    A shard's part may be a view of the caller's ids and row gradients (a run of
+    them): the request carries them as they are until its reply, unless ``copy``.
+    """
+
+    def cut(array: np.ndarray, part: Part) -> np.ndarray:
+        taken = array[part]  # a mask's part is a copy already
+        return taken.copy() if copy and isinstance(part, slice) else taken
+
     push, pull = push or {}, pull or {}
     unknown = (set(push) | set(pull)) - set(tables)
     if unknown:
@@ -163,13 +173,13 @@ def plan_tables(
         pushing: dict[int, RowPush] = {}
         if name in push:
             ids, grads = sum_duplicates(spec, *push[name])
-            pushing = {s: (ids[m], grads[m]) for s, m in split_by_shard(spec, ids, num_ps).items()}
+            pushing = {s: (cut(ids, m), cut(grads, m)) for s, m in split_by_shard(spec, ids, num_ps).items()}
         pulling: dict[int, np.ndarray] = {}
         if name in pull:
             unique, inverse = unique_ids(as_ids(spec, pull[name]))
             masks = split_by_shard(spec, unique, num_ps)
             plans[name] = PullPlan(spec, unique, inverse, masks)
-            pulling = {s: unique[m] for s, m in masks.items()}
+            pulling = {s: cut(unique, m) for s, m in masks.items()}
         for shard in sorted(set(pushing) | set(pulling)):
             part = parts[shard]
             entry: dict[str, Any] = {"table": name}

@@ -25,10 +25,12 @@ leaves the message on ZeroMQ frames.
 from __future__ import annotations
 
 import mmap
+from typing import Any
 
 import numpy as np
 
 from psdk.errors import ProtocolError
+from psdk.transport.wire import MAX_DIM
 
 MAX_ARRAYS = 24
 """Arrays one heap holds (a table's push and pull take three: eight tables a request)."""
@@ -92,17 +94,28 @@ class Heap:
         if count > MAX_ARRAYS:
             raise ProtocolError(f"shared memory names {count} arrays, more than {MAX_ARRAYS}")
         descriptors = self._descriptors[:count].copy()  # checked as copied: the writer cannot change them after
-        arrays = [self._copy(i, *(int(v) for v in descriptor)) for i, descriptor in enumerate(descriptors)]
+        places, end = [], 0
+        for index, descriptor in enumerate(descriptors):
+            code, rows, cols, at = (int(v) for v in descriptor)
+            place = self._place(index, code, rows, cols, at, end)
+            places.append(place)
+            end = place[0] + place[1]
+        arrays = [self._data[at : at + nbytes].view(dtype).reshape(shape).copy() for at, nbytes, dtype, shape in places]
         if int(self._seq[0]) != rid:
             raise ProtocolError("the arrays in shared memory were rewritten while they were read")
         return arrays
 
-    def _copy(self, index: int, code: int, rows: int, cols: int, at: int) -> np.ndarray:
+    def _place(
+        self, index: int, code: int, rows: int, cols: int, at: int, end: int
+    ) -> tuple[int, int, np.dtype[Any], tuple[int, ...]]:
+        """Where array ``index`` lies (offset, bytes, dtype, shape), checked: after the one before it (arrays never
+        overlap, so what is copied is at most the heap), aligned, inside the heap, of sizes a frame may have."""
         if code >= len(_DTYPES):
             raise ProtocolError(f"array {index} in shared memory has an unknown dtype code {code}")
+        if rows > MAX_DIM or cols > MAX_DIM:
+            raise ProtocolError(f"array {index} in shared memory has a size over {MAX_DIM}")
         dtype = _DTYPES[code]
-        shape = (rows,) if cols == 0 else (rows, cols)
         nbytes = rows * max(cols, 1) * dtype.itemsize
-        if at % ALIGN or at + nbytes > self._data.size:
-            raise ProtocolError(f"array {index} in shared memory lies outside its region")
-        return self._data[at : at + nbytes].view(dtype).reshape(shape).copy()
+        if at % ALIGN or at < end or at + nbytes > self._data.size:
+            raise ProtocolError(f"array {index} in shared memory lies outside its region, or over the one before")
+        return at, nbytes, dtype, (rows,) if cols == 0 else (rows, cols)

@@ -120,6 +120,8 @@ class ServerLinks:
                 message.arrays += lent.take_arrays(message.rid)
         except ProtocolError as exc:
             raise MalformedMessage(str(exc), message.rid) from None
+        except Exception as exc:  # what a worker wrote must never end the ps: a refusal, whatever it was
+            raise MalformedMessage(f"unreadable arrays in shared memory: {exc!r:.200}", message.rid) from None
         message.lent, message.borrowed = [], True
         return message
 
