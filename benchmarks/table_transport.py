@@ -173,13 +173,9 @@ def index_work(batches: list[Batch], vocab: int, count: int, warmup: int) -> tup
     return worker / count * 1e6, ps / count * 1e6
 
 
-KINDS = ("sparse", "dense", "sparse-shm", "dense-shm")
-LABELS = {
-    "sparse": "sparse push + pull (frames)",
-    "dense": "dense push + pull (frames)",
-    "sparse-shm": "sparse push + pull (shared memory)",
-    "dense-shm": "dense push + pull (shared memory)",
-}
+TRANSPORTS = (("", "frames"), ("-shm", "shared memory"))
+"""Each kind's suffix, and the transport it names."""
+KINDS = tuple(side + suffix for suffix, _ in TRANSPORTS for side in ("sparse", "dense"))
 
 
 def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: int) -> dict[str, Any]:
@@ -206,10 +202,11 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
     out["sorting_us"] = round(statistics.median(w[0] for w in work), 1)
     out["ps_table_us"] = round(statistics.median(w[1] for w in work), 1)
     work_us = out["sorting_us"] + out["ps_table_us"]
-    for suffix in ("", "-shm"):  # each transport against the dense round trip on the same one
+    for suffix, _ in TRANSPORTS:  # each transport against the dense round trip on the same one
         sparse, dense = out["sparse" + suffix]["total_us"], max(out["dense" + suffix]["total_us"], 1e-9)
-        out[f"sparse_transport{suffix.replace('-', '_')}_us"] = round(sparse - work_us, 1)
-        out[f"ratio{suffix.replace('-', '_')}"] = round((sparse - work_us) / dense, 3)  # 1e-9: a run may read 0
+        key = suffix.replace("-", "_")
+        out[f"sparse_transport{key}_us"] = round(sparse - work_us, 1)
+        out[f"ratio{key}"] = round((sparse - work_us) / dense, 3)  # 1e-9: a tiny run's process time may read 0
     return out
 
 
@@ -224,15 +221,18 @@ def table(out: dict[str, Any]) -> str:
         "| round trip | client µs | ps µs | CPU µs | ÷ dense |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for kind in KINDS:
-        r, dense = out[kind], max(out["dense" + kind.removeprefix("sparse").removeprefix("dense")]["total_us"], 1e-9)
-        lines.append(f"| {LABELS[kind]} | {r['client_us']:.0f} | {r['ps_us']:.0f} | {r['total_us']:.0f} | "
-                     f"{r['total_us'] / dense:.2f}× |")  # fmt: skip
+    for suffix, where in TRANSPORTS:
+        dense = max(out["dense" + suffix]["total_us"], 1e-9)
+        for side in ("sparse", "dense"):
+            r = out[side + suffix]
+            lines.append(f"| {side} push + pull ({where}) | {r['client_us']:.0f} | {r['ps_us']:.0f} | "
+                         f"{r['total_us']:.0f} | {r['total_us'] / dense:.2f}× |")  # fmt: skip
     lines.append(f"| sparse: worker's sort and cut of the ids | {out['sorting_us']:.0f} | | | |")
     lines.append(f"| sparse: ps's id checks, index, rows gathered and created | | {out['ps_table_us']:.0f} | | |")
-    for suffix, where in (("", "frames"), ("_shm", "shared memory")):
+    for suffix, where in TRANSPORTS:
+        key = suffix.replace("-", "_")
         lines.append(f"| sparse transport, {where} (encode to decode) | | | "
-                     f"{out[f'sparse_transport{suffix}_us']:.0f} | {out[f'ratio{suffix}']:.2f}× |")  # fmt: skip
+                     f"{out[f'sparse_transport{key}_us']:.0f} | {out[f'ratio{key}']:.2f}× |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -112,9 +112,9 @@ def shards_from(
 
 
 def table_arrays(tables: Collection[TableSpec]) -> tuple[int, int]:
-    """The bytes and the number of one push's table arrays to a shard at their most (per table: ``max_ids``
-    ids and rows pushed, as many ids pulled), more than its reply's rows: what the transport may lend room for."""
-    return sum(spec.max_ids * (8 + spec.row_bytes() + 8) for spec in tables), 3 * len(tables)
+    """The bytes and the number of one push's table arrays to a shard at their most: what the transport may
+    lend room for (:meth:`TableSpec.request_bytes`; three arrays a table)."""
+    return sum(spec.request_bytes() for spec in tables), 3 * len(tables)
 
 
 def job_of(replies: Mapping[int, Message]) -> JobSpec:

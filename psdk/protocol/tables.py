@@ -88,6 +88,11 @@ class TableSpec:
     def row_bytes(self) -> int:
         return 4 * self.dim
 
+    def request_bytes(self) -> int:
+        """The most bytes of this table's arrays one push carries: ``max_ids`` ids and rows pushed, as many ids
+        pulled (more than its reply's rows). The ps caps messages with it; a worker sizes lent memory with it."""
+        return self.max_ids * (8 + self.row_bytes() + 8)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

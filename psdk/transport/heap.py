@@ -54,7 +54,6 @@ class Heap:
     """One heap in a memory file: ``write`` arrays under a request id, ``read`` them back as private copies."""
 
     def __init__(self, buffer: mmap.mmap, offset: int, nbytes: int):
-        self.nbytes = nbytes
         self._seq = np.frombuffer(buffer, np.uint64, 2, offset=offset + _SEQ)
         self._count = np.frombuffer(buffer, np.uint64, 1, offset=offset + _COUNT)
         self._descriptors = np.frombuffer(buffer, np.uint64, 4 * MAX_ARRAYS, offset=offset + _DESCRIPTORS).reshape(

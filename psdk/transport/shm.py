@@ -335,7 +335,7 @@ class AttachedBuffers:
             os.close(handle)
         if not secrets.compare_digest(self._map[:TOKEN_BYTES], token):
             raise ProtocolError("the offered memory file does not hold the worker's token")
-        self.size, self.heap = size, heap
+        self.size = size
         views = self._views = _Views(self._map, size, heap)
         self._params = views.params
         self._slots = dict(zip(SLOTS, (views.grads, views.outbox), strict=True))

@@ -49,4 +49,4 @@ def fill_tables(tables: Mapping[str, ServedTable], restored: Collection[str]) ->
 
 def tables_bytes(tables: Iterable[ServedTable]) -> int:
     """The most bytes of table arrays one push may carry: per table, its most ids pushed (with rows) and pulled."""
-    return sum(table.spec.max_ids * (8 + table.spec.row_bytes() + 8) for table in tables)
+    return sum(table.spec.request_bytes() for table in tables)
