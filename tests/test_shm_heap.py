@@ -45,15 +45,25 @@ def memory(heap: int = HEAP) -> Iterator[tuple[shm.WorkerBuffers, shm.AttachedBu
         worker.close()
 
 
-def test_a_pushs_ids_and_rows_reach_the_ps_as_private_copies() -> None:
+def test_a_pushs_ids_reach_the_ps_as_private_copies_and_its_rows_are_read_in_place() -> None:
     with memory() as (worker, ps):
         assert worker.put_arrays(5, [IDS, ROWS, IDS[:2]])
         ids, rows, pulled = ps.take_arrays(5)
-        worker.put_arrays(6, [IDS * 0, ROWS * 0, IDS[:2] * 0])  # the worker's next push cannot change them
-        np.testing.assert_array_equal(ids, IDS)
         np.testing.assert_array_equal(rows, ROWS)
+        assert rows.dtype == np.float32 and not rows.flags.owndata  # values: read in place, as a dense gradient
+        worker.put_arrays(6, [IDS * 0, ROWS * 0, IDS[:2] * 0])  # the worker's next push cannot change ids
+        np.testing.assert_array_equal(ids, IDS)
         np.testing.assert_array_equal(pulled, IDS[:2])
-        assert rows.dtype == np.float32 and ids.dtype == np.int64 and rows.flags.owndata
+        assert ids.dtype == np.int64 and ids.flags.owndata and pulled.flags.owndata
+        np.testing.assert_array_equal(rows, ROWS * 0)  # (rows are the worker's again once it has its reply)
+
+
+def test_the_worker_reads_a_replys_rows_as_private_copies() -> None:
+    with memory() as (worker, ps):
+        ps.write_reply(np.zeros(SIZE, np.float32), 7, None, [ROWS])
+        (rows,) = worker.read_params(np.empty(SIZE, np.float32), 7, heap=True)
+        ps.write_reply(np.zeros(SIZE, np.float32), 8, None, [ROWS * 0])
+        np.testing.assert_array_equal(rows, ROWS)
 
 
 def test_the_rows_a_reply_pulled_land_with_its_parameters() -> None:

@@ -1,13 +1,14 @@
 """Embedding tables served by real ps shards: pulls by id, pushes of rows, every mode's arithmetic, refusals.
 
-Two ps threads over real ZeroMQ (shared memory on, so the dense part may
-travel in lent memory while rows travel in frames), real clients. Each
+Two ps threads over real ZeroMQ (shared memory on, so the dense part and
+the rows travel in the workers' lent memory), real clients. Each
 expected value is computed here in numpy from the rule's formula; each
 refusal is shown to leave the rows as they were.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -231,3 +232,70 @@ def test_two_workers_train_rows_in_async_and_ssp_modes(mode: str) -> None:
         rows = clients[1].pull_rows({"users": [1, 2]}, read=True)["users"]
         np.testing.assert_allclose(rows, before - lr * 3, rtol=1e-6, atol=1e-6)
         assert clients[0].pull() == 6
+
+
+def test_a_round_keeps_its_own_copy_of_rows_the_worker_lent_in_shared_memory() -> None:
+    """Rows pushed through a worker's memory are read in place; a sync round that holds them past the
+    push copies them first, so whatever that memory holds later (an abandoned request's retry) is not summed."""
+    lr = 0.5
+    with running_ps(2) as ps, ThreadPoolExecutor(1) as pool:
+        clients = [ParameterClient(ps.transport, ps.cluster(2), i, FAST) for i in range(2)]
+        try:
+            assert clients[0].initialize(DENSE, JobSpec(SyncSpec("sync").resolved(2), 1000, 2), SGD(lr=lr),
+                                         tables=(USERS,))  # fmt: skip
+            clients[1].wait_initialized()
+            for client in clients:
+                client.pull()
+            before = clients[0].pull_rows({"users": [1, 2, 3]})["users"]
+            first = pool.submit(clients[0].push_pull, None, {"users": ([1, 2], np.ones((2, 4), np.float32))})
+            deadline = time.monotonic() + 20
+            while not all(server.policy and server.policy.parked() for server in ps.servers):  # both rounds wait
+                assert time.monotonic() < deadline and not first.done()
+                time.sleep(0.01)
+            heaps = [lent.memory._views.up for lent in clients[0].endpoint.links.by_index.values()]
+            assert heaps and all(heap is not None for heap in heaps)  # the rows did cross its memory
+            for heap in heaps:
+                heap._data.view(np.float32)[:] = 1000.0  # what the worker's memory holds from now on
+            second = clients[1].push_pull(rows={"users": ([2, 3], np.full((2, 4), 3.0, np.float32))})
+            assert first.result(timeout=20).outcome == second.outcome == "applied"
+            after = clients[0].pull_rows({"users": [1, 2, 3]})["users"]
+            expected = before - lr * np.array([[1.0] * 4, [4.0] * 4, [3.0] * 4], np.float32) / 2
+            np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-7)
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_a_push_held_by_a_checkpoint_pause_keeps_its_own_copy_of_lent_rows() -> None:
+    """A pause holds a push past the moment its rows were read in place: they are copied, as its gradient is."""
+    lr = 0.5
+    with running_ps(2) as ps, ThreadPoolExecutor(1) as pool:
+        clients = [ParameterClient(ps.transport, ps.cluster(2), i, FAST) for i in range(2)]
+        try:
+            chief, worker = clients
+            assert chief.initialize(DENSE, JobSpec(SyncSpec("async").resolved(2), 1000, 2), SGD(lr=lr),
+                                    tables=(USERS,))  # fmt: skip
+            worker.wait_initialized()
+            for client in clients:
+                client.pull()
+            before = chief.pull_rows({"users": [1, 2]})["users"]
+            version = int(chief.status()["version"])
+            assert all(
+                r.op == "paused" for r in chief.request(chief.to_all("pause_at", version=version), "a pause").values()
+            )
+            push = pool.submit(worker.push_pull, None, {"users": ([1, 2], np.ones((2, 4), np.float32))})
+            deadline = time.monotonic() + 20
+            while not all(server.pause.pushes for server in ps.servers):
+                assert time.monotonic() < deadline and not push.done()
+                time.sleep(0.01)
+            heaps = [lent.memory._views.up for lent in worker.endpoint.links.by_index.values()]
+            assert heaps and all(heap is not None for heap in heaps)
+            for heap in heaps:
+                heap._data.view(np.float32)[:] = 1000.0
+            chief.request(chief.to_all("resume"), "the end of the pause")
+            assert push.result(timeout=20).outcome == "applied"
+            after = chief.pull_rows({"users": [1, 2]})["users"]
+            np.testing.assert_allclose(after, before - lr, rtol=1e-6, atol=1e-7)
+        finally:
+            for client in clients:
+                client.close()

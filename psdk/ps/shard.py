@@ -316,6 +316,8 @@ class ServedShard:
         if self.failure:
             self.outbox.error(peer, message.rid, self.failure, "failed")
             return
+        if message.borrowed and self.policy is not None and self.policy.waits_for_rounds:
+            tables = tables.private()  # a round keeps its rows past the reply; a lent heap is the worker's again
         self.submit(Push(peer, message.rid, worker, version, grad, bound=bound, tables=tables))
 
     def _stable(self, grad: np.ndarray) -> np.ndarray:
@@ -345,7 +347,7 @@ class ServedShard:
             self.reply_params(push.peer, push.rid, "done", push.worker, push.tables.pulls)
             return
         if self.pause.covers(self.store.version):  # a copy: a gradient in shared memory is only lent until the reply
-            self.pause.pushes.append(dataclasses.replace(push, grad=push.grad.copy()))
+            self.pause.pushes.append(dataclasses.replace(push, grad=push.grad.copy(), tables=push.tables.private()))
             return
         counters = self.stats.worker(push.worker)
         counters.pushed += 1

@@ -52,8 +52,9 @@ class ServerEndpoint(ABC):
     def receive(self, timeout_s: float) -> Incoming | None:
         """The next request, or ``None`` when nothing came within ``timeout_s``.
 
-        A request's arrays may be :attr:`~psdk.transport.wire.Message.borrowed`: views
-        of memory the sender lent, valid until it has the reply.
+        A request's float arrays may be :attr:`~psdk.transport.wire.Message.borrowed`:
+        views of memory the sender lent, valid until it has the reply. Its
+        integer arrays (ids, which the ps indexes with) are always its own.
         """
 
     def lent_memory(self, peer: bytes) -> bool:

@@ -11,11 +11,16 @@ worker sends (``up``), one for what the ps writes back (``down``).
 A heap starts with the request id before and after its arrays were written
 (a reader checks both around its copy, so a torn read is detected, never
 used), the number of arrays, and one descriptor per array (dtype, rows,
-columns, offset); the arrays follow, each 64-byte aligned. Whoever reads a
-heap copies the arrays out at once: the ps never computes on ids a worker
-could change after they were checked, and the worker's next request may
-reuse the heap as soon as it has its reply. Descriptors are copied before
-they are checked, for the same reason.
+columns, offset); the arrays follow, each 64-byte aligned. Descriptors are
+copied before they are checked, and ids (int64) are copied out at once: the
+ps never indexes with ids a worker could change after they were checked.
+The worker copies everything out, as its next request may reuse the heap
+once it has the reply. The ps may read float32 values (row gradients) in
+place, as it reads a dense gradient in a lent region: changed under it by
+a misbehaving worker they are only other numbers, and every update checks
+what it wrote is finite (:meth:`psdk.ps.tables.served.ServedTable.stage_update`);
+whatever the ps keeps past its reply it copies first
+(:meth:`psdk.ps.tables.requests.TableRequest.private`).
 
 Only what tables send fits (float32 and int64, one or two dimensions, at
 most :data:`MAX_ARRAYS`); anything else, or arrays beyond the heap's size,
@@ -51,7 +56,7 @@ def heap_bytes(arrays_bytes: int, count: int) -> int:
 
 
 class Heap:
-    """One heap in a memory file: ``write`` arrays under a request id, ``read`` them back as private copies."""
+    """One heap in a memory file: ``write`` arrays under a request id, ``read`` them back (ids always copied)."""
 
     def __init__(self, buffer: mmap.mmap, offset: int, nbytes: int):
         self._seq = np.frombuffer(buffer, np.uint64, 2, offset=offset + _SEQ)
@@ -85,8 +90,12 @@ class Heap:
         self._count[0] = len(arrays)
         self._seq[1] = rid
 
-    def read(self, rid: int) -> list[np.ndarray]:
-        """Copies of the arrays written under request ``rid``; ProtocolError if they are not (or were torn)."""
+    def read(self, rid: int, copy_values: bool = True) -> list[np.ndarray]:
+        """Copies of the arrays written under request ``rid``; ProtocolError if they are not (or were torn).
+
+        Without ``copy_values``, float32 arrays are views of the heap (valid
+        until the writer's next request); ids are copied whatever it says.
+        """
         if int(self._seq[1]) != rid:
             raise ProtocolError(f"the arrays in shared memory belong to request {int(self._seq[1])}, not {rid}")
         count = int(self._count[0])
@@ -99,7 +108,10 @@ class Heap:
             place = self._place(index, code, rows, cols, at, end)
             places.append(place)
             end = place[0] + place[1]
-        arrays = [self._data[at : at + nbytes].view(dtype).reshape(shape).copy() for at, nbytes, dtype, shape in places]
+        arrays = []
+        for at, nbytes, dtype, shape in places:
+            array = self._data[at : at + nbytes].view(dtype).reshape(shape)
+            arrays.append(array.copy() if copy_values or dtype != _DTYPES[0] else array)
         if int(self._seq[0]) != rid:
             raise ProtocolError("the arrays in shared memory were rewritten while they were read")
         return arrays

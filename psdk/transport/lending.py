@@ -116,7 +116,7 @@ class ServerLinks:
             raise MalformedMessage(f"a request names the {HEAP} once, last, after a region", message.rid)
         try:
             message.arrays = [lent.region(slot) for slot in names if slot != HEAP]
-            if names[-1] == HEAP:  # copied out now: the ps never reads ids the worker could change after
+            if names[-1] == HEAP:  # ids copied out now: the ps never indexes with ids the worker could change
                 message.arrays += lent.take_arrays(message.rid)
         except ProtocolError as exc:
             raise MalformedMessage(str(exc), message.rid) from None

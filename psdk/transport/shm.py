@@ -392,10 +392,11 @@ class AttachedBuffers:
         return grad
 
     def take_arrays(self, rid: int) -> list[np.ndarray]:
-        """Private copies of the arrays request ``rid`` put in the up heap (ProtocolError: none, or torn)."""
+        """The arrays request ``rid`` put in the up heap (ProtocolError: none, or torn): ids as private copies,
+        values (row gradients) read in place, as :meth:`region`'s are, until the reply."""
         if self._views.up is None:
             raise ProtocolError("the request names a heap its sender did not lend")
-        return self._views.up.read(rid)
+        return self._views.up.read(rid, copy_values=False)
 
     def fits(self, arrays: list[np.ndarray]) -> bool:
         """Whether a reply's arrays after its first fit the down heap (else the reply goes as frames)."""

@@ -67,8 +67,8 @@ class Message:
     """A reply whose one array the transport may write into memory the receiver lent (same host) instead
     of sending it; either way it is done with the array when ``reply`` returns."""
     borrowed: bool = False
-    """Set by a transport on a received message: the arrays are views of memory the sender lent, which it
-    may rewrite once it has the reply. Copy what must outlive that."""
+    """Set by a transport on a received message: its float arrays may be views of memory the sender lent,
+    which it may rewrite once it has the reply (copy what must outlive that); integer arrays never are."""
     lent: list[str] = field(default_factory=list)
     """On the wire only: names of regions of lent memory that hold the message's arrays instead of frames.
     A transport resolves them before handing the message on, so the ps and the client never see them."""
