@@ -33,10 +33,20 @@ def test_flat_fields_are_packed_and_come_back_as_they_were(fields: dict[str, Any
     assert [type(v) for v in message.fields.values()] == [type(v) for v in fields.values()]
 
 
+def test_a_pushs_table_entries_are_packed_and_each_message_gets_its_own() -> None:
+    fields = {"seq": 3, "tables": [{"table": "ctr", "push": True, "pull": True}], "report": {"a": [1, 2]}}
+    packed, message = round_trip(fields)
+    assert packed[0] == PACKED and message.fields == fields
+    unpacker = Unpacker(MAX_HEADER_BYTES)
+    first = unpacker.unpack(packed)
+    first.fields["tables"][0]["push"] = False  # a handler changing its message changes no other
+    assert unpacker.unpack(packed).fields == fields
+
+
 @pytest.mark.parametrize(
     "fields",
-    [{"report": {"a": [1, 2]}}, {"big": 2**64}, {"text": "x" * 100}, {"names": ["a", "b"]}],
-    ids=["nested", "beyond 64 bits", "long string", "list"],
+    [{"big": 2**64}, {"text": "x" * 100}, {"names": ["a" * 60] * 10}],
+    ids=["beyond 64 bits", "long string", "long list"],
 )
 def test_anything_else_goes_as_json_and_is_checked_as_a_message_is(fields: dict[str, Any]) -> None:
     packed = Packer(MAX_HEADER_BYTES).pack(Message("push_pull", fields, [], 7), ["grads"])
@@ -46,6 +56,12 @@ def test_anything_else_goes_as_json_and_is_checked_as_a_message_is(fields: dict[
             Unpacker(MAX_HEADER_BYTES).unpack(packed)
     else:
         assert Unpacker(MAX_HEADER_BYTES).unpack(packed).fields == fields
+
+
+def test_a_packed_list_is_checked_as_a_messages_fields_are() -> None:
+    packed = Packer(MAX_HEADER_BYTES).pack(Message("push_pull", {"deep": [[1, [2**64]]]}, [], 7), ["grads"])
+    with pytest.raises(MalformedMessage, match="64-bit"):
+        Unpacker(MAX_HEADER_BYTES).unpack(packed)
 
 
 def forged(layout: bytes, values: bytes) -> bytes:
@@ -64,8 +80,26 @@ def forged(layout: bytes, values: bytes) -> bytes:
         (forged(b'["op", [], [["x","q",null],["x","q",null]]]', struct.pack("<qqq", 1, 2, 3)), "one twice"),
         (forged(b'["op", [], [["x","q",null]]]', struct.pack("<q", 1)), "where its layout makes"),
         (forged(b'["op", [], [["x","d",null]]]', struct.pack("<qd", 1, float("nan"))), "not a finite number"),
+        (forged(b'["op", [], [["x","j",3]]]', struct.pack("<q", 1)), "unknown kind"),
+        (forged(b'["op", [], [["x","j",[NaN]]]]', struct.pack("<q", 1)), "field 'x'"),
+        (forged(b'["op", [], [["x","j",[18446744073709551616]]]]', struct.pack("<q", 1)), "64-bit"),
+        (forged(b'["op", [], [["x","j",' + b"[" * 17 + b"]" * 17 + b"]]]", struct.pack("<q", 1)), "deeper"),
     ],
-    ids=["empty", "tag", "layout", "op", "lent", "kind", "twice", "length", "nan"],
+    ids=[
+        "empty",
+        "tag",
+        "layout",
+        "op",
+        "lent",
+        "kind",
+        "twice",
+        "length",
+        "nan",
+        "j kind",
+        "j nan",
+        "j big",
+        "j deep",
+    ],
 )
 def test_a_forged_header_is_refused_naming_why(data: bytes, why: str) -> None:
     with pytest.raises(MalformedMessage, match=why):

@@ -9,7 +9,10 @@ field's name and kind, the strings and ``None`` as constants) in JSON, then
 the request id and the values with :mod:`struct`. Both sides cache layouts,
 so a layout is built and checked once; the receiver still checks every
 layout it has not seen (as :func:`psdk.transport.wire.decode` checks a
-header), and values cannot be out of range by construction. Any other
+header), and values cannot be out of range by construction. A small list
+or dict that recurs message after message (a push's ``tables`` entries) is
+a constant of its layout too, kept as its JSON text and parsed afresh for
+each message, so no handler shares (or could change) another's. Any other
 header goes as tagged JSON, decoded as a message is.
 """
 
@@ -20,12 +23,14 @@ import math
 import struct
 from typing import Any
 
+from psdk.errors import ProtocolError
 from psdk.transport.wire import (
     MAX_LENT,
     MAX_OP_CHARS,
     MAX_STRING_CHARS,
     MalformedMessage,
     Message,
+    check_json,
     decode,
     encode_header,
 )
@@ -37,7 +42,11 @@ MAX_LAYOUTS = 64
 MAX_FIELDS = 64
 MAX_CONSTANT_CHARS = 64
 """Longer strings go in JSON: a layout keyed by a long string would not be met again."""
+MAX_JSON_CONSTANT_CHARS = 512
+"""A list or dict whose JSON is longer goes in JSON (eight tables' entries take about 350)."""
 _KINDS = {"q": int, "?": bool, "d": float}
+_CONSTANTS = ("c", "j")
+"""Kinds held by the layout, not packed: ``None`` or a short string as it is, a list or dict as JSON text."""
 _LENGTH = struct.Struct("<BH")  # tag, layout bytes
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _DECODER = json.JSONDecoder()
@@ -60,6 +69,8 @@ class Packer:
                 values.append(value)
             elif value is None or (kind is str and len(value) <= MAX_CONSTANT_CHARS):
                 spec.append((name, "c", value))
+            elif (kind is list or kind is dict) and (text := _constant_text(value)) is not None:
+                spec.append((name, "j", text))  # keyed by its text: the layout writes the value itself
             else:
                 return self._json(message, lent)
         key = (message.op, *lent, *spec)
@@ -75,12 +86,22 @@ class Packer:
             return self._json(message, lent)
 
     def _layout(self, op: str, lent: list[str], spec: list[tuple[str, str, Any]]) -> tuple[bytes, struct.Struct]:
-        text = _ENCODER.encode([op, lent, [list(entry) for entry in spec]]).encode()
-        packer = struct.Struct("<q" + "".join(kind for _, kind, _ in spec if kind != "c"))
+        entries = [[name, kind, _DECODER.decode(value) if kind == "j" else value] for name, kind, value in spec]
+        text = _ENCODER.encode([op, lent, entries]).encode()
+        packer = struct.Struct("<q" + "".join(kind for _, kind, _ in spec if kind not in _CONSTANTS))
         return _LENGTH.pack(PACKED, len(text)) + text, packer
 
     def _json(self, message: Message, lent: list[str]) -> bytes:
         return bytes([JSON]) + encode_header(message, lent, self.max_header_bytes)
+
+
+def _constant_text(value: list[Any] | dict[str, Any]) -> str | None:
+    """``value``'s JSON if it is short enough to be a layout's constant (and valid JSON: NaN is not)."""
+    try:
+        text = _ENCODER.encode(value)
+    except (ValueError, TypeError):
+        return None  # the JSON header it then goes in says what is wrong
+    return text if len(text) <= MAX_JSON_CONSTANT_CHARS else None
 
 
 class Unpacker:
@@ -113,8 +134,8 @@ class Unpacker:
         fields: dict[str, Any] = {}
         taken = iter(values)
         for name, kind, constant in spec:
-            if kind == "c":
-                fields[name] = constant
+            if kind in _CONSTANTS:
+                fields[name] = _DECODER.decode(constant) if kind == "j" else constant  # "j": a fresh copy each
                 continue
             value = next(taken)
             if kind == "d" and not math.isfinite(value):
@@ -139,9 +160,17 @@ def _checked_layout(text: bytes) -> tuple[str, list[str], list[tuple[str, str, A
     for (name, kind, constant), (raw, _, _) in zip(spec, entries, strict=True):
         if not isinstance(raw, str) or len(name) > MAX_STRING_CHARS:
             raise MalformedMessage("a packed header's field names must be strings")
+        if kind == "j" and isinstance(constant, (list, dict)):
+            try:
+                check_json(constant)
+                _ENCODER.encode(constant)  # ValueError: NaN or an infinity, which a JSON header may not hold
+            except (ProtocolError, ValueError) as exc:
+                raise MalformedMessage(f"a packed header's field {name[:64]!r}: {exc}") from None
+            continue
         if kind not in _KINDS and not (kind == "c" and (constant is None or isinstance(constant, str))):
             raise MalformedMessage(f"a packed header's field {name[:64]!r} has an unknown kind")
         if isinstance(constant, str) and len(constant) > MAX_STRING_CHARS:
             raise MalformedMessage(f"a string of {len(constant)} characters exceeds {MAX_STRING_CHARS}")
-    packer = struct.Struct("<q" + "".join(kind for _, kind, _ in spec if kind != "c"))
+    spec = [(name, kind, _ENCODER.encode(value) if kind == "j" else value) for name, kind, value in spec]
+    packer = struct.Struct("<q" + "".join(kind for _, kind, _ in spec if kind not in _CONSTANTS))
     return op, list(lent), spec, packer

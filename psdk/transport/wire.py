@@ -153,7 +153,7 @@ def _check_scalar(item: Any) -> None:
         raise ProtocolError(f"a string of {len(item)} characters exceeds {MAX_STRING_CHARS}")
 
 
-def _check_json(value: Any) -> None:
+def check_json(value: Any) -> None:
     """Refuse what no handler expects and some could choke on: deep nesting, huge integers, long strings.
 
     Iterative, so its own depth costs nothing; a header that nests deeper
@@ -239,7 +239,7 @@ def _decode(frames: Sequence[Any], max_header_bytes: int) -> Message:
         raise ProtocolError(f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
-    _check_json(header)
+    check_json(header)
     op, rid, fields, specs = header.get("op"), header.get("rid"), header.get("f"), header.get("a")
     if not isinstance(op, str) or not op:
         raise ProtocolError("header has no op")
