@@ -90,6 +90,37 @@ def test_arrays_of_another_request_or_rewritten_while_read_are_never_used() -> N
             worker.read_params(np.zeros(SIZE, np.float32), 8, heap=True)
 
 
+def test_rows_gathered_into_the_room_a_reply_gets_reach_the_worker_without_a_copy() -> None:
+    with memory() as (worker, ps):
+        room = ps.reply_room(8, [(4, 4), (2, 4)])
+        assert room is not None and [r.shape for r in room] == [(4, 4), (2, 4)]
+        np.take(ROWS, [0, 1, 2, 3], axis=0, out=room[0])  # as the ps gathers a pull's rows
+        room[1][...] = ROWS[:2] * -1
+        assert not ps.write_reply(np.ones(SIZE, np.float32), 8, None, room)
+        first, second = worker.read_params(np.zeros(SIZE, np.float32), 8, heap=True)
+        np.testing.assert_array_equal(first, ROWS)
+        np.testing.assert_array_equal(second, ROWS[:2] * -1)
+
+
+def test_room_taken_for_a_reply_tears_the_one_before_and_is_refused_when_it_cannot_fit() -> None:
+    with memory() as (worker, ps):
+        ps.write_reply(np.ones(SIZE, np.float32), 8, None, [ROWS])
+        assert ps.reply_room(9, [(4, 4)]) is not None  # a late reply's rows now go where rid 8's lay
+        with pytest.raises(PsdkError, match="rewritten"):
+            worker.read_params(np.zeros(SIZE, np.float32), 8, heap=True)
+        assert ps.reply_room(10, [(HEAP, 4)]) is None
+        assert ps.reply_room(10, [(1, 4)] * (MAX_ARRAYS + 1)) is None
+        assert ps.reply_room(10, [(1, 0)]) is None
+    worker, lent = shm.WorkerBuffers(SIZE, 0), None
+    try:
+        lent = shm.AttachedBuffers(worker.offer(), 1 << 20)
+        assert lent.reply_room(3, [(1, 4)]) is None  # no heap lent: the rows are built anywhere
+    finally:
+        if lent is not None:
+            lent.close()
+        worker.close()
+
+
 @pytest.mark.parametrize(
     ("descriptor", "message"),
     [
@@ -197,6 +228,17 @@ def test_a_push_with_tables_and_its_reply_cross_the_workers_memory(doorbells: bo
                 break
         assert got.borrowed and client.sharing(0) != "frames"
         assert answer.arrays[0] is buffers.params  # landed in the lent memory, rows and all
+        assert server.reply_room(b"w", got.rid + 1, [(2, 4)]) is None  # its last reply is not known read yet
+        buffers.grads[:] = 1.0
+        pending = client.start_many({0: Message("push_pull", {}, [buffers.grads, IDS, ROWS, IDS[:2]], stable=True)})
+        incoming = server.receive(5.0)
+        assert incoming is not None and incoming.message is not None
+        room = server.reply_room(b"w", incoming.message.rid, [(2, 4)])
+        assert room is not None  # this reply's rows may be gathered where they go
+        room[0][...] = 7.0
+        reply = Message("params", {}, [np.zeros(SIZE, np.float32), room[0]], incoming.message.rid, in_place=True)
+        assert server.reply(b"w", reply)
+        np.testing.assert_array_equal(pending.wait(10.0, "the parameters")[0].arrays[1], np.full((2, 4), 7.0))
 
 
 def test_a_hostile_heap_is_refused_to_its_sender_and_the_ps_serves_on() -> None:

@@ -37,6 +37,19 @@ def test_a_lookup_creates_rows_that_read_back_and_a_block_round_trips() -> None:
     assert table.lookup(ids(12345), create=False).tolist() == [[0.0, 0.0, 0.0]] and len(table) == 3
 
 
+@pytest.mark.parametrize("wanted", [(10, 4, 99), (4, 10, 99), (4, 10, 4), (4, 12345, 10)],
+                         ids=["increasing", "any order", "duplicates", "one without a row"])  # fmt: skip
+def test_a_lookup_into_given_memory_fills_it_as_a_fresh_one_would(wanted: tuple[int, ...]) -> None:
+    """The ps gathers a pull's rows straight into the worker's memory (psdk.transport.heap's room)."""
+    table = RowTable(3, 16, seed=7)
+    table.lookup(ids(10, 4, 99))
+    expected = table.lookup(ids(*wanted), create=False)
+    out = np.full((len(wanted), 3), np.nan, np.float32)
+    increasing = bool(np.all(np.diff(wanted) > 0))
+    assert table.lookup(ids(*wanted), create=False, increasing=increasing, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+
+
 def test_duplicate_ids_in_a_batch_get_one_row_each_time() -> None:
     table = RowTable(4, 8)
     rows = table.lookup(ids(5, 2, 5, 5, 2))

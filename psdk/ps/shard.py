@@ -35,7 +35,7 @@ from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
 from psdk.ps.store import ParameterStore, RestoreState
 from psdk.ps.tables.chunks import ChunkedRestore, chunk_bytes, restores_of
-from psdk.ps.tables.requests import TablePull, pulled_rows, table_request
+from psdk.ps.tables.requests import TablePull, pulled_rows, pulled_shapes, table_request
 from psdk.ps.tables.setup import fill_tables, place_tables, tables_bytes
 from psdk.runtime.failpoints import PS_UPDATE, failpoint
 from psdk.transport import ServerEndpoint
@@ -178,12 +178,15 @@ class ServedShard:
         if self.policy is not None and self.job is not None and not self.job.sync.waits_for_rounds:
             fields["slowest"] = self.policy.slowest()  # lets a worker check the staleness bound
         rows: list[np.ndarray] = []
+        lent = self.endpoint.lent_memory(peer)
         if pulls:
+            # Gathered straight into the worker's memory where it lent room for them: no copy after.
+            room = self.endpoint.reply_room(peer, rid, pulled_shapes(pulls)) if lent else None
             looking = time.perf_counter()
-            rows = pulled_rows(pulls)
+            rows = pulled_rows(pulls, room)
             if outcome != "pulled":  # a step's pull (a plain pull's, evaluation's, is no push's)
                 self.stats.index_s += time.perf_counter() - looking
-        if self.endpoint.lent_memory(peer):  # written into the worker's memory (rows too): no copy of ours
+        if lent:  # written into the worker's memory (rows too): no copy of ours
             self.outbox.deliver(peer, Message("params", fields, [self.store.params(), *rows], rid, in_place=True))
             return
         # Each worker has a reply buffer of its own, sent zero-copy with a frame built once. It is

@@ -65,6 +65,16 @@ class ServerEndpoint(ABC):
         """
         return False
 
+    def reply_room(self, peer: bytes, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Float32 arrays of ``shapes``, in ``peer``'s lent memory, for the arrays after the first of the
+        ``in_place`` reply to request ``rid``; ``None``: this endpoint has none (build them anywhere).
+
+        The ps fills them (a pull's rows gathered straight in) and replies
+        with them before any other reply to ``peer``; :meth:`reply` then
+        copies nothing of theirs. Unused, they cost nothing.
+        """
+        return None
+
     def connected(self, peer: bytes) -> bool | None:
         """Whether ``peer``'s connection is still open (its process is alive); ``None``: this transport cannot tell.
 

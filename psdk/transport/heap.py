@@ -50,6 +50,11 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` (of one shape and dtype) are the same bytes: an array filled where it goes."""
+    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides)
+
+
 def heap_bytes(arrays_bytes: int, count: int) -> int:
     """The heap size that holds ``count`` arrays of ``arrays_bytes`` bytes in all, whatever their alignment."""
     return PREFIX_BYTES + aligned(arrays_bytes) + count * ALIGN if arrays_bytes else 0
@@ -77,15 +82,33 @@ class Heap:
             used += aligned(array.nbytes)
         return used <= self._data.size
 
+    def room(self, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Float32 arrays of ``shapes`` where :meth:`write` of request ``rid`` would put them (None: no room),
+        for a writer to fill in place; written with them, they are not copied again.
+
+        From now on the heap reads as torn for any other request: a reader
+        still copying an earlier one's arrays sees it changed under it.
+        """
+        float32 = _DTYPES[0]
+        places, at = [], 0
+        for rows, cols in shapes:
+            places.append((at, (rows, cols)))
+            at += aligned(rows * cols * float32.itemsize)
+        if len(shapes) > MAX_ARRAYS or at > self._data.size or any(cols < 1 for _, cols in shapes):
+            return None
+        self._seq[0] = rid
+        return [self._data[a : a + r * c * float32.itemsize].view(float32).reshape(r, c) for a, (r, c) in places]
+
     def write(self, rid: int, arrays: list[np.ndarray]) -> None:
-        """Put ``arrays`` (which :meth:`fits`) under request ``rid``."""
+        """Put ``arrays`` (which :meth:`fits`) under request ``rid``; those :meth:`room` gave are there already."""
         self._seq[0] = rid
         at = 0
         for i, array in enumerate(arrays):
             rows, cols = (array.shape[0], 0) if array.ndim == 1 else array.shape
             self._descriptors[i] = (_CODES[array.dtype], rows, cols, at)
             target = self._data[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
-            np.copyto(target, array)
+            if not _same_memory(target, array):
+                np.copyto(target, array)
             at += aligned(array.nbytes)
         self._count[0] = len(arrays)
         self._seq[1] = rid

@@ -153,6 +153,13 @@ class ServerLinks:
         except MalformedMessage as exc:
             return Incoming(peer, None, exc, rid=exc.rid if exc.rid is not None else rid, user=user)
 
+    def reply_room(self, peer: bytes, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Room in ``peer``'s memory for the rows of the reply to ``rid``, if :meth:`write` will put it there."""
+        lent = self.by_peer.get(peer)
+        if lent is None or peer in self._unread:
+            return None
+        return lent.reply_room(rid, shapes)
+
     def write(self, peer: bytes, message: Message) -> bool | None:
         """Put ``message``'s arrays in ``peer``'s memory (the first as its parameters, any others in its heap):
         True if rung, False if its header must still go (naming :func:`reply_regions`), ``None`` if it could

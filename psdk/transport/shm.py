@@ -402,6 +402,10 @@ class AttachedBuffers:
         """Whether a reply's arrays after its first fit the down heap (else the reply goes as frames)."""
         return not arrays or (self._views.down is not None and self._views.down.fits(arrays))
 
+    def reply_room(self, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Float32 arrays in the down heap for the rows of request ``rid``'s reply (see :meth:`Heap.room`)."""
+        return self._views.down.room(rid, shapes) if self._views.down is not None else None
+
     def write_reply(
         self, array: np.ndarray, rid: int, header: bytes | None, arrays: list[np.ndarray] | None = None
     ) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from psdk.config.options import TransportOptions
@@ -257,6 +258,9 @@ class ZmqServer(ServerEndpoint):
             return Incoming(peer, message, nbytes=nbytes, user=user)
         except MalformedMessage as exc:
             return Incoming(peer, None, exc, rid=exc.rid, nbytes=nbytes, user=user)
+
+    def reply_room(self, peer: bytes, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        return self.links.reply_room(peer, rid, shapes)
 
     def reply(self, peer: bytes, message: Message) -> bool:
         if message.in_place:

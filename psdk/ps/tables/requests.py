@@ -92,6 +92,12 @@ def table_request(
     return request
 
 
-def pulled_rows(pulls: Sequence[TablePull]) -> list[np.ndarray]:
-    """The rows a reply carries, read now (a training pull creates the rows it names)."""
-    return [pull.table.pull(pull.ids, pull.create) for pull in pulls]
+def pulled_rows(pulls: Sequence[TablePull], into: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+    """The rows a reply carries, read now (a training pull creates the rows it names); gathered straight
+    into ``into`` (one array per pull, of its shape) if given."""
+    return [pull.table.pull(pull.ids, pull.create, into[i] if into else None) for i, pull in enumerate(pulls)]
+
+
+def pulled_shapes(pulls: Sequence[TablePull]) -> list[tuple[int, int]]:
+    """The shape of each pull's rows, for room to gather them into."""
+    return [(len(pull.ids), pull.table.spec.dim) for pull in pulls]

@@ -20,9 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def take_rows(array: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """``array[slots]`` along the first axis (a new array; repeats allowed; negative slots count from the end)."""
-    return np.take(array, slots, axis=0)
+def take_rows(array: np.ndarray, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``array[slots]`` along the first axis (a new array, or ``out``; repeats allowed; negative slots count
+    from the end)."""
+    return np.take(array, slots, axis=0, out=out)
 
 
 def _records(block: np.ndarray) -> np.ndarray:

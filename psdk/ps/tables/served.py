@@ -146,9 +146,10 @@ class ServedTable:
         return RowGrad(ids, rows)
 
     # ------------------------------------------------------------ rows
-    def pull(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
-        """The rows of ``ids`` (checked by :meth:`check_ids`); a training pull (``create``) counts, stamps, creates."""
-        return self.rows.lookup(ids, create=create, increasing=True)
+    def pull(self, ids: np.ndarray, create: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows of ``ids`` (checked by :meth:`check_ids`), in ``out`` if given; a training pull (``create``)
+        counts, stamps, creates."""
+        return self.rows.lookup(ids, create=create, increasing=True, out=out)
 
     def stage_update(self, grad: RowGrad, rule: UpdateRule, step: int, scale: float = 1.0) -> StagedRows:
         """The touched rows and slots after ``rule`` (at the shard's ``step``), not yet written back.

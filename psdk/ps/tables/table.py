@@ -108,8 +108,10 @@ class RowTable:
 
     # -- rows ---------------------------------------------------------------------------------
 
-    def lookup(self, ids: np.ndarray, create: bool = True, increasing: bool = False) -> np.ndarray:
-        """The rows of ``ids`` (``len(ids) x dim``, a copy); zeros for ids without a row.
+    def lookup(
+        self, ids: np.ndarray, create: bool = True, increasing: bool = False, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The rows of ``ids`` (``len(ids) x dim``, a copy, in ``out`` if given); zeros for ids without a row.
 
         ``create=True`` (a training pull) counts the ids, stamps their rows as
         used and creates the rows of admitted ids; ``create=False`` (a read)
@@ -130,12 +132,17 @@ class RowTable:
         else:
             slots = self.index.find(unique)
         have = slots >= 0
+        into = out if inverse is None else None  # with duplicates, the unique rows are gathered first
         if bool(have.all()):
-            found = take_rows(self.rows, slots)
+            found = take_rows(self.rows, slots, into)
         else:
-            found = np.zeros((len(unique), self.dim), np.float32)
+            if into is None:
+                found = np.zeros((len(unique), self.dim), np.float32)
+            else:
+                found = into
+                found.fill(0.0)
             found[have] = take_rows(self.rows, slots[have])
-        return found if inverse is None else take_rows(found, inverse)
+        return found if inverse is None else take_rows(found, inverse, out)
 
     def _count_stamp_create(
         self, unique: np.ndarray, inverse: np.ndarray | None, slots: np.ndarray, ends: np.ndarray
