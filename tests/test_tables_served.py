@@ -18,12 +18,13 @@ import pytest
 
 from psdk.client import ClientOptions, ParameterClient
 from psdk.config.options import TransportOptions
-from psdk.errors import RemoteError
+from psdk.errors import NonFiniteError, RemoteError
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD, Adagrad, Adam, UpdateRule
 from psdk.ps.tables.hashing import initial_rows, table_key
+from psdk.ps.tables.served import ServedTable
 
 from .conftest import running_ps
 
@@ -299,3 +300,18 @@ def test_a_push_held_by_a_checkpoint_pause_keeps_its_own_copy_of_lent_rows() -> 
         finally:
             for client in clients:
                 client.close()
+
+
+@pytest.mark.parametrize("rule", [SGD(lr=0.5), Adagrad(lr=0.3, initial_accumulator_value=0.1, eps=0.0)], ids=str)
+def test_rows_that_turn_non_finite_after_their_check_are_refused_by_the_update(rule: UpdateRule) -> None:
+    """The ps reads lent row gradients in place: a worker may rewrite them between the check and the update,
+    which refuses whatever would leave NaN or Inf in the rows or slots, and changes nothing."""
+    table = ServedTable(USERS, 0, 1, rule)
+    ids = np.array([1, 2], np.int64)
+    before = table.pull(ids).copy()
+    rows = np.ones((2, 4), np.float32)
+    grad = table.check_grad(ids, rows)
+    rows[1, 3] = np.inf  # rewritten in the worker's memory after the check
+    with pytest.raises(NonFiniteError, match="would leave NaN or Inf"):
+        table.stage_update(grad, rule, 1)
+    np.testing.assert_array_equal(table.pull(ids, create=False), before)
