@@ -21,9 +21,15 @@ import numpy as np
 
 
 def take_rows(array: np.ndarray, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``array[slots]`` along the first axis (a new array, or ``out``; repeats allowed; negative slots count
-    from the end)."""
-    return np.take(array, slots, axis=0, out=out)
+    """``array[slots]`` along the first axis (a new array; repeats allowed; negative slots count from the end).
+
+    Into ``out``, ``slots`` must lie in ``[0, len(array))`` (an index's own slots): checking bounds, numpy
+    would gather through a temporary and copy it into ``out`` (200 us against 115 for a click batch's
+    9,700 rows of 16), so they are clipped, not checked.
+    """
+    if out is None:
+        return np.take(array, slots, axis=0)
+    return np.take(array, slots, axis=0, out=out, mode="clip")
 
 
 def _records(block: np.ndarray) -> np.ndarray:
