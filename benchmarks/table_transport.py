@@ -29,7 +29,10 @@ written back around the no-op rule, the pull's lookup and row creation)
 is what the ps itself timed around those calls in each run (its
 ``time_per_push``, wall time of its one serving thread), taken off that
 run's CPU; it is also replayed in this process on the same batches, as a
-check. The worker's sort and cut of the ids (``plan_tables``: the
+check. Wall time is more than CPU time when the serving thread waits for
+a core, which would make the transport look cheaper: on the idle 2-core
+machine the two agreed within 2% (thread CPU of the same calls, one
+instrumented run), not on a busy one. The worker's sort and cut of the ids (``plan_tables``: the
 ``np.unique`` that sums duplicates, the shards' parts; putting pulled rows
 back in order) is timed in this process on the same batches.
 

@@ -48,7 +48,8 @@ def memory(heap: int = HEAP) -> Iterator[tuple[shm.WorkerBuffers, shm.AttachedBu
 def test_a_pushs_ids_reach_the_ps_as_private_copies_and_its_rows_are_read_in_place() -> None:
     with memory() as (worker, ps):
         assert worker.put_arrays(5, [IDS, ROWS, IDS[:2]])
-        ids, rows, pulled = ps.take_arrays(5)
+        assert all(array.flags.owndata for array in ps.take_arrays(5))  # any other request's: all copied
+        ids, rows, pulled = ps.take_arrays(5, borrow_values=True)
         np.testing.assert_array_equal(rows, ROWS)
         assert rows.dtype == np.float32 and not rows.flags.owndata  # values: read in place, as a dense gradient
         worker.put_arrays(6, [IDS * 0, ROWS * 0, IDS[:2] * 0])  # the worker's next push cannot change ids
@@ -90,13 +91,20 @@ def test_arrays_of_another_request_or_rewritten_while_read_are_never_used() -> N
             worker.read_params(np.zeros(SIZE, np.float32), 8, heap=True)
 
 
-def test_rows_gathered_into_the_room_a_reply_gets_reach_the_worker_without_a_copy() -> None:
+def test_rows_gathered_into_the_room_a_reply_gets_reach_the_worker_without_a_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with memory() as (worker, ps):
         room = ps.reply_room(8, [(4, 4), (2, 4)])
         assert room is not None and [r.shape for r in room] == [(4, 4), (2, 4)]
         np.take(ROWS, [0, 1, 2, 3], axis=0, out=room[0])  # as the ps gathers a pull's rows
         room[1][...] = ROWS[:2] * -1
+        copied: list[tuple[int, ...]] = []
+        copyto = np.copyto
+        monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (copied.append(np.shape(src)), copyto(dst, src, **kw)))
         assert not ps.write_reply(np.ones(SIZE, np.float32), 8, None, room)
+        monkeypatch.undo()
+        assert copied == [(SIZE,)]  # the parameters only: the rows were where they go
         first, second = worker.read_params(np.zeros(SIZE, np.float32), 8, heap=True)
         np.testing.assert_array_equal(first, ROWS)
         np.testing.assert_array_equal(second, ROWS[:2] * -1)
@@ -239,6 +247,21 @@ def test_a_push_with_tables_and_its_reply_cross_the_workers_memory(doorbells: bo
         reply = Message("params", {}, [np.zeros(SIZE, np.float32), room[0]], incoming.message.rid, in_place=True)
         assert server.reply(b"w", reply)
         np.testing.assert_array_equal(pending.wait(10.0, "the parameters")[0].arrays[1], np.full((2, 4), 7.0))
+
+
+def test_only_a_pushs_row_gradients_are_read_in_place_any_other_requests_values_are_copied() -> None:
+    """A chief's init or restore is checked and then kept: nothing of it may stay in the worker's memory."""
+    with endpoints(doorbells=True) as (server, client, buffers):
+        for step in range(1, 100):
+            got, _ = round_trip(server, client, buffers, step)
+            if got.borrowed:
+                break
+        assert got.borrowed and not got.arrays[2].flags.owndata and got.arrays[1].flags.owndata
+        client.start_many({0: Message("restore", {}, [buffers.grads, IDS, ROWS], stable=True)})
+        incoming = server.receive(5.0)
+        assert incoming is not None and incoming.message is not None and incoming.message.borrowed
+        assert all(array.flags.owndata for array in incoming.message.arrays[1:])
+        np.testing.assert_array_equal(incoming.message.arrays[2], ROWS)
 
 
 def test_a_hostile_heap_is_refused_to_its_sender_and_the_ps_serves_on() -> None:

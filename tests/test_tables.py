@@ -37,8 +37,11 @@ def test_a_lookup_creates_rows_that_read_back_and_a_block_round_trips() -> None:
     assert table.lookup(ids(12345), create=False).tolist() == [[0.0, 0.0, 0.0]] and len(table) == 3
 
 
-@pytest.mark.parametrize("wanted", [(10, 4, 99), (4, 10, 99), (4, 10, 4), (4, 12345, 10)],
-                         ids=["increasing", "any order", "duplicates", "one without a row"])  # fmt: skip
+@pytest.mark.parametrize(
+    "wanted",
+    [(4, 10, 99), (10, 4, 99), (4, 10, 4), (4, 10, 12345), (12345, 4)],
+    ids=["increasing", "any order", "duplicates", "one without a row", "unsorted, one without"],
+)
 def test_a_lookup_into_given_memory_fills_it_as_a_fresh_one_would(wanted: tuple[int, ...]) -> None:
     """The ps gathers a pull's rows straight into the worker's memory (psdk.transport.heap's room)."""
     table = RowTable(3, 16, seed=7)

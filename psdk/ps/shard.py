@@ -288,8 +288,10 @@ class ServedShard:
         if message.fields.get("epoch", 0) != self.epoch:  # computed before the chief's last restore
             self.resync(peer, message.rid, f"the chief restored the job (epoch {self.epoch}); pull again")
             return
-        grad, checking = message.arrays[0], time.perf_counter()
-        tables = table_request(message.fields.get("tables"), message.arrays[1:], self.store.tables, pushes=True)
+        grad, rest, checking = message.arrays[0], message.arrays[1:], time.perf_counter()
+        if message.borrowed and self._keeps_pushes():  # rows read in place: copied before they are checked
+            rest = [array.copy() if array.dtype == np.float32 else array for array in rest]
+        tables = table_request(message.fields.get("tables"), rest, self.store.tables, pushes=True)
         self.stats.index_s += time.perf_counter() - checking
         if message.borrowed and self.store.needs_stable_gradient():
             grad = self._stable(grad)
@@ -319,9 +321,12 @@ class ServedShard:
         if self.failure:
             self.outbox.error(peer, message.rid, self.failure, "failed")
             return
-        if message.borrowed and self.policy is not None and self.policy.waits_for_rounds:
-            tables = tables.private()  # a round keeps its rows past the reply; a lent heap is the worker's again
         self.submit(Push(peer, message.rid, worker, version, grad, bound=bound, tables=tables))
+
+    def _keeps_pushes(self) -> bool:
+        """Whether a push now is kept past its reply (a sync round's, one a checkpoint pause holds): its rows,
+        which a worker lends only until the reply, must be copied (the dense gradient is, in :meth:`submit`)."""
+        return bool(self.policy is not None and self.policy.waits_for_rounds) or self.pause.covers(self.store.version)
 
     def _stable(self, grad: np.ndarray) -> np.ndarray:
         """A copy of a borrowed gradient, for a rule that reads it twice (to check it, then to apply it).
@@ -350,7 +355,7 @@ class ServedShard:
             self.reply_params(push.peer, push.rid, "done", push.worker, push.tables.pulls)
             return
         if self.pause.covers(self.store.version):  # a copy: a gradient in shared memory is only lent until the reply
-            self.pause.pushes.append(dataclasses.replace(push, grad=push.grad.copy(), tables=push.tables.private()))
+            self.pause.pushes.append(dataclasses.replace(push, grad=push.grad.copy()))  # rows: see _keeps_pushes
             return
         counters = self.stats.worker(push.worker)
         counters.pushed += 1

@@ -162,7 +162,7 @@ def _checked_layout(text: bytes) -> tuple[str, list[str], list[tuple[str, str, A
             raise MalformedMessage("a packed header's field names must be strings")
         if kind == "j" and isinstance(constant, (list, dict)):
             try:
-                check_json(constant)
+                check_json(constant, depth=2)  # as deep as in a JSON header: its fields' values lie under "f"
                 _ENCODER.encode(constant)  # ValueError: NaN or an infinity, which a JSON header may not hold
             except (ProtocolError, ValueError) as exc:
                 raise MalformedMessage(f"a packed header's field {name[:64]!r}: {exc}") from None

@@ -15,12 +15,13 @@ columns, offset); the arrays follow, each 64-byte aligned. Descriptors are
 copied before they are checked, and ids (int64) are copied out at once: the
 ps never indexes with ids a worker could change after they were checked.
 The worker copies everything out, as its next request may reuse the heap
-once it has the reply. The ps may read float32 values (row gradients) in
-place, as it reads a dense gradient in a lent region: changed under it by
-a misbehaving worker they are only other numbers, and every update checks
-what it wrote is finite (:meth:`psdk.ps.tables.served.ServedTable.stage_update`);
-whatever the ps keeps past its reply it copies first
-(:meth:`psdk.ps.tables.requests.TableRequest.private`).
+once it has the reply. The ps may read a push's float32 values (row
+gradients) in place, as it reads a dense gradient in a lent region: changed
+under it by a misbehaving worker they are only other numbers, and every
+update checks what it wrote is finite
+(:meth:`psdk.ps.tables.served.ServedTable.stage_update`); a push it keeps
+past its reply has them copied before they are checked
+(``ServedShard._keeps_pushes``), and any other request's are copied out.
 
 Only what tables send fits (float32 and int64, one or two dimensions, at
 most :data:`MAX_ARRAYS`); anything else, or arrays beyond the heap's size,

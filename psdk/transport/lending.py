@@ -29,6 +29,10 @@ from psdk.transport.compact import Packer, Unpacker
 from psdk.transport.shm import HEAP, REPLY_SLOT, AttachedBuffers, WorkerBuffers
 from psdk.transport.wire import MAX_HEADER_BYTES, MAX_REPLY_HEADER_BYTES, MalformedMessage, Message, decode_reply
 
+PUSH_PULL = "push_pull"
+"""The one request whose float arrays in a heap (row gradients) the ps may read in place; every other
+request's (a chief's init or restore, whose values are checked and then kept) are copied out."""
+
 log = logging.getLogger(__name__)
 
 ATTACH, ATTACHED, REFUSED = "transport:attach", "transport:attached", "transport:refused"
@@ -117,7 +121,7 @@ class ServerLinks:
         try:
             message.arrays = [lent.region(slot) for slot in names if slot != HEAP]
             if names[-1] == HEAP:  # ids copied out now: the ps never indexes with ids the worker could change
-                message.arrays += lent.take_arrays(message.rid)
+                message.arrays += lent.take_arrays(message.rid, borrow_values=message.op == PUSH_PULL)
         except ProtocolError as exc:
             raise MalformedMessage(str(exc), message.rid) from None
         except Exception as exc:  # what a worker wrote must never end the ps: a refusal, whatever it was

@@ -391,12 +391,12 @@ class AttachedBuffers:
             raise ProtocolError(f"unknown shared-memory slot {str(slot)[:32]!r} (one of {list(SLOTS)})")
         return grad
 
-    def take_arrays(self, rid: int) -> list[np.ndarray]:
-        """The arrays request ``rid`` put in the up heap (ProtocolError: none, or torn): ids as private copies,
-        values (row gradients) read in place, as :meth:`region`'s are, until the reply."""
+    def take_arrays(self, rid: int, borrow_values: bool = False) -> list[np.ndarray]:
+        """The arrays request ``rid`` put in the up heap (ProtocolError: none, or torn): private copies, except
+        with ``borrow_values`` float32 values (a push's row gradients), read in place until the reply."""
         if self._views.up is None:
             raise ProtocolError("the request names a heap its sender did not lend")
-        return self._views.up.read(rid, copy_values=False)
+        return self._views.up.read(rid, copy_values=not borrow_values)
 
     def fits(self, arrays: list[np.ndarray]) -> bool:
         """Whether a reply's arrays after its first fit the down heap (else the reply goes as frames)."""

@@ -153,16 +153,17 @@ def _check_scalar(item: Any) -> None:
         raise ProtocolError(f"a string of {len(item)} characters exceeds {MAX_STRING_CHARS}")
 
 
-def check_json(value: Any) -> None:
+def check_json(value: Any, depth: int = 0) -> None:
     """Refuse what no handler expects and some could choke on: deep nesting, huge integers, long strings.
 
     Iterative, so its own depth costs nothing; a header that nests deeper
     than the interpreter's recursion limit never gets here (the parser's
     ``RecursionError`` is a refusal too). Scalars are checked where they are
     found, not stacked: a header is mostly scalars, and every message pays
-    for this walk (a push and its reply, twice per step).
+    for this walk (a push and its reply, twice per step). ``depth``: how deep
+    ``value`` already lies in its header.
     """
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    stack: list[tuple[Any, int]] = [(value, depth)]
     while stack:
         item, depth = stack.pop()
         if depth >= MAX_DEPTH:

@@ -38,12 +38,6 @@ class TableRequest:
     rows: dict[str, RowGrad] = field(default_factory=dict)
     pulls: list[TablePull] = field(default_factory=list)
 
-    def private(self) -> TableRequest:
-        """This request with its row gradients copied: for one kept past its reply (a sync round, a pause),
-        whose rows may lie in the worker's memory (:mod:`psdk.transport.heap`) until then."""
-        rows = {name: RowGrad(grad.ids, grad.rows.copy()) for name, grad in self.rows.items()}
-        return TableRequest(rows, self.pulls)
-
 
 def table_request(
     entries: Any, arrays: Sequence[np.ndarray], tables: Mapping[str, ServedTable], pushes: bool
