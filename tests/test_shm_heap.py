@@ -220,6 +220,15 @@ def round_trip(server: ServerEndpoint, client: ClientEndpoint, buffers: Any, ste
     return got, pending.wait(10.0, "the parameters")[0]
 
 
+def lent_round_trip(server: ServerEndpoint, client: ClientEndpoint, buffers: Any) -> Message:
+    """Round trips until one crosses the worker's memory (lending is agreed beside the first steps); its push."""
+    for step in range(1, 100):
+        got, _ = round_trip(server, client, buffers, step)
+        if got.borrowed:
+            return got
+    raise AssertionError("no push crossed the worker's memory in 99 round trips")
+
+
 @pytest.mark.parametrize("doorbells", [True, False], ids=["knock", "header"])
 def test_a_push_with_tables_and_its_reply_cross_the_workers_memory(doorbells: bool) -> None:
     with endpoints(doorbells) as (server, client, buffers):
@@ -252,11 +261,8 @@ def test_a_push_with_tables_and_its_reply_cross_the_workers_memory(doorbells: bo
 def test_only_a_pushs_row_gradients_are_read_in_place_any_other_requests_values_are_copied() -> None:
     """A chief's init or restore is checked and then kept: nothing of it may stay in the worker's memory."""
     with endpoints(doorbells=True) as (server, client, buffers):
-        for step in range(1, 100):
-            got, _ = round_trip(server, client, buffers, step)
-            if got.borrowed:
-                break
-        assert got.borrowed and not got.arrays[2].flags.owndata and got.arrays[1].flags.owndata
+        got = lent_round_trip(server, client, buffers)
+        assert not got.arrays[2].flags.owndata and got.arrays[1].flags.owndata
         client.start_many({0: Message("restore", {}, [buffers.grads, IDS, ROWS], stable=True)})
         incoming = server.receive(5.0)
         assert incoming is not None and incoming.message is not None and incoming.message.borrowed
@@ -267,11 +273,7 @@ def test_only_a_pushs_row_gradients_are_read_in_place_any_other_requests_values_
 def test_a_hostile_heap_is_refused_to_its_sender_and_the_ps_serves_on() -> None:
     """Whatever a worker writes in its heap, the ps's endpoint hands the ps a refusal, never an exception."""
     with endpoints(doorbells=True) as (server, client, buffers):
-        for step in range(1, 100):
-            got, _ = round_trip(server, client, buffers, step)
-            if got.borrowed:
-                break
-        assert got.borrowed
+        lent_round_trip(server, client, buffers)
         heap = client.links.by_index[0].memory._views.up  # type: ignore[attr-defined]
         buffers.grads[:] = 1.0
         client.start_many({0: Message("push_pull", {}, [buffers.grads, IDS, ROWS, IDS], stable=True)})
