@@ -11,7 +11,13 @@ its own process, over TCP on 127.0.0.1:
   unique and sorted, one float32 row of 16 each) and pulls the next batch's
   rows, as a ctr worker's step does (:meth:`~psdk.api.DistributedOptimizer.start_step`);
 * **dense**: one float32 variable of as many values as the pushed rows
-  (unique ids x 16) pushed, and as many pulled back.
+  (unique ids x 16) pushed, and as many pulled back. Each step writes a new
+  gradient into the client's gradient buffer first (the batches' row
+  gradients, cycled), as a trainer's backward does: over shared memory that
+  buffer is the lent region torch's backward accumulates into. A push of one
+  unchanged gradient is run too, for reference: its bytes never leave the
+  ps's cache after the first round trip, so it moves nothing between cores
+  and is no push "of the same bytes". The write itself is timed apart.
 
 The rule is excluded by running the ps with the no-op rule
 (:class:`~psdk.ps.rules.NoOp`) in both: it changes nothing. CPU is the
@@ -82,12 +88,14 @@ def click_batches(batch: int, vocab: int, count: int, seed: int = 0) -> list[Bat
 
 @dataclass
 class Run:
-    """One measured run: CPU microseconds per round trip, the client's and the ps's; and the ps's table work,
-    as the ps timed it around those calls in this run (its ``time_per_push``: 0 for a dense run)."""
+    """One measured run: CPU microseconds per round trip, the client's and the ps's; the ps's table work, as
+    the ps timed it around those calls in this run (its ``time_per_push``: 0 for a dense run); and the client's
+    thread time writing each step's new dense gradient into its buffer (0 for the others)."""
 
     client_us: float
     ps_us: float
     ps_table_us: float = 0.0
+    write_us: float = 0.0
 
     @property
     def total_us(self) -> float:
@@ -105,22 +113,23 @@ def _table_ms(stats: dict[str, Any]) -> float:
     return float(split["pushes"] * (split["index_ms"] + split["rule_ms"]))
 
 
-def _measured(client: ParameterClient, step: Callable[[int], None], count: int, warmup: int) -> Run:
+def _measured(client: ParameterClient, step: Callable[[int], float], count: int, warmup: int) -> Run:
+    """``step(i)`` makes round trip ``i`` and returns the seconds of its own writes to time apart."""
     for i in range(warmup):
         step(i)
     before = client.stats()[0]
     c0 = time.process_time()
-    for i in range(warmup, warmup + count):
-        step(i)
+    write_s = sum(step(i) for i in range(warmup, warmup + count))
     client_s = time.process_time() - c0
     after = client.stats()[0]
     ps_s = after["process"]["cpu_s"] - before["process"]["cpu_s"]
     table_ms = _table_ms(after) - _table_ms(before)
-    return Run(client_s / count * 1e6, ps_s / count * 1e6, table_ms / count * 1e3)
+    return Run(client_s / count * 1e6, ps_s / count * 1e6, table_ms / count * 1e3, write_s / count * 1e6)
 
 
 def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -> Run:
-    """``kind`` is "sparse" or "dense" over frames, or either with "-shm" (shared memory); the ps in its own process."""
+    """``kind`` is "sparse", "dense" or "dense-unchanged" over frames, or one of them with "-shm" (shared memory);
+    the ps in its own process."""
     shared_memory = kind.endswith("-shm")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -136,9 +145,10 @@ def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -
                 client.pull_rows({TABLE: batches[0][0]})
                 client.status()  # the ps's answer to the offer of shared memory is in
 
-                def step(i: int) -> None:
+                def step(i: int) -> float:
                     ids, grads = batches[i % len(batches)]
                     client.push_pull(rows={TABLE: (ids, grads)}, pull={TABLE: batches[(i + 1) % len(batches)][0]})
+                    return 0.0
 
             else:
                 size = int(np.mean([len(ids) for ids, _ in batches])) * DIM
@@ -146,9 +156,16 @@ def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -
                 client.pull()
                 client.status()  # the ps's answer to the offer of shared memory is in
                 client.grads["w"][...] = 0.01
+                gradients = [np.resize(grads.reshape(-1), size) for _, grads in batches]
+                unchanged = "unchanged" in kind
 
-                def step(i: int) -> None:
+                def step(i: int) -> float:
+                    began = time.thread_time()
+                    if not unchanged:  # a new gradient in the buffer the push sends, as a backward leaves one
+                        np.copyto(client.grads["w"], gradients[i % len(gradients)])
+                    wrote = time.thread_time() - began
                     client.push_pull()
+                    return wrote
 
             run = _measured(client, step, count, warmup)
             client.shutdown()
@@ -192,7 +209,10 @@ def index_work(batches: list[Batch], vocab: int, count: int, warmup: int) -> tup
 
 TRANSPORTS = (("", "frames"), ("-shm", "shared memory"))
 """Each kind's suffix, and the transport it names."""
-KINDS = tuple(side + suffix for suffix, _ in TRANSPORTS for side in ("sparse", "dense"))
+SIDES = (("sparse", "sparse"), ("dense", "dense, a new gradient each step"),
+         ("dense-unchanged", "dense, one unchanged gradient"))  # fmt: skip
+"""Each kind of round trip without its transport's suffix, and how the table names it."""
+KINDS = tuple(side + suffix for suffix, _ in TRANSPORTS for side, _ in SIDES)
 
 
 def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: int) -> dict[str, Any]:
@@ -216,6 +236,8 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
     }  # fmt: skip
     for kind in KINDS:
         out[kind] = {f: round(median(kind, f), 1) for f in ("client_us", "ps_us", "total_us")}
+    for suffix, _ in TRANSPORTS:
+        out[f"gradient_write{suffix.replace('-', '_')}_us"] = round(median("dense" + suffix, "write_us"), 1)
     out["sorting_us"] = round(statistics.median(w[0] for w in work), 1)
     out["ps_table_alone_us"] = round(statistics.median(w[1] for w in work), 1)
     for suffix, _ in TRANSPORTS:  # each transport against the dense round trip on the same one
@@ -224,8 +246,10 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
         # Per run, what the ps timed of its tables comes off that run's CPU: the two move together.
         moved = statistics.median(r.total_us - r.ps_table_us for r in sparse) - out["sorting_us"]
         dense = max(out["dense" + suffix]["total_us"], 1e-9)  # a tiny run's process time may read 0
+        unchanged = max(out["dense-unchanged" + suffix]["total_us"], 1e-9)
         out[f"sparse_transport{key}_us"] = round(moved, 1)
         out[f"ratio{key}"] = round(moved / dense, 3)
+        out[f"ratio_unchanged{key}"] = round(moved / unchanged, 3)
     return out
 
 
@@ -242,10 +266,13 @@ def table(out: dict[str, Any]) -> str:
     ]
     for suffix, where in TRANSPORTS:
         dense = max(out["dense" + suffix]["total_us"], 1e-9)
-        for side in ("sparse", "dense"):
+        for side, name in SIDES:
             r = out[side + suffix]
-            lines.append(f"| {side} push + pull ({where}) | {r['client_us']:.0f} | {r['ps_us']:.0f} | "
+            lines.append(f"| {name} push + pull ({where}) | {r['client_us']:.0f} | {r['ps_us']:.0f} | "
                          f"{r['total_us']:.0f} | {r['total_us'] / dense:.2f}× |")  # fmt: skip
+    for suffix, where in TRANSPORTS:
+        lines.append(f"| dense: the new gradient written into its buffer ({where}) | "
+                     f"{out['gradient_write' + suffix.replace('-', '_') + '_us']:.0f} | | | |")  # fmt: skip
     lines.append(f"| sparse: worker's sort and cut of the ids | {out['sorting_us']:.0f} | | | |")
     for suffix, where in TRANSPORTS:
         lines.append(f"| sparse: ps's id checks, index, rows gathered and created ({where}) | | "
@@ -255,6 +282,9 @@ def table(out: dict[str, Any]) -> str:
         key = suffix.replace("-", "_")
         lines.append(f"| sparse transport, {where} (encode to decode) | | | "
                      f"{out[f'sparse_transport{key}_us']:.0f} | {out[f'ratio{key}']:.2f}× |")  # fmt: skip
+    for suffix, where in TRANSPORTS:
+        lines.append(f"| the same ÷ the unchanged dense gradient ({where}) | | | | "
+                     f"{out['ratio_unchanged' + suffix.replace('-', '_')]:.2f}× |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -21,19 +21,26 @@ def test_prints_the_sparse_and_dense_round_trips_and_the_ratio() -> None:
     lines = done.stdout.splitlines()
     rows = [line.split("|")[1:-1] for line in lines[4:-1]]
     assert [r[0].strip() for r in rows] == [
-        "sparse push + pull (frames)", "dense push + pull (frames)", "sparse push + pull (shared memory)",
-        "dense push + pull (shared memory)", "sparse: worker's sort and cut of the ids",
+        "sparse push + pull (frames)", "dense, a new gradient each step push + pull (frames)",
+        "dense, one unchanged gradient push + pull (frames)", "sparse push + pull (shared memory)",
+        "dense, a new gradient each step push + pull (shared memory)",
+        "dense, one unchanged gradient push + pull (shared memory)",
+        "dense: the new gradient written into its buffer (frames)",
+        "dense: the new gradient written into its buffer (shared memory)", "sparse: worker's sort and cut of the ids",
         "sparse: ps's id checks, index, rows gathered and created (frames)",
         "sparse: ps's id checks, index, rows gathered and created (shared memory)",
         "sparse: the same, timed alone", "sparse transport, frames (encode to decode)",
         "sparse transport, shared memory (encode to decode)",
+        "the same ÷ the unchanged dense gradient (frames)", "the same ÷ the unchanged dense gradient (shared memory)",
     ]  # fmt: skip
-    assert rows[-1][-1].strip().endswith("×") and rows[-2][-1].strip().endswith("×")
+    assert all(r[-1].strip().endswith("×") for r in rows[-4:])
     out = json.loads(lines[-1])
     assert isinstance(out["ratio_shm"], float) and isinstance(out["sparse_transport_shm_us"], float)
-    for kind in ("sparse", "dense", "sparse-shm", "dense-shm"):
+    for kind in ("sparse", "dense", "dense-unchanged", "sparse-shm", "dense-shm", "dense-unchanged-shm"):
         assert out[kind]["total_us"] == pytest.approx(out[kind]["client_us"] + out[kind]["ps_us"], abs=0.2)
         assert out[kind]["client_us"] >= 0 and out[kind]["ps_us"] >= 0
     assert 0 < out["unique_ids"] <= 32 * 26 and out["bytes"]["dense_each_way"] == out["bytes"]["sparse_down"]
     assert out["sorting_us"] >= 0 and out["ps_table_alone_us"] >= 0 and isinstance(out["ratio"], float)
     assert out["ps_table_us"] > 0 and out["ps_table_shm_us"] > 0  # the ps timed its tables in the sparse runs
+    assert out["gradient_write_us"] > 0 and out["gradient_write_shm_us"] > 0  # each dense step wrote its gradient
+    assert isinstance(out["ratio_unchanged"], float) and isinstance(out["ratio_unchanged_shm"], float)
