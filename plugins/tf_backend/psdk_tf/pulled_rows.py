@@ -4,10 +4,10 @@ The bridge's tables (:mod:`psdk_tf.tables`) are variables of the whole
 table that rows are scattered into; TensorFlow fills a variable when it
 makes it, so a 10-million-row table of 16 floats costs 640 MB on every
 worker before the first row arrives. :class:`PulledRows` keeps only the
-rows written, sorted by id, and gathers a batch's rows from them in numpy;
-the forward pass takes them as an input tensor, and the backward pass gives
-one gradient row per lookup (the ids are the batch's, as a lookup's
-``tf.IndexedSlices`` would name them).
+rows written, sorted by id: a training step takes the rows of a batch's
+distinct ids (:meth:`rows_of`, the held rows themselves when they are the
+batch's) and gathers the lookups in the graph; predictions gather a
+batch's rows in numpy (:meth:`gather`).
 
 What it holds: the rows written since the last training step. psdk's loop
 writes a batch's rows (one write per table, or one per chunk) before each
@@ -88,6 +88,20 @@ class PulledRows:
             at[self._ids[at] != distinct] = len(self._ids)  # not written: the zeros row
         rows = np.take(self._rows, np.take(at, where), axis=0)
         return rows.reshape(*ids.shape, self.dim)
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of ``ids`` (strictly increasing), zeros for an id not written: the held rows themselves
+        when ``ids`` are the held ids (a training step's, as pulled), else gathered."""
+        self._merge()
+        if len(ids) == len(self._ids) and np.array_equal(ids, self._ids):
+            return self._rows[:-1]
+        at = np.searchsorted(self._ids, ids)
+        if len(self._ids):
+            np.minimum(at, len(self._ids) - 1, out=at)
+            at[self._ids[at] != ids] = len(self._ids)
+        else:
+            at[:] = 0  # only the zeros row
+        return np.take(self._rows, at, axis=0)
 
     def _merge(self) -> None:
         """Fold the pending writes into the sorted rows; later writes of an id win."""

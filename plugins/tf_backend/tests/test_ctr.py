@@ -121,12 +121,31 @@ def test_loss_gradients_rows_and_logits_match_the_float64_reference(
 
     ids, rows = backend.read_row_gradients(model, "emb")
     assert ids.dtype == np.int64 and rows.dtype == np.float32
-    np.testing.assert_array_equal(ids, cat.reshape(-1))  # one row per lookup; psdk sums duplicates
-    close(rows, d_rows.reshape(-1, 16), "rows")
+    distinct, where = np.unique(cat.reshape(-1), return_inverse=True)
+    assert len(distinct) < cat.size  # the batch repeats ids: their lookups' gradients must be summed
+    summed = np.zeros((len(distinct), 16))
+    np.add.at(summed, where, d_rows.reshape(-1, 16))
+    np.testing.assert_array_equal(ids, distinct)  # each id once, in order: nothing for psdk to sort or sum
+    close(rows, summed, "rows")
 
     logits = trainer.predictions(model, data, size=100)  # three slices, the last one short
     assert logits.dtype == np.float32 and logits.shape == (256,)
     close(logits, z, "logits")
+
+
+def test_row_gradients_are_summed_per_id_whether_or_not_the_batch_names_its_ids(
+    backend: TfBackend, trainer: TfCtr
+) -> None:
+    """A batch's own ids (sorted once per batch) or none, whose ids are found from its input: the same rows."""
+    model, _, _ = built(trainer, 3)
+    data = click_batch(128, 3)
+    trainer.forward_backward(model, data)
+    ids, rows = backend.read_row_gradients(model, "emb")
+    trainer.forward_backward(model, Batch(data.inputs, data.targets))  # no ids: found from the "cat" input
+    bare_ids, bare_rows = backend.read_row_gradients(model, "emb")
+    np.testing.assert_array_equal(ids, np.unique(data.inputs["cat"]))
+    np.testing.assert_array_equal(bare_ids, ids)
+    np.testing.assert_allclose(bare_rows, rows, rtol=1e-6, atol=1e-9)
 
 
 def test_the_forward_reads_the_rows_written_since_the_last_step(backend: TfBackend, trainer: TfCtr) -> None:
@@ -164,6 +183,11 @@ def test_pulled_rows_merge_writes_and_refuse_bad_ones() -> None:
     assert rows.held == 4
     got = rows.gather(np.array([[9, 1], [5, 6], [99, 50]]))
     np.testing.assert_array_equal(got, [[[4, 4], [3, 3]], [[1, 1], [0, 0]], [[0, 0], [5, 5]]])
+    distinct = np.array([1, 5, 9, 50])  # the held ids: the held rows themselves, no copy
+    assert np.shares_memory(rows.rows_of(distinct), rows.rows_of(distinct))  # two calls, one held array: no copy
+    np.testing.assert_array_equal(rows.rows_of(distinct), [[3, 3], [1, 1], [4, 4], [5, 5]])
+    np.testing.assert_array_equal(rows.rows_of(np.array([0, 5, 50, 99])), [[0, 0], [1, 1], [5, 5], [0, 0]])
+    np.testing.assert_array_equal(PulledRows("emb", 2, 100).rows_of(np.array([3, 4])), np.zeros((2, 2)))
     with pytest.raises(PsdkError, match=r"table 'emb': ids must be in \[0, 100\), got 3 .. 100"):
         rows.write(np.array([3, 100]), np.zeros((2, 2), np.float32))
     with pytest.raises(PsdkError, match=r"got rows of shape \(1, 3\) for 1 ids of width 2"):
