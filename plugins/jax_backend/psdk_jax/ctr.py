@@ -16,9 +16,12 @@ only when the ps's rows are written, so a ten-million-row table costs no
 memory until rows arrive) and are gathered outside ``jax.jit``, one row per
 (example, field): the compiled step takes ``[B * 26, dim]`` rows, a shape
 fixed at a fixed batch size, where the batch's unique ids (a number that
-changes every batch) would compile a new step each time. ``jax.grad`` then
-gives one row gradient per (example, field), which psdk sums per id before
-it pushes. Dense variables are canonical by construction: ``bottom<i>`` and
+changes every batch) would compile a new step each time. A training step
+takes the rows of the batch's distinct ids instead, padded with zero rows to
+that same fixed count, and each lookup's position among them (the batch's
+``JaggedIds``, sorted once per batch); ``jax.jit`` gathers per lookup, and
+the gradient comes back summed per id, in order, the row gradient psdk
+pushes: nothing is left for the worker to sort or sum. Dense variables are canonical by construction: ``bottom<i>`` and
 ``top<i>``, kernels (in, out). This module imports JAX; psdk imports it only
 when a job trains ``ctr`` on JAX.
 """
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from psdk.errors import ConfigError
-from psdk.plugins.batches import Batch
+from psdk.plugins.batches import Batch, JaggedIds
 from psdk.plugins.trainer import Trainer
 from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
 from psdk.workloads.ctr.model import table_of
@@ -125,6 +128,14 @@ def ids_of(batch: Batch) -> np.ndarray:
     return cat.reshape(-1)
 
 
+def lookups_of(batch: Batch) -> JaggedIds | np.ndarray:
+    """The batch's own ids of the table (sorted once per batch: the step sums each id's gradient in
+    ``jax.jit``) when they are its ``cat`` input's, as the ctr workload makes every batch; else those ids."""
+    flat = ids_of(batch)
+    jagged = batch.ids.get(TABLE)
+    return jagged if jagged is not None and np.array_equal(jagged.values, flat) else flat
+
+
 class JaxCtr(Trainer):
     """``ctr`` on JAX: one compiled value-and-grad step of :func:`bce_with_logits`, logits as float32 numpy [B]."""
 
@@ -140,7 +151,7 @@ class JaxCtr(Trainer):
     def forward_backward(self, model: ClickStack, batch: Batch) -> float:
         dense = np.asarray(batch.inputs[DENSE_INPUT], np.float32)
         labels = np.asarray(batch.targets, np.float32)
-        return model.value_and_grad(bce_with_logits, dense, labels, ids={TABLE: ids_of(batch)})
+        return model.value_and_grad(bce_with_logits, dense, labels, ids={TABLE: lookups_of(batch)})
 
     def predict(self, model: ClickStack, batch: Batch) -> np.ndarray:
         """The logits of ``batch``, float32 [B]; the workload scores their AUC and log loss."""

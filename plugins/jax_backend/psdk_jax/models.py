@@ -47,8 +47,14 @@ the device. A step names its batch's ids, ``value_and_grad(loss, *arrays,
 ids={name: ids})``: the rows are gathered by id in numpy, outside ``jax.jit``
 (one row per id, duplicates repeated), and the loss sees them as
 ``params[name]``; ``jax.value_and_grad`` then gives one gradient row per
-occurrence, which is what the ps takes (it sums duplicates):
-:meth:`DenseStack.row_gradients`. Tables are not in ``params``,
+occurrence, which psdk sums per id before it pushes:
+:meth:`DenseStack.row_gradients`. Ids given as the batch's
+:class:`~psdk.plugins.batches.JaggedIds` go the faster way: the rows of
+their distinct ids (sorted once per batch) are gathered in numpy, padded to
+the number of lookups so that the compiled step keeps one shape, and
+gathered per lookup inside ``jax.jit``; the gradient comes back summed per
+id, in order, and the worker sorts and sums nothing (a click batch: 26,624
+lookups, about 9,700 ids). Tables are not in ``params``,
 :meth:`DenseStack.read`, :meth:`DenseStack.write` or the dense gradients.
 """
 
@@ -63,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from psdk.errors import PsdkError
+from psdk.plugins.batches import JaggedIds
 from psdk.plugins.models import ModelSpec
 from psdk.plugins.variables import Rows
 from psdk.protocol.sharding import flat_size, layout, views
@@ -148,18 +155,23 @@ class DenseStack:
     def _compile(self, loss: Loss) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``loss``'s training step, from the params and from a staged write, compiled once per model."""
 
-        def gradients(params: Params, rows: Params, *arrays: Any) -> Any:
+        def gradients(params: Params, rows: Params, positions: Params, *arrays: Any) -> Any:
             """The gradients (dense, then each table's rows by name) as one flat array, with the loss appended:
-            a single transfer to the host. The loss sees a table's gathered ``rows`` as ``params[table]``."""
+            a single transfer to the host. The loss sees a table's gathered ``rows`` as ``params[table]``; a
+            table in ``positions`` has its distinct rows there, gathered per lookup here (its gradient summed)."""
+
+            def looked_up(r: Params) -> Params:
+                return {t: jnp.take(r[t], positions[t], axis=0) if t in positions else r[t] for t in r}
+
             value, (grads, row_grads) = jax.value_and_grad(
-                lambda p, r: loss(self, {**p, **r}, *arrays), argnums=(0, 1)
+                lambda p, r: loss(self, {**p, **looked_up(r)}, *arrays), argnums=(0, 1)
             )(params, rows)
             flat = [jnp.ravel(grads[name]) for name in self.names] + [jnp.ravel(row_grads[t]) for t in sorted(rows)]
             return jnp.concatenate([*flat, jnp.reshape(value, (1,))])
 
-        def load_and_gradients(flat: Any, rows: Params, *arrays: Any) -> tuple[Any, Params]:
+        def load_and_gradients(flat: Any, rows: Params, positions: Params, *arrays: Any) -> tuple[Any, Params]:
             params = self._unflatten(flat)
-            return gradients(params, rows, *arrays), params
+            return gradients(params, rows, positions, *arrays), params
 
         steps = self._jit(gradients), self._jit(load_and_gradients)
         self._steps[loss] = steps
@@ -212,25 +224,42 @@ class DenseStack:
         ``loss`` is compiled the first time it is given, so pass the same
         function every step (a module's function, not a new lambda). With
         tables, ``ids`` names the batch's ids per table: the loss sees their
-        gathered rows as ``params[table]`` and their gradients, one row per
-        id, are kept for :meth:`row_gradients` (a table not named is untouched).
+        gathered rows as ``params[table]`` and their gradients are kept for
+        :meth:`row_gradients` (a table not named is untouched): one row per
+        id given, or, for ids given as the batch's
+        :class:`~psdk.plugins.batches.JaggedIds`, one summed row per distinct id.
         """
-        wanted = {name: self.table_ids(name, value) for name, value in (ids or {}).items()}
-        rows = {name: self.rows[name][index] for name, index in wanted.items()}  # the batch's rows, host-side
+        wanted: dict[str, np.ndarray] = {}
+        positions: dict[str, np.ndarray] = {}
+        for name, value in (ids or {}).items():
+            if isinstance(value, JaggedIds):
+                wanted[name], positions[name] = self.table_ids(name, value.unique()), value.positions().astype(np.int32)
+            else:
+                wanted[name] = self.table_ids(name, value)
+        rows = {name: self._rows_in(name, index, len(positions.get(name, index))) for name, index in wanted.items()}
         step, load_step = self._steps.get(loss) or self._compile(loss)
         if self._pending:
-            out, self._params = load_step(jax.device_put(self._staged, self.device), rows, *arrays)
+            out, self._params = load_step(jax.device_put(self._staged, self.device), rows, positions, *arrays)
             self._pending = False
         else:
-            out = step(self._params, rows, *arrays)
+            out = step(self._params, rows, positions, *arrays)
         host = np.asarray(out)  # waits for the step: the staging buffer is free again
         np.copyto(self._grads, host[: self._grads.size])
         self._row_grads, offset = {}, self._grads.size
         for name in sorted(rows):
-            size = rows[name].size
-            self._row_grads[name] = (wanted[name], host[offset : offset + size].reshape(rows[name].shape).copy())
+            size, index = rows[name].size, wanted[name]
+            grads = host[offset : offset + size].reshape(rows[name].shape)[: len(index)]
+            self._row_grads[name] = (index, grads.copy())
             offset += size
         return float(host[-1])
+
+    def _rows_in(self, table: str, index: np.ndarray, lookups: int) -> np.ndarray:
+        """The local rows of ``index``, padded with zero rows to ``lookups`` (the compiled step's one shape)."""
+        if lookups == len(index):
+            return self.rows[table][index]
+        padded = np.zeros((lookups, self.tables[table].dim), np.float32)
+        np.take(self.rows[table], index, axis=0, out=padded[: len(index)])
+        return padded
 
     def record(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None) -> None:
         """Gradients a script computed itself (a dict like ``params``), for :meth:`read_gradients`.
