@@ -157,13 +157,14 @@ def _checked_layout(text: bytes) -> tuple[str, list[str], list[tuple[str, str, A
         raise MalformedMessage(f"a packed header names more than {MAX_LENT} lent regions, or not by name")
     if len(spec) > MAX_FIELDS or len({name for name, _, _ in spec}) != len(spec):
         raise MalformedMessage(f"a packed header has more than {MAX_FIELDS} fields, or one twice")
-    for (name, kind, constant), (raw, _, _) in zip(spec, entries, strict=True):
+    for index, ((name, kind, constant), (raw, _, _)) in enumerate(zip(spec, entries, strict=True)):
         if not isinstance(raw, str) or len(name) > MAX_STRING_CHARS:
             raise MalformedMessage("a packed header's field names must be strings")
         if kind == "j" and isinstance(constant, (list, dict)):
             try:
                 check_json(constant, depth=2)  # as deep as in a JSON header: its fields' values lie under "f"
-                _ENCODER.encode(constant)  # ValueError: NaN or an infinity, which a JSON header may not hold
+                # Kept as text, decoded afresh per message; ValueError: NaN or an infinity, which JSON may not hold.
+                spec[index] = (name, kind, _ENCODER.encode(constant))
             except (ProtocolError, ValueError) as exc:
                 raise MalformedMessage(f"a packed header's field {name[:64]!r}: {exc}") from None
             continue
@@ -171,6 +172,5 @@ def _checked_layout(text: bytes) -> tuple[str, list[str], list[tuple[str, str, A
             raise MalformedMessage(f"a packed header's field {name[:64]!r} has an unknown kind")
         if isinstance(constant, str) and len(constant) > MAX_STRING_CHARS:
             raise MalformedMessage(f"a string of {len(constant)} characters exceeds {MAX_STRING_CHARS}")
-    spec = [(name, kind, _ENCODER.encode(value) if kind == "j" else value) for name, kind, value in spec]
     packer = struct.Struct("<q" + "".join(kind for _, kind, _ in spec if kind not in _CONSTANTS))
     return op, list(lent), spec, packer

@@ -56,6 +56,15 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides)
 
 
+def _offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where arrays of ``sizes`` bytes go in a heap's data, in order, each 64-byte aligned; and the bytes taken."""
+    offsets, at = [], 0
+    for nbytes in sizes:
+        offsets.append(at)
+        at += aligned(nbytes)
+    return offsets, at
+
+
 def heap_bytes(arrays_bytes: int, count: int) -> int:
     """The heap size that holds ``count`` arrays of ``arrays_bytes`` bytes in all, whatever their alignment."""
     return PREFIX_BYTES + aligned(arrays_bytes) + count * ALIGN if arrays_bytes else 0
@@ -76,12 +85,10 @@ class Heap:
         """Whether ``arrays`` can be written here (kinds, count and bytes); else they go as frames."""
         if len(arrays) > MAX_ARRAYS:
             return False
-        used = 0
         for array in arrays:
             if array.dtype not in _CODES or array.ndim not in (1, 2) or (array.ndim == 2 and not array.shape[1]):
                 return False
-            used += aligned(array.nbytes)
-        return used <= self._data.size
+        return _offsets([array.nbytes for array in arrays])[1] <= self._data.size
 
     def room(self, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
         """Float32 arrays of ``shapes`` where :meth:`write` of request ``rid`` would put them (None: no room),
@@ -91,26 +98,24 @@ class Heap:
         still copying an earlier one's arrays sees it changed under it.
         """
         float32 = _DTYPES[0]
-        places, at = [], 0
-        for rows, cols in shapes:
-            places.append((at, (rows, cols)))
-            at += aligned(rows * cols * float32.itemsize)
-        if len(shapes) > MAX_ARRAYS or at > self._data.size or any(cols < 1 for _, cols in shapes):
+        sizes = [rows * cols * float32.itemsize for rows, cols in shapes]
+        offsets, end = _offsets(sizes)
+        if len(shapes) > MAX_ARRAYS or end > self._data.size or any(cols < 1 for _, cols in shapes):
             return None
         self._seq[0] = rid
-        return [self._data[a : a + r * c * float32.itemsize].view(float32).reshape(r, c) for a, (r, c) in places]
+        places = zip(offsets, sizes, shapes, strict=True)
+        return [self._data[at : at + nbytes].view(float32).reshape(shape) for at, nbytes, shape in places]
 
     def write(self, rid: int, arrays: list[np.ndarray]) -> None:
         """Put ``arrays`` (which :meth:`fits`) under request ``rid``; those :meth:`room` gave are there already."""
         self._seq[0] = rid
-        at = 0
-        for i, array in enumerate(arrays):
+        offsets, _ = _offsets([array.nbytes for array in arrays])
+        for i, (array, at) in enumerate(zip(arrays, offsets, strict=True)):
             rows, cols = (array.shape[0], 0) if array.ndim == 1 else array.shape
             self._descriptors[i] = (_CODES[array.dtype], rows, cols, at)
             target = self._data[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
             if not _same_memory(target, array):
                 np.copyto(target, array)
-            at += aligned(array.nbytes)
         self._count[0] = len(arrays)
         self._seq[1] = rid
 
