@@ -24,24 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from table_transport import DIM, Batch, click_batches  # the same click batches (benchmarks/ is on the path)
 
 from psdk.client.rows import plan_tables
 from psdk.protocol.tables import TableSpec, shard_of_ids
-from psdk.workloads.ctr.data import TABLE, TRAIN, ClickLog
-
-DIM = 16
-Batch = tuple[np.ndarray, np.ndarray]
-
-
-def click_batches(batch: int, vocab: int, count: int, seed: int = 0) -> list[Batch]:
-    """``count`` click batches' unique ids with a gradient row each."""
-    log = ClickLog(seed=seed, vocab=vocab, capacity=vocab)
-    rng = np.random.default_rng(seed)
-    out = []
-    for number in range(count):
-        ids = log.batch(TRAIN, 0, number, batch).ids[TABLE].unique()
-        out.append((ids, rng.standard_normal((len(ids), DIM)).astype(np.float32)))
-    return out
+from psdk.workloads.ctr.data import TABLE
 
 
 def _cpu_us(step: Callable[[int], object], steps: int) -> float:

@@ -39,7 +39,7 @@ import numpy as np
 from psdk.errors import ConfigError
 from psdk.plugins.batches import Batch, JaggedIds
 from psdk.plugins.trainer import Trainer
-from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
+from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE, own_lookups
 from psdk.workloads.ctr.model import table_of
 from psdk_jax.backend import JaxBackend
 from psdk_jax.models import DenseStack
@@ -129,11 +129,11 @@ def ids_of(batch: Batch) -> np.ndarray:
 
 
 def lookups_of(batch: Batch) -> JaggedIds | np.ndarray:
-    """The batch's own ids of the table (sorted once per batch: the step sums each id's gradient in
-    ``jax.jit``) when they are its ``cat`` input's, as the ctr workload makes every batch; else those ids."""
+    """The batch's own ids of the table when it has them (sorted once per batch: the step sums each id's
+    gradient in ``jax.jit``); else its ids, one per (example, field)."""
     flat = ids_of(batch)
-    jagged = batch.ids.get(TABLE)
-    return jagged if jagged is not None and np.array_equal(jagged.values, flat) else flat
+    lookups = own_lookups(batch, flat)
+    return lookups if lookups is not None else flat
 
 
 class JaxCtr(Trainer):

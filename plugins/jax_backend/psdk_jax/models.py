@@ -76,7 +76,8 @@ from psdk.protocol.sharding import flat_size, layout, views
 
 Params = dict[str, jax.Array]
 RowGradients = tuple[np.ndarray, np.ndarray]
-"""A table's ``(ids int64, gradients float32 len(ids) x dim)``, one row per occurrence of an id."""
+"""A table's ``(ids int64, gradients float32 len(ids) x dim)``: one row per occurrence of an id, or, for ids
+given as a batch's ``JaggedIds``, one summed row per distinct id."""
 Loss = Callable[..., Any]
 """A trainer's loss: ``loss(model, params, *arrays)``, a scalar, pure and jit-able (see the module docstring)."""
 

@@ -109,7 +109,8 @@ class TfBackend(Backend):
         self._with_tables(model, table).write_rows(table, ids, rows)
 
     def read_row_gradients(self, model: Any, table: str) -> tuple[np.ndarray, np.ndarray]:
-        """The lookups' ``tf.IndexedSlices`` as numpy, unconverted; a dense gradient on a table is refused."""
+        """The table's row gradients as the model left them: a script's lookups' ``tf.IndexedSlices`` as numpy,
+        unconverted (a row per lookup), the ctr model's summed per id; a dense gradient on a table is refused."""
         return self._with_tables(model, table).read_row_gradients(table)
 
     def _with_tables(self, model: Any, table: str) -> ForeignModel | OwnBinding:

@@ -23,8 +23,8 @@ How it holds its variables, and why:
   gradient at the distinct rows is summed per id (an ``IndexedSlices`` made
   dense): the row gradient psdk pushes, each id once and in order, so the
   worker sorts and sums nothing. Gathering every lookup in numpy and summing
-  the per-lookup gradients in the client instead cost about 3 ms a step at
-  batch 1024. Predictions gather in numpy (ids not held read zeros).
+  the per-lookup gradients in the client instead cost 4-5 ms more a step at
+  batch 1024 (docs/ctr.md). Predictions gather in numpy (ids not held read zeros).
 * **Dense weights are one flat input.** The eight dense variables live in
   one float32 buffer (canonical names and (in, out) kernels, as the ps keeps
   them); a step takes it as one tensor, splits it in the graph and returns
@@ -58,7 +58,7 @@ from psdk.plugins.batches import Batch
 from psdk.plugins.trainer import Trainer
 from psdk.protocol.ids import unique_positions
 from psdk.protocol.sharding import flat_size, layout, views
-from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE
+from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE, own_lookups
 from psdk.workloads.ctr.model import table_of
 from psdk_tf._tf import tf
 from psdk_tf.backend import TfBackend
@@ -264,13 +264,9 @@ class ClickModel(OwnBinding):
 
 
 def _distinct_ids(batch: Batch, cat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``cat``'s distinct ids, sorted, and where each lookup is among them: the batch's own, sorted once, when
-    its ids of the table are ``cat``'s (as the ctr workload makes every batch)."""
-    flat = cat.reshape(-1)
-    jagged = batch.ids.get(TABLE)
-    if jagged is not None and np.array_equal(jagged.values, flat):
-        return jagged.unique(), jagged.positions()
-    return unique_positions(flat)
+    """``cat``'s distinct ids, sorted, and where each lookup is among them (the batch's own, when it has them)."""
+    lookups = own_lookups(batch, cat)
+    return (lookups.unique(), lookups.positions()) if lookups is not None else unique_positions(cat.reshape(-1))
 
 
 class TfCtr(Trainer):

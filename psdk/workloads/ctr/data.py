@@ -67,6 +67,13 @@ def make_batch(dense: np.ndarray, cat: np.ndarray, labels: np.ndarray) -> Batch:
     return Batch({DENSE_INPUT: dense.astype(np.float32), CAT_INPUT: cat}, labels.astype(np.float32), ids)
 
 
+def own_lookups(batch: Batch, cat: np.ndarray) -> JaggedIds | None:
+    """The batch's own ids of :data:`TABLE` when they are its ``cat`` input's (as :func:`make_batch` makes every
+    batch): a trainer takes their distinct ids and positions from it, sorted once per batch. ``None`` otherwise."""
+    lookups = batch.ids.get(TABLE)
+    return lookups if lookups is not None and np.array_equal(lookups.values, cat.reshape(-1)) else None
+
+
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     """Area under the ROC curve (ties count a half), by ranks: the probability a click outscores a non-click."""
     labels = np.asarray(labels) > 0.5
