@@ -23,6 +23,7 @@ from psdk.workloads.ctr.data import (
     best_auc,
     hash_ids,
     log_loss,
+    own_lookups,
     parse_tsv,
 )
 from psdk.workloads.ctr.model import DlrmSpec, backward, forward
@@ -49,6 +50,16 @@ def test_batches_are_the_contracts_and_deterministic():
     np.testing.assert_array_equal(again.targets, batch.targets)
     assert not np.array_equal(SMALL.batch(TRAIN, 7, 6, 64).inputs["cat"], cat)  # the next batch differs
     assert not np.array_equal(SMALL.batch(TRAIN, 8, 5, 64).inputs["cat"], cat)  # another worker's too
+
+
+def test_a_trainer_takes_a_batchs_own_lookups_only_when_they_are_its_cat_input():
+    batch = SMALL.batch(TRAIN, 7, 5, 64)
+    cat = batch.inputs["cat"]
+    assert own_lookups(batch, cat) is batch.ids[TABLE]  # sorted once per batch, shared with the pull
+    assert own_lookups(Batch(batch.inputs, batch.targets), cat) is None  # no ids of the table
+    other = cat.copy()
+    other[0, 0] = (other[0, 0] + 1) % SMALL.capacity
+    assert own_lookups(batch, other) is None  # ids that are not this input's: the trainer sorts its own
 
 
 def test_each_field_is_zipf_distributed():
