@@ -1,12 +1,12 @@
-"""The table's fast paths (``psdk/ps/tables/rowsio.py``, ``RowIndex._probe``) agree with plain numpy and a dict."""
+"""The table's fast paths (``psdk/protocol/rowsio.py``, ``RowIndex._probe``) agree with plain numpy and a dict."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from psdk.protocol.rowsio import put_rows, take_rows
 from psdk.ps.tables.index import EMPTY, PROBE_TAIL, RowIndex
-from psdk.ps.tables.rowsio import put_rows, take_rows
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,8 +27,8 @@ import numpy as np
 
 from psdk.errors import PsdkError
 from psdk.protocol.ids import unique_positions
+from psdk.protocol.rowsio import put_rows
 from psdk.protocol.tables import TableSpec, shard_of_ids
-from psdk.ps.tables.rowsio import put_rows
 from psdk.transport.wire import Message
 
 RowPush = tuple[np.ndarray, np.ndarray]

@@ -13,7 +13,7 @@ is written when its slot is handed out, before anything reads it. numpy
 advises huge pages (``MADV_HUGEPAGE``) for arrays this large: the random reads
 of a batch's rows then miss the TLB less, and since slots are handed out from 0
 upward at most one partly used 2 MiB page per array is mapped beyond the rows.
-Rows move in and out by ``np.take`` and ``np.put`` (``rowsio.py``), not fancy
+Rows move in and out by ``np.take`` and ``np.put`` (``psdk/protocol/rowsio.py``), not fancy
 indexing.
 
 Semantics:
@@ -43,9 +43,9 @@ from typing import ClassVar
 import numpy as np
 
 from psdk.protocol.chunks import SKETCH_DEPTH, SKETCH_WIDTH
+from psdk.protocol.rowsio import put_rows, take_rows
 from psdk.ps.tables.hashing import INITIALIZERS, CountMinSketch, initial_rows, table_key
 from psdk.ps.tables.index import RowIndex, SlotIndex, check_ids
-from psdk.ps.tables.rowsio import put_rows, take_rows
 
 SLOT = "slot."
 """The prefix of a rule slot's array in a state or chunk (``slot.m`` for Adam's first moment)."""

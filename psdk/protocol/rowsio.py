@@ -10,6 +10,10 @@ slots, medians): the gather ``rows[s]`` 890 µs, ``np.take(rows, s, axis=0)``
 212 µs; the scatter ``rows[s] = p`` 508 µs, ``np.put`` of each row as one
 64-byte ``np.void`` element 156 µs. Both are one tight copy loop per row.
 
+The worker puts a hash table's pulled rows back in order the same way
+(:meth:`psdk.client.rows.PullPlan.assemble`), so this lives where both
+sides may import it.
+
 Scatters here take distinct slots (a table never writes one slot twice in a
 batch): with repeats, which value stays would be numpy's choice, as with
 ``rows[s] = p``.
