@@ -8,7 +8,8 @@ batches (``--batch`` x 26 ids of :class:`~psdk.workloads.ctr.data.ClickLog`
 over ``--vocab``, unique and sorted as a worker pushes them, dim 16), for
 each sharding and number of ps, against the same work written the plain
 numpy way in the same run: ``ids[mask]``, ``grads[mask]`` per shard and
-``out[mask] = rows`` back. A ``range`` table's shards hold runs of the sorted
+``out[mask] = rows`` back. As in a training loop, each step's push is of
+the ids the step before pulled (``plan_tables(previous=...)``). A ``range`` table's shards hold runs of the sorted
 ids (slices); a ``hash`` table's are spread (one boolean mask a shard).
 
 Prints microseconds of CPU (this thread) per step and the ratios. Usage:
@@ -47,10 +48,13 @@ def measure(spec: TableSpec, num_ps: int, batches: list[Batch], steps: int) -> d
                 if p.entries} for parts, _ in plans]  # fmt: skip
     wheres = [shard_of_ids(spec, ids, num_ps) for ids, _ in batches]
 
+    last: dict[str, Any] = {}  # the previous step's pull plans, whose split the push of the same ids takes
+
     def psdk_cut(i: int) -> None:
         ids, grads = batches[i % len(batches)]
         following = batches[(i + 1) % len(batches)][0]
-        plan_tables(tables, num_ps, push={spec.name: (ids, grads)}, pull={spec.name: following})
+        push, pull = {spec.name: (ids, grads)}, {spec.name: following}
+        _, last["plans"] = plan_tables(tables, num_ps, push=push, pull=pull, previous=last.get("plans"))
 
     def numpy_cut(i: int) -> None:
         (ids, grads), following = batches[i % len(batches)], batches[(i + 1) % len(batches)][0]

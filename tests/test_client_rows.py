@@ -111,3 +111,32 @@ def test_only_a_messages_first_array_keeps_its_frame() -> None:
     assert len(reuse) == 1
     again = reuse.frames([b"header", stable], 1)
     assert again[1] is parts[2]  # the same frame, built once
+
+
+def test_a_push_of_the_ids_the_last_pull_named_takes_that_pulls_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training step pushes the ids it pulled a step before: a hash table's are not hashed for their shards again."""
+    import psdk.client.rows as rows_module
+
+    spec = TableSpec("emb", 4, capacity=1000, sharding="hash")
+    rng = np.random.default_rng(5)
+    ids = np.unique(rng.integers(0, 1000, 300)).astype(np.int64)
+    grads = rng.standard_normal((len(ids), 4)).astype(np.float32)
+    plain, _ = plan_tables({"emb": spec}, 2, push={"emb": (ids, grads)})
+    _, pulled = plan_tables({"emb": spec}, 2, pull={"emb": ids})
+    hashed: list[int] = []
+    real = rows_module.shard_of_ids
+    monkeypatch.setattr(rows_module, "shard_of_ids", lambda *a: hashed.append(len(a[1])) or real(*a))
+
+    reused, _ = plan_tables({"emb": spec}, 2, push={"emb": (ids, grads)}, previous=pulled)
+    assert hashed == []  # the pull's split, taken as it was
+    for shard in range(2):
+        for got, want in zip(reused[shard].arrays, plain[shard].arrays, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+    ids[:] = np.arange(len(ids)) * 3  # the caller rewrites, in place, the array it pulled with: other ids now
+    again, _ = plan_tables({"emb": spec}, 2, push={"emb": (ids, grads)}, previous=pulled)
+    assert hashed == [len(ids)]  # the plan kept its own copy of the pulled ids, which no longer match: split afresh
+    where = shard_of_ids(spec, ids, 2)
+    for shard in range(2):
+        np.testing.assert_array_equal(again[shard].arrays[0], ids[where == shard])
+        np.testing.assert_array_equal(again[shard].arrays[1], grads[where == shard])

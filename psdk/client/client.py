@@ -335,13 +335,14 @@ class ParameterClient:
     ) -> Pending:
         """Send this step's gradients to every shard; the replies are collected later.
 
-        Between this and :meth:`finish_push_pull` the worker may prepare its next batch, but must
-        not touch :attr:`params`, nor :attr:`grads` or the arrays of ``rows`` and ``pull`` unless
-        ``copy``: then they are copied as they leave and the next gradient may be computed into
-        them at once. ``basis`` says which parameters the gradients were computed from (default:
-        the current ones). ``rows`` and ``pull``: see :meth:`push_pull`.
+        Between this and :meth:`finish_push_pull` the worker may prepare its next batch, but must not touch
+        :attr:`params`, nor :attr:`grads` or the arrays of ``rows`` and ``pull`` unless ``copy``: then they are copied
+        as they leave and the next gradient may be computed into them at once. ``basis`` says which parameters the
+        gradients were computed from (default: the current ones). ``rows`` and ``pull``: see :meth:`push_pull`.
         """
-        parts, self._row_plans = plan_tables(self.tables, self.cluster.num_ps, push=rows, pull=pull, copy=copy)
+        parts, self._row_plans = plan_tables(
+            self.tables, self.cluster.num_ps, push=rows, pull=pull, copy=copy, previous=self._row_plans
+        )
         if grads is not None:
             for name, view in self._grads.items():
                 if grads[name] is not view:
@@ -388,7 +389,7 @@ class ParameterClient:
         chief restores the shards from its latest checkpoint, the others wait
         for it, and every worker pulls the restored parameters (and rows).
         """
-        plans, self._row_plans = self._row_plans, {}
+        plans = self._row_plans  # kept: the next push, of these ids, takes their split
         result, replies = self._finish(pending)
         if not plans:
             return result

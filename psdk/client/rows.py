@@ -91,6 +91,9 @@ class PullPlan:
     """Where each id the caller gave is in ``unique``; ``None``: they were ``unique`` already."""
     masks: dict[int, Part]
     """Per shard, which of ``unique`` it was asked for."""
+    split: tuple[np.ndarray, dict[int, np.ndarray]] | None = None
+    """Where the shards' parts are masks (a hash table's): a private copy of ``unique`` and each shard's part
+    of it, for a push of these same ids (a training step's, the step after) to take instead of hashing them."""
 
     @property
     def ids(self) -> np.ndarray:
@@ -155,11 +158,14 @@ def plan_tables(
     pull: Mapping[str, Any] | None = None,
     read: bool = False,
     copy: bool = False,
+    previous: Mapping[str, PullPlan] | None = None,
 ) -> tuple[dict[int, ShardTables], dict[str, PullPlan]]:
     """Each shard's table entries for one request, and how to put the pulled rows back together.
 
     A shard's part may be a view of the caller's ids and row gradients (a run of
     them): the request carries them as they are until its reply, unless ``copy``.
+    ``previous``: the plans of the last request's pulls, whose split a push of the
+    same ids reuses.
     """
 
     def cut(array: np.ndarray, part: Part) -> np.ndarray:
@@ -180,13 +186,19 @@ def plan_tables(
         pushing: dict[int, RowPush] = {}
         if name in push:
             ids, grads = sum_duplicates(spec, *push[name])
-            pushing = {s: (cut(ids, m), cut(grads, m)) for s, m in split_by_shard(spec, ids, num_ps).items()}
+            known = previous.get(name) if previous else None
+            if known is not None and known.split is not None and np.array_equal(ids, known.split[0]):
+                parted = known.split[1]  # the ids the last pull named: cut as then, not hashed again
+                pushing = {s: (parted[s], cut(grads, m)) for s, m in known.masks.items()}
+            else:
+                pushing = {s: (cut(ids, m), cut(grads, m)) for s, m in split_by_shard(spec, ids, num_ps).items()}
         pulling: dict[int, np.ndarray] = {}
         if name in pull:
             unique, inverse = unique_ids(as_ids(spec, pull[name]))
             masks = split_by_shard(spec, unique, num_ps)
-            plans[name] = PullPlan(spec, unique, inverse, masks)
             pulling = {s: cut(unique, m) for s, m in masks.items()}
+            spread = any(not isinstance(m, slice) for m in masks.values())
+            plans[name] = PullPlan(spec, unique, inverse, masks, (unique.copy(), pulling) if spread else None)
         for shard in sorted(set(pushing) | set(pulling)):
             part = parts[shard]
             entry: dict[str, Any] = {"table": name}
