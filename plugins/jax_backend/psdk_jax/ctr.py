@@ -21,9 +21,10 @@ takes the rows of the batch's distinct ids instead, padded with zero rows to
 that same fixed count, and each lookup's position among them (the batch's
 ``JaggedIds``, sorted once per batch); ``jax.jit`` gathers per lookup, and
 the gradient comes back summed per id, in order, the row gradient psdk
-pushes: nothing is left for the worker to sort or sum. Dense variables are canonical by construction: ``bottom<i>`` and
-``top<i>``, kernels (in, out). This module imports JAX; psdk imports it only
-when a job trains ``ctr`` on JAX.
+pushes: nothing is left for the worker to sort or sum. Dense variables are
+canonical by construction: ``bottom<i>`` and ``top<i>``, kernels (in, out).
+This module imports JAX; psdk imports it only when a job trains ``ctr`` on
+JAX.
 """
 
 from __future__ import annotations

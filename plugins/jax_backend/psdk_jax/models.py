@@ -237,7 +237,8 @@ class DenseStack:
                 wanted[name], positions[name] = self.table_ids(name, value.unique()), value.positions().astype(np.int32)
             else:
                 wanted[name] = self.table_ids(name, value)
-        rows = {name: self._rows_in(name, index, len(positions.get(name, index))) for name, index in wanted.items()}
+        lookups = {name: len(positions[name]) if name in positions else len(index) for name, index in wanted.items()}
+        rows = {name: self._rows_in(name, index, lookups[name]) for name, index in wanted.items()}
         step, load_step = self._steps.get(loss) or self._compile(loss)
         if self._pending:
             out, self._params = load_step(jax.device_put(self._staged, self.device), rows, positions, *arrays)
