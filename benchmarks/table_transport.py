@@ -9,16 +9,22 @@ its own process, over TCP on 127.0.0.1:
 * **sparse**: each round trip pushes one click batch's rows (``--batch`` x 26
   ids of :class:`~psdk.workloads.ctr.data.ClickLog` over ``--vocab``, made
   unique and sorted, one float32 row of 16 each) and pulls the next batch's
-  rows, as a ctr worker's step does (:meth:`~psdk.api.DistributedOptimizer.start_step`);
+  rows, as a ctr worker's step does (:meth:`~psdk.api.DistributedOptimizer.start_step`).
+  Each step writes its row gradients where the push sends them from
+  (:meth:`~psdk.client.ParameterClient.row_room`: over shared memory, room
+  in the worker's memory lent to the ps), as the dense side writes its
+  gradient into its buffer, and that write is timed apart and taken off the
+  same way. For reference, the rows handed to the push in an array of their
+  own, which the push copies into the heap ("rows copied in by the push");
 * **dense**: one float32 variable of as many values as the pushed rows
   (unique ids x 16) pushed, and as many pulled back. Each step writes a new
   gradient into the client's gradient buffer first (the batches' row
   gradients, cycled), as a trainer's step leaves one (over shared memory
   that buffer is the lent region), and the write itself is timed apart and
   taken off: it is the backend's, before the encode (psdk's step books it
-  as such), and the sparse side has no counterpart of it over frames. The
-  ratio with the write left in, and against a push of one unchanged
-  gradient, are printed for reference.
+  as such). The ratio with both writes left in, and the rows copied in
+  against a push of one unchanged gradient (neither side writing where it
+  sends from), are printed for reference.
 
 The rule is excluded by running the ps with the no-op rule
 (:class:`~psdk.ps.rules.NoOp`) in both: it changes nothing. CPU is the
@@ -146,10 +152,19 @@ def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -
                 client.pull_rows({TABLE: batches[0][0]})
                 client.status()  # the ps's answer to the offer of shared memory is in
 
+                copied = "copied" in kind
+
                 def step(i: int) -> float:
                     ids, grads = batches[i % len(batches)]
+                    wrote = 0.0
+                    if not copied:  # the rows written where they go (over shared memory, the ps's lent room)
+                        rows = client.row_room(TABLE, ids)
+                        began = time.thread_time()
+                        np.copyto(rows, grads)
+                        wrote = time.thread_time() - began
+                        grads = rows
                     client.push_pull(rows={TABLE: (ids, grads)}, pull={TABLE: batches[(i + 1) % len(batches)][0]})
-                    return 0.0
+                    return wrote
 
             else:
                 size = int(np.mean([len(ids) for ids, _ in batches])) * DIM
@@ -210,8 +225,10 @@ def index_work(batches: list[Batch], vocab: int, count: int, warmup: int) -> tup
 
 TRANSPORTS = (("", "frames"), ("-shm", "shared memory"))
 """Each kind's suffix, and the transport it names."""
-SIDES = (("sparse", "sparse"), ("dense", "dense, a new gradient each step"),
-         ("dense-unchanged", "dense, one unchanged gradient"))  # fmt: skip
+SIDES = (("sparse", "sparse push + pull, rows written where they go"),
+         ("sparse-copied", "sparse push + pull, rows copied in by the push"),
+         ("dense", "dense push + pull, a new gradient each step"),
+         ("dense-unchanged", "dense push + pull, one unchanged gradient"))  # fmt: skip
 """Each kind of round trip without its transport's suffix, and how the table names it."""
 KINDS = tuple(side + suffix for suffix, _ in TRANSPORTS for side, _ in SIDES)
 
@@ -239,23 +256,29 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
         out[kind] = {f: round(median(kind, f), 1) for f in ("client_us", "ps_us", "total_us")}
     for suffix, _ in TRANSPORTS:
         out[f"gradient_write{suffix.replace('-', '_')}_us"] = round(median("dense" + suffix, "write_us"), 1)
+        out[f"row_write{suffix.replace('-', '_')}_us"] = round(median("sparse" + suffix, "write_us"), 1)
     out["sorting_us"] = round(statistics.median(w[0] for w in work), 1)
     out["ps_table_alone_us"] = round(statistics.median(w[1] for w in work), 1)
     for suffix, _ in TRANSPORTS:  # each transport against the dense round trip on the same one
         key, sparse = suffix.replace("-", "_"), runs["sparse" + suffix]
         out[f"ps_table{key}_us"] = round(statistics.median(r.ps_table_us for r in sparse), 1)
-        # Per run, what the ps timed of its tables comes off that run's CPU: the two move together.
-        moved = statistics.median(r.total_us - r.ps_table_us for r in sparse) - out["sorting_us"]
+        # Per run, what the ps timed of its tables comes off that run's CPU (the two move together), and the
+        # rows' write where they go, as the dense gradient's.
+        moved = statistics.median(r.total_us - r.ps_table_us - r.write_us for r in sparse) - out["sorting_us"]
+        copied = statistics.median(r.total_us - r.ps_table_us for r in runs["sparse-copied" + suffix])
+        copied -= out["sorting_us"]
         # The dense transport: each run's round trip of a new gradient, less that run's write of it into the
-        # buffer (which the sparse side has no counterpart of over frames, and psdk's step books as the backend's).
+        # buffer (the backend's work, which psdk's step books as such), as the sparse rows' write.
         dense = max(statistics.median(r.total_us - r.write_us for r in runs["dense" + suffix]), 1e-9)
         with_write = max(out["dense" + suffix]["total_us"], 1e-9)  # a tiny run's process time may read 0
         unchanged = max(out["dense-unchanged" + suffix]["total_us"], 1e-9)
         out[f"dense_transport{key}_us"] = round(dense, 1)
         out[f"sparse_transport{key}_us"] = round(moved, 1)
         out[f"ratio{key}"] = round(moved / dense, 3)
-        out[f"ratio_with_write{key}"] = round(moved / with_write, 3)
-        out[f"ratio_unchanged{key}"] = round(moved / unchanged, 3)
+        out[f"ratio_with_write{key}"] = round((moved + out[f"row_write{key}_us"]) / with_write, 3)  # both writes
+        out[f"ratio_unchanged{key}"] = round(copied / unchanged, 3)  # neither side writing where it sends from
+        out[f"sparse_transport_copied{key}_us"] = round(copied, 1)
+        out[f"ratio_copied{key}"] = round(copied / dense, 3)
     return out
 
 
@@ -275,11 +298,13 @@ def table(out: dict[str, Any]) -> str:
         dense = max(out["dense" + suffix]["total_us"], 1e-9)
         for side, name in SIDES:
             r = out[side + suffix]
-            lines.append(f"| {name} push + pull ({where}) | {r['client_us']:.0f} | {r['ps_us']:.0f} | "
+            lines.append(f"| {name} ({where}) | {r['client_us']:.0f} | {r['ps_us']:.0f} | "
                          f"{r['total_us']:.0f} | {r['total_us'] / dense:.2f}× |")  # fmt: skip
     for suffix, where in TRANSPORTS:
         lines.append(f"| dense: the new gradient written into its buffer ({where}) | "
                      f"{out['gradient_write' + suffix.replace('-', '_') + '_us']:.0f} | | | |")  # fmt: skip
+        lines.append(f"| sparse: the rows written where they go ({where}) | "
+                     f"{out['row_write' + suffix.replace('-', '_') + '_us']:.0f} | | | |")  # fmt: skip
     lines.append(f"| sparse: worker's sort and cut of the ids | {out['sorting_us']:.0f} | | | |")
     for suffix, where in TRANSPORTS:
         lines.append(f"| sparse: ps's id checks, index, rows gathered and created ({where}) | | "
@@ -289,13 +314,15 @@ def table(out: dict[str, Any]) -> str:
         key = suffix.replace("-", "_")
         lines.append(f"| dense transport, {where} (a new gradient, its write not counted) | | | "
                      f"{out[f'dense_transport{key}_us']:.0f} | 1.00× |")  # fmt: skip
-        lines.append(f"| sparse transport, {where} (encode to decode) | | | "
+        lines.append(f"| sparse transport, {where} (encode to decode, the rows' write not counted) | | | "
                      f"{out[f'sparse_transport{key}_us']:.0f} | {out[f'ratio{key}']:.2f}× |")  # fmt: skip
+        lines.append(f"| sparse transport, {where}, rows copied in by the push | | | "
+                     f"{out[f'sparse_transport_copied{key}_us']:.0f} | {out[f'ratio_copied{key}']:.2f}× |")  # fmt: skip
     for suffix, where in TRANSPORTS:
         key = suffix.replace("-", "_")
-        lines.append(f"| sparse transport ÷ the dense round trip with its write ({where}) | | | | "
+        lines.append(f"| sparse transport ÷ the dense round trip, both with their writes ({where}) | | | | "
                      f"{out[f'ratio_with_write{key}']:.2f}× |")  # fmt: skip
-        lines.append(f"| sparse transport ÷ the unchanged dense gradient ({where}) | | | | "
+        lines.append(f"| sparse transport, rows copied in ÷ the unchanged dense gradient ({where}) | | | | "
                      f"{out[f'ratio_unchanged{key}']:.2f}× |")  # fmt: skip
     return "\n".join(lines)
 

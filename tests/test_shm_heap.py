@@ -156,7 +156,7 @@ def test_arrays_may_not_overlap_so_a_read_copies_at_most_the_heap() -> None:
     with memory() as (worker, ps):
         worker.put_arrays(5, [IDS, IDS])
         worker._views.up._descriptors[1] = worker._views.up._descriptors[0]  # type: ignore[union-attr]
-        with pytest.raises(ProtocolError, match="over the one before"):
+        with pytest.raises(ProtocolError, match="overlap"):
             ps.take_arrays(5)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from psdk.client import ClientOptions, ParameterClient
 from psdk.config.options import TransportOptions
-from psdk.errors import NonFiniteError, RemoteError
+from psdk.errors import NonFiniteError, PsdkError, RemoteError
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.tables import TableSpec, shard_of_ids
 from psdk.ps.consistency import SyncSpec
@@ -315,3 +315,27 @@ def test_rows_that_turn_non_finite_after_their_check_are_refused_by_the_update(r
     with pytest.raises(NonFiniteError, match="would leave NaN or Inf"):
         table.stage_update(grad, rule, 1)
     np.testing.assert_array_equal(table.pull(ids, create=False), before)
+
+
+def test_rows_written_in_their_room_are_pushed_from_the_memory_lent_to_the_ps_that_holds_them() -> None:
+    """``row_room``: ids one ps holds get room in the memory lent to it (the push copies no row); ids of two
+    shards a private array. Either way the push applies just what was written."""
+    items = TableSpec("items", dim=4, capacity=1000, seed=7, sharding="range")  # ps 0: ids 0..499, ps 1: 500..
+    one, two = np.array([3, 7, 40], np.int64), np.array([3, 700], np.int64)
+    with job(rule=SGD(lr=0.5), tables=(items,)) as (client,):
+        before = client.pull_rows({"items": [3, 7, 40, 700]})["items"]
+        client.status()  # the ps's answer to the offer of shared memory is in
+        heap = client.endpoint.links.by_index[0].memory._views.up  # type: ignore[attr-defined]
+        room = client.row_room("items", one)
+        assert room.shape == (3, 4) and room.dtype == np.float32 and np.shares_memory(room, heap._data)
+        room[...] = np.arange(12, dtype=np.float32).reshape(3, 4)
+        client.push_pull(rows={"items": (one, room)}, pull={"items": two})
+        spread = client.row_room("items", two)
+        assert spread.flags.owndata and spread.shape == (2, 4)
+        spread[...] = 1.0
+        after = client.push_pull(rows={"items": (two, spread)}, pull={"items": [3, 7, 40, 700]}).rows["items"]
+        expected = before - 0.5 * np.array([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0] * 4], np.float32)
+        expected[[0, 3]] -= 0.5
+        np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
+        with pytest.raises(PsdkError, match="no table 'users'"):
+            client.row_room("users", one)

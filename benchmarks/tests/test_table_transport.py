@@ -21,27 +21,34 @@ def test_prints_the_sparse_and_dense_round_trips_and_the_ratio() -> None:
     lines = done.stdout.splitlines()
     rows = [line.split("|")[1:-1] for line in lines[4:-1]]
     assert [r[0].strip() for r in rows] == [
-        "sparse push + pull (frames)", "dense, a new gradient each step push + pull (frames)",
-        "dense, one unchanged gradient push + pull (frames)", "sparse push + pull (shared memory)",
-        "dense, a new gradient each step push + pull (shared memory)",
-        "dense, one unchanged gradient push + pull (shared memory)",
-        "dense: the new gradient written into its buffer (frames)",
-        "dense: the new gradient written into its buffer (shared memory)", "sparse: worker's sort and cut of the ids",
+        "sparse push + pull, rows written where they go (frames)",
+        "sparse push + pull, rows copied in by the push (frames)",
+        "dense push + pull, a new gradient each step (frames)", "dense push + pull, one unchanged gradient (frames)",
+        "sparse push + pull, rows written where they go (shared memory)",
+        "sparse push + pull, rows copied in by the push (shared memory)",
+        "dense push + pull, a new gradient each step (shared memory)",
+        "dense push + pull, one unchanged gradient (shared memory)",
+        "dense: the new gradient written into its buffer (frames)", "sparse: the rows written where they go (frames)",
+        "dense: the new gradient written into its buffer (shared memory)",
+        "sparse: the rows written where they go (shared memory)", "sparse: worker's sort and cut of the ids",
         "sparse: ps's id checks, index, rows gathered and created (frames)",
         "sparse: ps's id checks, index, rows gathered and created (shared memory)",
         "sparse: the same, timed alone", "dense transport, frames (a new gradient, its write not counted)",
-        "sparse transport, frames (encode to decode)",
+        "sparse transport, frames (encode to decode, the rows' write not counted)",
+        "sparse transport, frames, rows copied in by the push",
         "dense transport, shared memory (a new gradient, its write not counted)",
-        "sparse transport, shared memory (encode to decode)",
-        "sparse transport ÷ the dense round trip with its write (frames)",
-        "sparse transport ÷ the unchanged dense gradient (frames)",
-        "sparse transport ÷ the dense round trip with its write (shared memory)",
-        "sparse transport ÷ the unchanged dense gradient (shared memory)",
+        "sparse transport, shared memory (encode to decode, the rows' write not counted)",
+        "sparse transport, shared memory, rows copied in by the push",
+        "sparse transport ÷ the dense round trip, both with their writes (frames)",
+        "sparse transport, rows copied in ÷ the unchanged dense gradient (frames)",
+        "sparse transport ÷ the dense round trip, both with their writes (shared memory)",
+        "sparse transport, rows copied in ÷ the unchanged dense gradient (shared memory)",
     ]  # fmt: skip
-    assert all(r[-1].strip().endswith("×") for r in rows[-8:])
+    assert all(r[-1].strip().endswith("×") for r in rows[-10:])
     out = json.loads(lines[-1])
     assert isinstance(out["ratio_shm"], float) and isinstance(out["sparse_transport_shm_us"], float)
-    for kind in ("sparse", "dense", "dense-unchanged", "sparse-shm", "dense-shm", "dense-unchanged-shm"):
+    for kind in ("sparse", "sparse-copied", "dense", "dense-unchanged", "sparse-shm", "sparse-copied-shm",
+                 "dense-shm", "dense-unchanged-shm"):  # fmt: skip
         assert out[kind]["total_us"] == pytest.approx(out[kind]["client_us"] + out[kind]["ps_us"], abs=0.2)
         assert out[kind]["client_us"] >= 0 and out[kind]["ps_us"] >= 0
     assert 0 < out["unique_ids"] <= 128 * 26 and out["bytes"]["dense_each_way"] == out["bytes"]["sparse_down"]
@@ -49,6 +56,7 @@ def test_prints_the_sparse_and_dense_round_trips_and_the_ratio() -> None:
     assert out["ps_table_us"] > 0 and out["ps_table_shm_us"] > 0  # the ps timed its tables in the sparse runs
     # Each dense step wrote a new gradient of ~200 KB (at least 1 µs even at 200 GB/s; a bare clock read is 0.2).
     assert out["gradient_write_us"] >= 1.0 and out["gradient_write_shm_us"] >= 1.0
+    assert out["row_write_us"] >= 1.0 and out["row_write_shm_us"] >= 1.0  # and each sparse step its rows
     for key in ("", "_shm"):
         assert isinstance(out[f"ratio_with_write{key}"], float) and isinstance(out[f"ratio_unchanged{key}"], float)
-        assert out[f"dense_transport{key}_us"] > 0
+        assert out[f"dense_transport{key}_us"] > 0 and isinstance(out[f"ratio_copied{key}"], float)

@@ -26,7 +26,7 @@ from psdk.client.heartbeat import Heartbeat
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from, tables_of
 from psdk.client.options import ClientOptions
 from psdk.client.partitions import Joined, chosen_plan
-from psdk.client.rows import PullPlan, RowPush, plan_tables, pulled_rows, with_tables
+from psdk.client.rows import PullPlan, RowPush, plan_tables, pulled_rows, row_room, with_tables
 from psdk.client.shards import Basis, Shard, StepResult
 from psdk.client.tablestate import announce, check_tables, finish_restore
 from psdk.client.waiting import ReplyWait, rejoining
@@ -294,10 +294,8 @@ class ParameterClient:
         return self.global_step
 
     def pull_rows(self, ids: Mapping[str, Any], read: bool = False) -> dict[str, np.ndarray]:
-        """The parameters, and the rows of ``ids`` by table, in the order given (duplicates repeated).
-
-        A training pull creates, counts and stamps the rows it names; ``read=True`` changes nothing (zeros for
-        ids without a row)."""
+        """The parameters, and the rows of ``ids`` by table, in the order given (duplicates repeated). A training
+        pull creates, counts and stamps the rows it names; ``read=True`` changes nothing (zeros for ids without one)."""
         return self._pull(ids, read)
 
     def _pull(self, ids: Mapping[str, Any] | None = None, read: bool = False) -> dict[str, np.ndarray]:
@@ -320,6 +318,11 @@ class ParameterClient:
         """Push one gradient per shard (default: :attr:`grads`) and ``rows`` (by table, ``(ids, grads)``), and
         take back the fresh parameters and the rows of ``pull`` (ids by table: :attr:`StepResult.rows`)."""
         return self.finish_push_pull(self.start_push_pull(grads, rows=rows, pull=pull))
+
+    def row_room(self, table: str, ids: Any) -> np.ndarray:
+        """Where to write the row gradients of ``ids`` (a pull's) for the next push of them: over shared memory,
+        lent to the ps (:func:`psdk.client.rows.row_room`). Fill it after the last push finished; push it next."""
+        return row_room(self.tables, table, ids, self.cluster.num_ps, self.endpoint.room)
 
     def basis(self) -> Basis:
         """What the current parameters are: take it when a gradient is computed from them."""
@@ -370,13 +373,11 @@ class ParameterClient:
     def _round_versions(self, basis: Basis) -> tuple[int, ...]:
         """In sync mode, one version for every shard: the lowest of the basis.
 
-        Every shard runs its own rounds, in lockstep as TensorFlow's one
-        ``global_step`` kept every accumulator: the pushes that close a round
-        on one shard were sent, for that round, to every shard. Pushing each
-        shard its own version let the shards drift apart with backup workers,
-        and a lagging shard's last round, or a checkpoint pause at the leading
-        one's version, then waited for pushes that never came. A shard already
-        past the lowest version drops the push as stale, as any late push.
+        Every shard runs its own rounds, in lockstep as TensorFlow's one ``global_step`` kept every
+        accumulator: the pushes that close a round on one shard were sent, for that round, to every shard.
+        Pushing each shard its own version let the shards drift apart with backup workers, and a lagging
+        shard's last round, or a checkpoint pause at the leading one's version, then waited for pushes that
+        never came. A shard already past the lowest version drops the push as stale, as any late push.
         """
         live = self._live()
         floor = min((basis.versions[i] for i in live), default=0)
@@ -394,10 +395,8 @@ class ParameterClient:
         if not plans:
             return result
         if replies is None:  # recovered: the rows are pulled again from the restored shards
-            rows = self._pull({name: plan.unique[plan.inverse] for name, plan in plans.items()})
-        else:
-            rows = pulled_rows(plans, replies)
-        return dataclasses.replace(result, rows=rows)
+            return dataclasses.replace(result, rows=self._pull({name: plan.ids for name, plan in plans.items()}))
+        return dataclasses.replace(result, rows=pulled_rows(plans, replies))
 
     def _finish(self, pending: Pending) -> tuple[StepResult, dict[int, Message] | None]:
         try:

@@ -19,7 +19,7 @@ a click batch's 10,000 rows that saves about a millisecond a step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,41 @@ def split_by_shard(spec: TableSpec, ids: np.ndarray, num_ps: int) -> dict[int, P
 def part_size(part: Part) -> int:
     """How many ids a shard's part holds."""
     return part.stop - part.start if isinstance(part, slice) else int(np.count_nonzero(part))
+
+
+def row_room(
+    tables: Mapping[str, TableSpec],
+    name: str,
+    ids: Any,
+    num_ps: int,
+    lend: Callable[[int, list[tuple[int, int]]], list[np.ndarray] | None],
+) -> np.ndarray:
+    """A ``len(ids) x dim`` float32 array to write the row gradients of ``ids`` into, for the next push of them.
+
+    When one shard holds every id (``ids`` unique and sorted, as a pull's,
+    by which a backward keys its rows), it is the room ``lend`` gives in
+    what that shard is sent (shared memory: :meth:`psdk.transport.heap.Heap.lend`),
+    and the push sends the rows from where they lie, as a dense gradient
+    from its lent region; else a private array, copied as any rows are.
+    Valid until that push finished. The ids are not checked here: the push
+    checks them (and sorts them, copying the rows, if they were not sorted).
+    """
+    if name not in tables:
+        raise PsdkError(f"no table {name!r} in this job (its tables: {sorted(tables) or 'none'})")
+    spec, flat = tables[name], np.asarray(ids).reshape(-1)
+    shape = (len(flat), spec.dim)
+    shard = 0 if num_ps == 1 else _only_shard(spec, flat, num_ps)
+    room = lend(shard, [shape]) if shard is not None and len(flat) else None
+    return room[0] if room is not None else np.empty(shape, np.float32)
+
+
+def _only_shard(spec: TableSpec, ids: np.ndarray, num_ps: int) -> int | None:
+    """The shard holding all of ``ids`` (sorted) if it is one: a ``range`` table's, whose ends tell; else None."""
+    if spec.sharding != "range" or not len(ids) or ids.dtype.kind not in "iu":
+        return None
+    per = spec.shard_capacity(num_ps)
+    first, last = int(ids[0]) // per, int(ids[-1]) // per
+    return first if first == last else None
 
 
 @dataclass

@@ -23,6 +23,13 @@ update checks what it wrote is finite
 past its reply has them copied before they are checked
 (``ServedShard._keeps_pushes``), and any other request's are copied out.
 
+The worker may also *lend* itself room at the top of its up heap before a
+request (:meth:`Heap.lend`): a push's row gradients written there by the
+backward, as a dense gradient is written into its lent region, are sent
+from where they lie, never copied. Arrays are then not in message order in
+the heap; the reader checks that none overlaps another, whatever their
+order.
+
 Only what tables send fits (float32 and int64, one or two dimensions, at
 most :data:`MAX_ARRAYS`); anything else, or arrays beyond the heap's size,
 leaves the message on ZeroMQ frames.
@@ -51,9 +58,9 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``a`` and ``b`` (of one shape and dtype) are the same bytes: an array filled where it goes."""
-    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides)
+def _address(array: np.ndarray) -> int:
+    """Where ``array``'s first byte lies in this process's memory."""
+    return int(array.__array_interface__["data"][0])
 
 
 def _offsets(sizes: list[int]) -> tuple[list[int], int]:
@@ -80,15 +87,41 @@ class Heap:
             MAX_ARRAYS, 4
         )
         self._data = np.frombuffer(buffer, np.uint8, nbytes - PREFIX_BYTES, offset=offset + PREFIX_BYTES)
+        self._base = _address(self._data)
+        self._lent: tuple[int, int] | None = None
+        """The room :meth:`lend` gave (start and end offsets in the data), until a write sends it."""
 
     def fits(self, arrays: list[np.ndarray]) -> bool:
         """Whether ``arrays`` can be written here (kinds, count and bytes); else they go as frames."""
+        return self._layout(arrays) is not None
+
+    def _layout(self, arrays: list[np.ndarray]) -> list[int] | None:
+        """Where each of ``arrays`` goes in the data: those lying in lent room stay there, the others follow one
+        another from the start, below any room lent; None if they cannot all be written."""
         if len(arrays) > MAX_ARRAYS:
-            return False
+            return None
+        kept: list[int | None] = []
         for array in arrays:
             if array.dtype not in _CODES or array.ndim not in (1, 2) or (array.ndim == 2 and not array.shape[1]):
-                return False
-        return _offsets([array.nbytes for array in arrays])[1] <= self._data.size
+                return None
+            at = self._lent_place(array) if self._lent is not None else None
+            if at is not None and any(a is not None and at < a + b.nbytes and a < at + array.nbytes
+                                      for a, b in zip(kept, arrays, strict=False)):  # fmt: skip
+                at = None  # the same room given twice: the second is copied, so arrays never overlap
+            kept.append(at)
+        offsets, end = _offsets([array.nbytes for array, at in zip(arrays, kept, strict=True) if at is None])
+        if end > (self._lent[0] if self._lent else self._data.size):
+            return None
+        below = iter(offsets)
+        return [next(below) if at is None else at for at in kept]
+
+    def _lent_place(self, array: np.ndarray) -> int | None:
+        """The offset of ``array`` if it is (part of) the room :meth:`lend` gave, aligned and whole; else None."""
+        if self._lent is None or array.dtype != _DTYPES[0] or not array.nbytes or not array.flags.c_contiguous:
+            return None
+        at = _address(array) - self._base
+        low, high = self._lent
+        return at if low <= at and at + array.nbytes <= high and not at % ALIGN else None
 
     def room(self, rid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
         """Float32 arrays of ``shapes`` where :meth:`write` of request ``rid`` would put them (None: no room),
@@ -97,27 +130,61 @@ class Heap:
         From now on the heap reads as torn for any other request: a reader
         still copying an earlier one's arrays sees it changed under it.
         """
-        float32 = _DTYPES[0]
-        sizes = [rows * cols * float32.itemsize for rows, cols in shapes]
+        sizes = [rows * cols * _DTYPES[0].itemsize for rows, cols in shapes]
         offsets, end = _offsets(sizes)
         if len(shapes) > MAX_ARRAYS or end > self._data.size or any(cols < 1 for _, cols in shapes):
             return None
         self._seq[0] = rid
-        places = zip(offsets, sizes, shapes, strict=True)
-        return [self._data[at : at + nbytes].view(float32).reshape(shape) for at, nbytes, shape in places]
+        return self._views(offsets, sizes, shapes)
 
-    def write(self, rid: int, arrays: list[np.ndarray]) -> None:
-        """Put ``arrays`` (which :meth:`fits`) under request ``rid``; those :meth:`room` gave are there already."""
+    def lend(self, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Float32 arrays of ``shapes`` at the top of the heap (None: no room), for the writer to fill before the
+        request that sends them: :meth:`write` leaves them where they lie.
+
+        Rooms lent one after another lie one below the other (a request
+        with two tables' rows); they stay the writer's, and other arrays are
+        written below them, until a write sends any of them. Lend only when
+        no reader is left (every request that used the heap was answered):
+        from now on the heap reads as torn for any request.
+        """
+        sizes = [rows * cols * _DTYPES[0].itemsize for rows, cols in shapes]
+        offsets, end = _offsets(sizes)
+        if len(shapes) > MAX_ARRAYS or any(cols < 1 for _, cols in shapes):
+            return None
+        low, high = self._lent or (self._data.size, self._data.size)
+        if end > low:  # rooms lent before and never sent (one request's always fit the heap): start over
+            low = high = self._data.size
+        if end > low:
+            return None
+        base = (low - end) // ALIGN * ALIGN
+        self._seq[0] = 0  # no request's: a reader still copying sees its arrays rewritten
+        self._lent = (base, high)
+        return self._views([base + at for at in offsets], sizes, shapes)
+
+    def _views(self, offsets: list[int], sizes: list[int], shapes: list[tuple[int, int]]) -> list[np.ndarray]:
+        places = zip(offsets, sizes, shapes, strict=True)
+        return [self._data[at : at + nbytes].view(_DTYPES[0]).reshape(shape) for at, nbytes, shape in places]
+
+    def write(self, rid: int, arrays: list[np.ndarray]) -> bool:
+        """Put ``arrays`` under request ``rid``; those :meth:`room` or :meth:`lend` gave are there already.
+        ``False`` (nothing written) if they do not fit (see :meth:`fits`)."""
+        offsets = self._layout(arrays)
+        if offsets is None:
+            return False
         self._seq[0] = rid
-        offsets, _ = _offsets([array.nbytes for array in arrays])
+        sent_room = False
         for i, (array, at) in enumerate(zip(arrays, offsets, strict=True)):
             rows, cols = (array.shape[0], 0) if array.ndim == 1 else array.shape
             self._descriptors[i] = (_CODES[array.dtype], rows, cols, at)
-            target = self._data[at : at + array.nbytes].view(array.dtype).reshape(array.shape)
-            if not _same_memory(target, array):
-                np.copyto(target, array)
+            if _address(array) == self._base + at and array.flags.c_contiguous:  # filled where it goes
+                sent_room = sent_room or (self._lent is not None and at >= self._lent[0])
+            else:
+                np.copyto(self._data[at : at + array.nbytes].view(array.dtype).reshape(array.shape), array)
+        if sent_room:
+            self._lent = None  # sent: the room is the heap's again once this request is answered
         self._count[0] = len(arrays)
         self._seq[1] = rid
+        return True
 
     def read(self, rid: int, copy_values: bool = True) -> list[np.ndarray]:
         """Copies of the arrays written under request ``rid``; ProtocolError if they are not (or were torn).
@@ -131,12 +198,12 @@ class Heap:
         if count > MAX_ARRAYS:
             raise ProtocolError(f"shared memory names {count} arrays, more than {MAX_ARRAYS}")
         descriptors = self._descriptors[:count].copy()  # checked as copied: the writer cannot change them after
-        places, end = [], 0
-        for index, descriptor in enumerate(descriptors):
-            code, rows, cols, at = (int(v) for v in descriptor)
-            place = self._place(index, code, rows, cols, at, end)
-            places.append(place)
-            end = place[0] + place[1]
+        places = [self._place(index, *(int(v) for v in descriptor)) for index, descriptor in enumerate(descriptors)]
+        end = 0
+        for at, nbytes, _, _ in sorted(places, key=lambda place: (place[0], place[1])):
+            if at < end:  # none overlaps another, so what is copied is at most the heap
+                raise ProtocolError("arrays in shared memory overlap")
+            end = at + nbytes
         arrays = []
         for at, nbytes, dtype, shape in places:
             array = self._data[at : at + nbytes].view(dtype).reshape(shape)
@@ -146,16 +213,16 @@ class Heap:
         return arrays
 
     def _place(
-        self, index: int, code: int, rows: int, cols: int, at: int, end: int
+        self, index: int, code: int, rows: int, cols: int, at: int
     ) -> tuple[int, int, np.dtype[Any], tuple[int, ...]]:
-        """Where array ``index`` lies (offset, bytes, dtype, shape), checked: after the one before it (arrays never
-        overlap, so what is copied is at most the heap), aligned, inside the heap, of sizes a frame may have."""
+        """Where array ``index`` lies (offset, bytes, dtype, shape), checked: aligned, inside the heap, of sizes a
+        frame may have."""
         if code >= len(_DTYPES):
             raise ProtocolError(f"array {index} in shared memory has an unknown dtype code {code}")
         if rows > MAX_DIM or cols > MAX_DIM:
             raise ProtocolError(f"array {index} in shared memory has a size over {MAX_DIM}")
         dtype = _DTYPES[code]
         nbytes = rows * max(cols, 1) * dtype.itemsize
-        if at % ALIGN or at < end or at + nbytes > self._data.size:
-            raise ProtocolError(f"array {index} in shared memory lies outside its region, or over the one before")
+        if at % ALIGN or at + nbytes > self._data.size:
+            raise ProtocolError(f"array {index} in shared memory lies outside its region")
         return at, nbytes, dtype, (rows,) if cols == 0 else (rows, cols)

@@ -269,6 +269,14 @@ class ClientLinks:
             del lent.sent[next(iter(lent.sent))]
         return light, self._packer.pack(message, names) if lent.knocks else None
 
+    def room(self, index: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Room in the up heap lent to server ``index`` (see :meth:`Heap.lend`); None unless the server holds
+        that memory and has answered every request sent it (none may still be reading the heap)."""
+        lent = self.by_index.get(index)
+        if lent is None or not lent.attached or lent.awaited:
+            return None
+        return lent.memory.lend_room(shapes)
+
     def knock(self, index: int, rid: int, header: bytes) -> bool:
         """Knock for request ``rid``; ``False``: the pipe broke (the server let go, or died), send it whole."""
         lent = self.by_index[index]
@@ -317,6 +325,8 @@ class ClientLinks:
         lent = self.by_index.get(index)
         if lent is None or message.rid != lent.offer_rid:
             return None  # the answer to an offer since replaced
+        if message.rid in lent.awaited:
+            lent.awaited.remove(message.rid)
         lent.attached = message.op == ATTACHED
         if not lent.attached:
             log.info(

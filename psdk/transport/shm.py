@@ -250,11 +250,12 @@ class WorkerBuffers:
 
     def put_arrays(self, rid: int, arrays: list[np.ndarray]) -> bool:
         """Write request ``rid``'s arrays after its first into the up heap; ``False`` if they do not fit there."""
-        heap = self._views.up
-        if heap is None or not heap.fits(arrays):
-            return False
-        heap.write(rid, arrays)
-        return True
+        return self._views.up is not None and self._views.up.write(rid, arrays)
+
+    def lend_room(self, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        """Float32 arrays in the up heap for the next request's arrays to be written into where they go
+        (see :meth:`Heap.lend`); None: no heap, or no room."""
+        return self._views.up.lend(shapes) if self._views.up is not None else None
 
     def read_params(self, into: np.ndarray, rid: int, heap: bool = False) -> list[np.ndarray]:
         """Copy the parameters the ps wrote for request ``rid`` into ``into``; with ``heap``, the arrays after them.

@@ -349,6 +349,9 @@ class ZmqClient(ClientEndpoint):
         self._offer(index, offer)
         return buffers
 
+    def room(self, index: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
+        return self.links.room(index, shapes)
+
     def renew(self, index: int) -> None:
         self._offer(index, self.links.offer(index, self.new_rid()))
 
