@@ -29,6 +29,7 @@ JAX.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -68,6 +69,24 @@ def layer_sizes(spec: Any) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+def fields_of(top_inputs: int, dim: int) -> int:
+    """The categorical fields whose dot products (with the bottom output) make ``top_inputs`` inputs with it.
+
+    ``apply`` reshapes the gathered rows to [B, fields, dim] with this count
+    rather than inferring it from the rows (a ``-1``): a batch of no examples
+    has no rows to infer it from, and JAX refuses a ``-1`` beside a zero-size axis.
+    """
+    products = top_inputs - dim
+    vectors = (1 + math.isqrt(1 + 8 * products)) // 2 if products > 0 else 0
+    if vectors < 2 or vectors * (vectors - 1) // 2 != products:
+        raise ConfigError(
+            "model",
+            f"top0 takes {top_inputs} inputs: not the bottom output ({dim}) plus the dot products of the bottom "
+            "output and some fields' rows",
+        )
+    return vectors - 1
+
+
 class ClickStack(DenseStack):
     """DLRM as a :class:`~psdk_jax.models.DenseStack`: ``apply(params, dense)`` reads the gathered rows as
     ``params["emb"]`` ([B * fields, dim], field-major per example, as ``cat.reshape(-1)`` orders them)."""
@@ -84,6 +103,8 @@ class ClickStack(DenseStack):
         self.bottom_names = tuple(f"bottom{i}" for i in range(len(sizes["bottom"])))
         self.top_names = tuple(f"top{i}" for i in range(len(sizes["top"])))
         self.dim = table.dim
+        self.fields = fields_of(sizes["top"][0][0], table.dim)
+        """The categorical fields a batch has, as top0's inputs say: the rows' reshape and the batches' check."""
         super().__init__(spec, weights, device, tables={TABLE: table}, **options)
 
     def _dense(self, params: Mapping[str, Any], name: str, x: Any) -> Any:
@@ -91,48 +112,74 @@ class ClickStack(DenseStack):
 
     def apply(self, params: Mapping[str, Any], x: Any) -> Any:
         """The logits [B] of dense features ``x`` [B, 13] and the gathered rows ``params["emb"]``."""
-        for name in self.bottom_names:
-            x = jax.nn.relu(self._dense(params, name, x))
-        rows = jnp.reshape(params[TABLE], (x.shape[0], -1, self.dim))  # [B, fields, dim]
-        vectors = jnp.concatenate([x[:, None, :], rows], axis=1)
-        gram = jnp.matmul(vectors, jnp.swapaxes(vectors, 1, 2), precision=self.precision)
-        upper = np.triu_indices(vectors.shape[1], 1)  # static: the shapes are known while tracing
-        x = jnp.concatenate([x, gram[:, upper[0], upper[1]]], axis=1)
-        fan_in = self.shapes["top0/kernel"][0]
-        if x.shape[1] != fan_in:
+        examples, lookups = x.shape[0], params[TABLE].shape[0]  # static: the shapes are known while tracing
+        if lookups != examples * self.fields:
             raise ConfigError(
                 "model",
-                f"a batch of {rows.shape[1]} categorical fields gives the top MLP {self.dim} bottom outputs and "
-                f"{len(upper[0])} dot products ({x.shape[1]} inputs), but top0 takes {fan_in}: the model's fields "
-                "must be the data's",
+                f"the ctr model takes {self.fields} rows of {TABLE!r} per example (top0's "
+                f"{self.shapes['top0/kernel'][0]} inputs say {self.fields} categorical fields), got {lookups} rows "
+                f"for {examples} examples: the model's fields must be the data's",
             )
+        for name in self.bottom_names:
+            x = jax.nn.relu(self._dense(params, name, x))
+        # The fields explicit, not -1: a batch of no examples has [0, dim] rows, and JAX cannot infer a -1 from them.
+        rows = jnp.reshape(params[TABLE], (examples, self.fields, self.dim))
+        vectors = jnp.concatenate([x[:, None, :], rows], axis=1)
+        gram = jnp.matmul(vectors, jnp.swapaxes(vectors, 1, 2), precision=self.precision)
+        upper = np.triu_indices(vectors.shape[1], 1)
+        x = jnp.concatenate([x, gram[:, upper[0], upper[1]]], axis=1)
         for i, name in enumerate(self.top_names):
             x = self._dense(params, name, x)
             if i < len(self.top_names) - 1:
                 x = jax.nn.relu(x)
         return x[:, 0]
 
+    def check_fields(self, fields: int) -> None:
+        """Refuse a batch of ``fields`` categorical fields that top0 does not take, by name.
+
+        The trainer checks the batch's ids ([B, fields]) before ``apply``: the
+        rows it gathers are flat, and those of a batch of no examples are
+        [0, dim] whatever its fields, so only the ids tell that batch's fields.
+        """
+        if fields != self.fields:
+            products = (fields + 1) * fields // 2
+            raise ConfigError(
+                "model",
+                f"a batch of {fields} categorical fields gives the top MLP {self.dim} bottom outputs and {products} "
+                f"dot products ({self.dim + products} inputs), but top0 takes {self.shapes['top0/kernel'][0]}: the "
+                "model's fields must be the data's",
+            )
+
 
 def bce_with_logits(model: ClickStack, params: Any, dense: Any, labels: Any) -> Any:
-    """Mean binary cross-entropy of the model's logits against 0/1 ``labels``, in its stable form."""
+    """Mean binary cross-entropy of the model's logits against 0/1 ``labels``, in its stable form.
+
+    A batch of no examples gives NaN (the mean of nothing) and zero gradients,
+    as torch's and TensorFlow's ctr trainers do: it is not made an error here.
+    """
     z = model.apply(params, dense)
     return jnp.mean(jnp.maximum(z, 0.0) - z * labels + jnp.log1p(jnp.exp(-jnp.abs(z))))
 
 
-def ids_of(batch: Batch) -> np.ndarray:
-    """The batch's ids, one per (example, field), example-major: the order ``apply`` reshapes them in."""
+def ids_of(model: ClickStack, batch: Batch) -> np.ndarray:
+    """The batch's ids, one per (example, field), example-major: the order ``apply`` reshapes them in.
+
+    Its fields are checked against the model's here, where the ids still
+    have them: a batch of no examples has no rows for ``apply`` to count.
+    """
     cat = np.asarray(batch.inputs[CAT_INPUT])
     if cat.ndim != 2:
         raise ConfigError(
             "workload", f"the ctr batch's {CAT_INPUT!r} must be [batch, fields] ids, got shape {cat.shape}"
         )
+    model.check_fields(cat.shape[1])
     return cat.reshape(-1)
 
 
-def lookups_of(batch: Batch) -> JaggedIds | np.ndarray:
+def lookups_of(model: ClickStack, batch: Batch) -> JaggedIds | np.ndarray:
     """The batch's own ids of the table when it has them (sorted once per batch: the step sums each id's
     gradient in ``jax.jit``); else its ids, one per (example, field)."""
-    flat = ids_of(batch)
+    flat = ids_of(model, batch)
     lookups = own_lookups(batch, flat)
     return lookups if lookups is not None else flat
 
@@ -152,8 +199,8 @@ class JaxCtr(Trainer):
     def forward_backward(self, model: ClickStack, batch: Batch) -> float:
         dense = np.asarray(batch.inputs[DENSE_INPUT], np.float32)
         labels = np.asarray(batch.targets, np.float32)
-        return model.value_and_grad(bce_with_logits, dense, labels, ids={TABLE: lookups_of(batch)})
+        return model.value_and_grad(bce_with_logits, dense, labels, ids={TABLE: lookups_of(model, batch)})
 
     def predict(self, model: ClickStack, batch: Batch) -> np.ndarray:
         """The logits of ``batch``, float32 [B]; the workload scores their AUC and log loss."""
-        return model.outputs(np.asarray(batch.inputs[DENSE_INPUT], np.float32), ids={TABLE: ids_of(batch)})
+        return model.outputs(np.asarray(batch.inputs[DENSE_INPUT], np.float32), ids={TABLE: ids_of(model, batch)})

@@ -191,6 +191,30 @@ def test_a_ten_million_row_table_maps_no_memory_until_rows_arrive(backend: JaxBa
     assert grown < 100, f"building and training a 10M x 16 table took {grown:.0f} MB resident"
 
 
+def test_a_batch_of_no_examples_steps_and_predicts_as_on_torch_and_tensorflow(
+    backend: JaxBackend, trainer: JaxCtr
+) -> None:
+    """A batch of no examples (a worker's share of a small set, an empty slice) is no error: as torch's and
+    TensorFlow's ctr trainers do, its loss is the mean of nothing (NaN), its dense gradients zeros (not the last
+    step's), its row gradients none, and its logits an empty float32 array; the next batch trains as before."""
+    model, _, _ = built(trainer, SPEC, 8)  # its weights still pending: the first step loads them
+    empty = click_batch(0, 8)
+    assert empty.inputs["cat"].shape == (0, FIELDS) and len(empty.ids["emb"].values) == 0
+    for data in (empty, Batch(empty.inputs, empty.targets)):  # its own (jagged) ids, then a row per lookup
+        assert np.isnan(trainer.forward_backward(model, data))
+        grads = {name: np.full(shape, np.nan, np.float32) for name, shape in SPEC.variables()}
+        backend.read_gradients(model, grads)
+        for name, grad in grads.items():
+            np.testing.assert_array_equal(grad, 0.0, err_msg=name)
+        ids, rows = backend.read_row_gradients(model, "emb")
+        assert ids.dtype == np.int64 and ids.shape == (0,)
+        assert rows.dtype == np.float32 and rows.shape == (0, SPEC.dim)
+        assert np.isfinite(trainer.forward_backward(model, click_batch(16, 9)))  # leaves gradients to replace
+    logits = trainer.predict(model, empty)
+    assert logits.dtype == np.float32 and logits.shape == (0,)
+    assert trainer.predictions(model, empty, size=100).shape == (0,)
+
+
 def test_a_spec_that_does_not_fit_is_refused_by_name(trainer: JaxCtr) -> None:
     class Narrow(DlrmSpec):
         def tables(self) -> dict[str, Rows]:
@@ -200,7 +224,14 @@ def test_a_spec_that_does_not_fit_is_refused_by_name(trainer: JaxCtr) -> None:
         def tables(self) -> dict[str, Rows]:
             return {"users": Rows(dim=16, capacity=10)}
 
+    class Uneven(DlrmSpec):
+        @property
+        def interactions(self) -> int:
+            return 352  # the dot products of no number of fields
+
     weights = random_weights(SPEC, 0)
+    with pytest.raises(ConfigError, match=r"top0 takes 368 inputs: not the bottom output \(16\) plus the dot"):
+        trainer.build_model(Uneven(), random_weights(Uneven(), 0))
     with pytest.raises(ConfigError, match=r"bottom MLP's output \(16\) meets the rows of table 'emb' \(8 wide\)"):
         trainer.build_model(Narrow(), weights)
     with pytest.raises(PluginError, match=r"needs the spec's table 'emb': Elsewhere.tables\(\) gives no psdk.Rows"):
@@ -210,6 +241,11 @@ def test_a_spec_that_does_not_fit_is_refused_by_name(trainer: JaxCtr) -> None:
     narrow = Batch({"dense": data.inputs["dense"], "cat": data.inputs["cat"][:, :20]}, data.targets)
     with pytest.raises(ConfigError, match=r"a batch of 20 categorical fields .* but top0 takes 367"):
         trainer.forward_backward(model, narrow)
+    none = Batch({"dense": data.inputs["dense"][:0], "cat": data.inputs["cat"][:0, :20]}, data.targets[:0])
+    with pytest.raises(ConfigError, match=r"a batch of 20 categorical fields .* but top0 takes 367"):
+        trainer.predict(model, none)  # no rows to count: its ids' fields are refused
+    with pytest.raises(ConfigError, match=r"takes 26 rows of 'emb' per example .* got 160 rows for 8 examples"):
+        model.outputs(data.inputs["dense"], ids={"emb": data.inputs["cat"][:, :20].reshape(-1)})
 
 
 @pytest.mark.timeout(90)
