@@ -7,6 +7,8 @@ same, and the ps reads them as any heap's arrays, checked the same way.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -37,13 +39,14 @@ def test_rows_written_in_lent_room_reach_the_ps_without_a_copy(monkeypatch: pyte
         room = worker.lend_room([(4, 4)])
         assert room is not None and room[0].shape == (4, 4) and not room[0].flags.owndata
         room[0][...] = ROWS  # as the backward writes its row gradients
-        assert copies_during(monkeypatch, lambda: worker.put_arrays(5, [IDS, room[0], IDS[:2]])) == [(4,), (2,)]
+        push = [IDS, room[0], IDS[:2]]
+        assert copies_during(monkeypatch, lambda: worker.put_arrays(5, push, ends_rooms=True)) == [(4,), (2,)]
         ids, rows, pulled = ps.take_arrays(5, borrow_values=True)
         np.testing.assert_array_equal(rows, ROWS)
         np.testing.assert_array_equal(ids, IDS)
         np.testing.assert_array_equal(pulled, IDS[:2])
         # Sent, the room is the heap's again: the next request's arrays may fill all of it.
-        whole = np.ones((HEAP - 2048) // 16, np.float32).reshape(-1, 4)
+        whole = np.ones(worker._views.up._data.size // 4, np.float32).reshape(-1, 4)  # type: ignore[union-attr]
         assert worker.put_arrays(6, [whole])
         np.testing.assert_array_equal(ps.take_arrays(6)[0], whole)
 
@@ -74,10 +77,21 @@ def test_a_request_sent_before_the_room_leaves_it_alone() -> None:
         np.testing.assert_array_equal(ps.take_arrays(7)[1], ROWS)
 
 
-def test_rooms_never_sent_give_way_to_the_next_and_too_big_a_room_is_refused() -> None:
-    with memory() as (worker, _):
-        for _ in range(10):  # each lent, none pushed: the heap does not fill up with them
-            assert worker.lend_room([(100, 4)]) is not None
+def test_a_push_ends_the_rooms_it_did_not_send_and_no_room_is_lent_over_one_still_held() -> None:
+    """Say the rows were pushed from an array of their own (unsorted ids, a copying push): the rooms lent for
+    that push end with it, so the next push's rooms never lie over rooms a caller may still hold."""
+    with memory() as (worker, ps):
+        held = [worker.lend_room([(100, 4)]) for _ in range(10)]
+        assert held[0] is not None and None in held  # the heap filled with rooms: none lent over another
+        rooms = [room[0] for room in held if room is not None]
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(rooms) for b in rooms[i + 1 :])
+        whole = np.ones(worker._views.up._data.size // 4, np.float32).reshape(-1, 4)  # type: ignore[union-attr]
+        assert not worker.put_arrays(5, [whole])  # a pull: the rooms stay the caller's, so it goes in frames
+        assert worker.put_arrays(6, [IDS, ROWS], ends_rooms=True)  # the push they were for, without them
+        first, second = worker.lend_room([(4, 4)]), worker.lend_room([(4, 4)])
+        assert first is not None and second is not None and not np.shares_memory(first[0], second[0])
+        assert worker.put_arrays(7, [IDS, first[0]], ends_rooms=True) and worker.put_arrays(8, [whole], True)
+        np.testing.assert_array_equal(ps.take_arrays(8)[0], whole)
         assert worker.lend_room([(HEAP, 4)]) is None
         assert worker.lend_room([(1, 0)]) is None
     with memory(0) as (worker, _):  # no heap: nothing to lend
@@ -122,3 +136,21 @@ def test_a_worker_lends_room_only_while_the_ps_reads_nothing_of_its_memory() -> 
         pending.wait(10.0, "the parameters")
         assert client.room(0, [(4, 4)]) is not None  # answered: the heap is the worker's again
         round_trip(server, client, buffers, 3)
+
+
+def test_lending_resumes_after_a_push_was_sent_again_whole() -> None:
+    """A ps that let the worker's memory go sends the push back; its rid, sent twice, is answered once."""
+    with endpoints(doorbells=False) as (server, client, buffers):
+        lend(server, client, buffers)
+        server.forget(b"w")
+        pending = client.start_many({0: Message("push_pull", {}, [buffers.grads, IDS, ROWS, IDS[:2]], stable=True)})
+        deadline, got = time.monotonic() + 10, None
+        while got is None and time.monotonic() < deadline:
+            client.receive(0.01)  # the worker takes the endpoint's answer and sends the request again
+            got = server.receive(0.05)
+        assert got is not None and got.message is not None and not got.message.borrowed
+        assert server.reply(b"w", Message("params", {}, [np.zeros(SIZE, np.float32), ROWS], got.message.rid))
+        pending.wait(10.0, "the parameters")
+        client.renew(0)
+        lend(server, client, buffers)
+        assert client.room(0, [(4, 4)]) is not None

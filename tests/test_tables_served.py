@@ -339,3 +339,25 @@ def test_rows_written_in_their_room_are_pushed_from_the_memory_lent_to_the_ps_th
         np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
         with pytest.raises(PsdkError, match="no table 'users'"):
             client.row_room("users", one)
+
+
+def test_rooms_a_push_did_not_send_end_with_it_and_never_lie_under_the_next_pushs() -> None:
+    """Rows of unsorted ids are pushed from a sorted copy, not from their room: the next push's two rooms must
+    still be apart, each table's rows its own."""
+    a = TableSpec("a", dim=32, capacity=1000, seed=1, sharding="range", max_ids=64)
+    b = TableSpec("b", dim=64, capacity=1000, seed=2, sharding="range", max_ids=64)
+    ids = np.arange(3, 3 + 3 * 64, 3, dtype=np.int64)  # 64 ids, all on ps 0
+    with job(rule=SGD(lr=1.0), tables=(a, b)) as (client,):
+        before = client.pull_rows({"a": ids, "b": ids})
+        client.status()  # the ps's answer to the offer of shared memory is in
+        room = client.row_room("a", ids[::-1])  # lent (its ends are ps 0's), then pushed from a sorted copy
+        room[...] = 0.5
+        client.push_pull(rows={"a": (ids[::-1], room)})
+        rows_a, rows_b = client.row_room("a", ids), client.row_room("b", ids)
+        heap = client.endpoint.links.by_index[0].memory._views.up  # type: ignore[attr-defined]
+        assert np.shares_memory(rows_a, heap._data) and np.shares_memory(rows_b, heap._data)
+        assert not np.shares_memory(rows_a, rows_b)
+        rows_a[...], rows_b[...] = 1.0, 0.0
+        after = client.push_pull(rows={"a": (ids, rows_a), "b": (ids, rows_b)}, pull={"a": ids, "b": ids}).rows
+        np.testing.assert_allclose(after["a"], before["a"] - 1.5, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(after["b"], before["b"], rtol=1e-6, atol=1e-6)

@@ -157,8 +157,10 @@ def row_room(
     what that shard is sent (shared memory: :meth:`psdk.transport.heap.Heap.lend`),
     and the push sends the rows from where they lie, as a dense gradient
     from its lent region; else a private array, copied as any rows are.
-    Valid until that push finished. The ids are not checked here: the push
-    checks them (and sorts them, copying the rows, if they were not sorted).
+    The caller's until the next push leaves, whether it sends the rows from
+    there or not (two tables' rooms for one push lie apart). The ids are not
+    checked here: the push checks them (and sorts them, copying the rows,
+    if they were not sorted).
     """
     if name not in tables:
         raise PsdkError(f"no table {name!r} in this job (its tables: {sorted(tables) or 'none'})")

@@ -148,9 +148,10 @@ class ClientEndpoint(ABC):
         return ShardBuffers.private(size)
 
     def room(self, index: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
-        """Float32 arrays of ``shapes`` in memory lent to server ``index``, for the next request's arrays after
-        its first (a push's row gradients) to be written where they travel from: sent in it, they are not copied.
-        ``None``: nothing to lend just now (write them anywhere). Theirs until a request that sends them."""
+        """Float32 arrays of ``shapes`` in memory lent to server ``index``, for the next push's arrays after its
+        first (its row gradients) to be written where they travel from: sent in it, they are not copied. ``None``:
+        nothing to lend just now (write them anywhere). Theirs until the next push from the shard's long-lived
+        buffers (a ``stable`` message: a step's) leaves for that server, whether it sends them or not."""
         return None
 
     def renew(self, index: int) -> None:  # noqa: B027 - nothing was lent

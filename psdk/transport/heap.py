@@ -143,7 +143,8 @@ class Heap:
 
         Rooms lent one after another lie one below the other (a request
         with two tables' rows); they stay the writer's, and other arrays are
-        written below them, until a write sends any of them. Lend only when
+        written below them, until a write that ends them (the writer's next
+        push, whether it sent them or not: see :meth:`write`). Lend only when
         no reader is left (every request that used the heap was answered):
         from now on the heap reads as torn for any request.
         """
@@ -152,9 +153,7 @@ class Heap:
         if len(shapes) > MAX_ARRAYS or any(cols < 1 for _, cols in shapes):
             return None
         low, high = self._lent or (self._data.size, self._data.size)
-        if end > low:  # rooms lent before and never sent (one request's always fit the heap): start over
-            low = high = self._data.size
-        if end > low:
+        if end > low:  # never over a room still lent: the caller may hold it yet
             return None
         base = (low - end) // ALIGN * ALIGN
         self._seq[0] = 0  # no request's: a reader still copying sees its arrays rewritten
@@ -165,26 +164,28 @@ class Heap:
         places = zip(offsets, sizes, shapes, strict=True)
         return [self._data[at : at + nbytes].view(_DTYPES[0]).reshape(shape) for at, nbytes, shape in places]
 
-    def write(self, rid: int, arrays: list[np.ndarray]) -> bool:
+    def write(self, rid: int, arrays: list[np.ndarray], ends_rooms: bool = False) -> bool:
         """Put ``arrays`` under request ``rid``; those :meth:`room` or :meth:`lend` gave are there already.
-        ``False`` (nothing written) if they do not fit (see :meth:`fits`)."""
+        ``False`` (nothing written) if they do not fit (see :meth:`fits`). ``ends_rooms``: the rooms lent so far
+        were for this request (sent in it or not); written or not, the heap is whole again for the next."""
         offsets = self._layout(arrays)
+        if ends_rooms:
+            self.end_rooms()
         if offsets is None:
             return False
         self._seq[0] = rid
-        sent_room = False
         for i, (array, at) in enumerate(zip(arrays, offsets, strict=True)):
             rows, cols = (array.shape[0], 0) if array.ndim == 1 else array.shape
             self._descriptors[i] = (_CODES[array.dtype], rows, cols, at)
-            if _address(array) == self._base + at and array.flags.c_contiguous:  # filled where it goes
-                sent_room = sent_room or (self._lent is not None and at >= self._lent[0])
-            else:
+            if _address(array) != self._base + at or not array.flags.c_contiguous:  # else filled where it goes
                 np.copyto(self._data[at : at + array.nbytes].view(array.dtype).reshape(array.shape), array)
-        if sent_room:
-            self._lent = None  # sent: the room is the heap's again once this request is answered
         self._count[0] = len(arrays)
         self._seq[1] = rid
         return True
+
+    def end_rooms(self) -> None:
+        """The rooms lent so far are not the writer's any more (their request was sent)."""
+        self._lent = None
 
     def read(self, rid: int, copy_values: bool = True) -> list[np.ndarray]:
         """Copies of the arrays written under request ``rid``; ProtocolError if they are not (or were torn).

@@ -255,13 +255,18 @@ class ClientLinks:
         lent = self.by_index.get(index)
         if lent is None:
             return message, None
-        lent.awaited.append(message.rid)
+        if message.rid not in lent.awaited:  # else sent again whole (the server let go of the memory)
+            lent.awaited.append(message.rid)
         del lent.awaited[:-AWAITED_KEPT]
         slot = lent.memory.slot_of(message.arrays[0]) if lent.attached and message.arrays else None
-        if slot is None:
-            return message, None
+        # A step's push (from the shard's long-lived buffers) is the request any rooms lent were for: it ends them.
+        if slot is None or len(message.arrays) == 1:
+            if message.stable:
+                lent.memory.end_rooms()
+            if slot is None:
+                return message, None
         names = [slot] if len(message.arrays) == 1 else [slot, HEAP]
-        if len(names) > 1 and not lent.memory.put_arrays(message.rid, message.arrays[1:]):
+        if len(names) > 1 and not lent.memory.put_arrays(message.rid, message.arrays[1:], message.stable):
             return message, None  # arrays the heap cannot hold: the whole message goes in frames
         light = Message(message.op, message.fields, [], message.rid, lent=names)
         lent.sent[message.rid] = message
@@ -270,8 +275,9 @@ class ClientLinks:
         return light, self._packer.pack(message, names) if lent.knocks else None
 
     def room(self, index: int, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
-        """Room in the up heap lent to server ``index`` (see :meth:`Heap.lend`); None unless the server holds
-        that memory and has answered every request sent it (none may still be reading the heap)."""
+        """Room in the up heap lent to server ``index`` (see :meth:`Heap.lend`) until the next step's push to it;
+        None unless the server holds that memory and has answered every request sent it (none may still be
+        reading the heap)."""
         lent = self.by_index.get(index)
         if lent is None or not lent.attached or lent.awaited:
             return None
@@ -323,10 +329,10 @@ class ClientLinks:
                 return again
             return Message("error", {"error": message.fields.get("error"), "kind": "protocol"}, [], message.rid)
         lent = self.by_index.get(index)
+        if lent is not None and message.rid in lent.awaited:  # an offer: the server reads no heap for it
+            lent.awaited.remove(message.rid)
         if lent is None or message.rid != lent.offer_rid:
             return None  # the answer to an offer since replaced
-        if message.rid in lent.awaited:
-            lent.awaited.remove(message.rid)
         lent.attached = message.op == ATTACHED
         if not lent.attached:
             log.info(

@@ -248,13 +248,17 @@ class WorkerBuffers:
             os.read(self.bell, 65536)
         return self._views.reply.read()
 
-    def put_arrays(self, rid: int, arrays: list[np.ndarray]) -> bool:
-        """Write request ``rid``'s arrays after its first into the up heap; ``False`` if they do not fit there."""
-        return self._views.up is not None and self._views.up.write(rid, arrays)
+    def put_arrays(self, rid: int, arrays: list[np.ndarray], ends_rooms: bool = False) -> bool:
+        """Write request ``rid``'s arrays after its first into the up heap; ``False`` if they do not fit there.
+        ``ends_rooms``: the request is the one the rooms lent so far were for (see :meth:`Heap.write`)."""
+        return self._views.up is not None and self._views.up.write(rid, arrays, ends_rooms)
+
+    def end_rooms(self) -> None:  # the request they were for left without the heap
+        if self._views.up is not None:
+            self._views.up.end_rooms()
 
     def lend_room(self, shapes: list[tuple[int, int]]) -> list[np.ndarray] | None:
-        """Float32 arrays in the up heap for the next request's arrays to be written into where they go
-        (see :meth:`Heap.lend`); None: no heap, or no room."""
+        """Float32 arrays in the up heap for the next push's to be written where they go (:meth:`Heap.lend`)."""
         return self._views.up.lend(shapes) if self._views.up is not None else None
 
     def read_params(self, into: np.ndarray, rid: int, heap: bool = False) -> list[np.ndarray]:
