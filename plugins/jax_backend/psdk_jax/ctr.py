@@ -29,7 +29,6 @@ JAX.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -42,7 +41,7 @@ from psdk.errors import ConfigError
 from psdk.plugins.batches import Batch, JaggedIds
 from psdk.plugins.trainer import Trainer
 from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE, own_lookups
-from psdk.workloads.ctr.model import table_of
+from psdk.workloads.ctr.model import fields_of, table_of
 from psdk_jax.backend import JaxBackend
 from psdk_jax.models import DenseStack
 
@@ -67,24 +66,6 @@ def layer_sizes(spec: Any) -> dict[str, list[tuple[int, int]]]:
             f"got bottom {sorted(sizes['bottom'])}, top {sorted(sizes['top'])}",
         )
     return out
-
-
-def fields_of(top_inputs: int, dim: int) -> int:
-    """The categorical fields whose dot products (with the bottom output) make ``top_inputs`` inputs with it.
-
-    ``apply`` reshapes the gathered rows to [B, fields, dim] with this count
-    rather than inferring it from the rows (a ``-1``): a batch of no examples
-    has no rows to infer it from, and JAX refuses a ``-1`` beside a zero-size axis.
-    """
-    products = top_inputs - dim
-    vectors = (1 + math.isqrt(1 + 8 * products)) // 2 if products > 0 else 0
-    if vectors < 2 or vectors * (vectors - 1) // 2 != products:
-        raise ConfigError(
-            "model",
-            f"top0 takes {top_inputs} inputs: not the bottom output ({dim}) plus the dot products of the bottom "
-            "output and some fields' rows",
-        )
-    return vectors - 1
 
 
 class ClickStack(DenseStack):

@@ -46,7 +46,6 @@ a job trains ``ctr`` on TensorFlow.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -59,7 +58,7 @@ from psdk.plugins.trainer import Trainer
 from psdk.protocol.ids import unique_positions
 from psdk.protocol.sharding import flat_size, layout, views
 from psdk.workloads.ctr.data import CAT_INPUT, DENSE_INPUT, TABLE, own_lookups
-from psdk.workloads.ctr.model import table_of
+from psdk.workloads.ctr.model import fields_of, table_of
 from psdk_tf._tf import tf
 from psdk_tf.backend import TfBackend
 from psdk_tf.models import OwnBinding
@@ -85,19 +84,6 @@ def layer_counts(variables: list[tuple[str, tuple[int, ...]]]) -> tuple[int, int
             f"the ctr model needs dense layers bottom0.. and top0.., numbered from 0; got bottom {bottom}, top {top}",
         )
     return len(bottom), len(top)
-
-
-def fields_of(top_inputs: int, dim: int) -> int:
-    """The categorical fields whose dot products (with the bottom output) make ``top_inputs`` inputs with it."""
-    products = top_inputs - dim
-    vectors = (1 + math.isqrt(1 + 8 * products)) // 2 if products > 0 else 0
-    if vectors < 2 or vectors * (vectors - 1) // 2 != products:
-        raise ConfigError(
-            "model",
-            f"top0 takes {top_inputs} inputs: not the bottom output ({dim}) plus the dot products of the bottom "
-            "output and some fields' rows",
-        )
-    return vectors - 1
 
 
 class ClickModel(OwnBinding):

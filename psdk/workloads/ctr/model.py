@@ -11,6 +11,7 @@ gives the logit. Order as in Facebook's DLRM (``R = cat([x] + [Zflat])``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,3 +153,21 @@ def table_of(spec: Any, framework: str) -> Rows:
         f"the ctr model on {framework} needs the spec's table {TABLE!r}: {type(spec).__name__}.tables() gives no "
         f"psdk.Rows named {TABLE!r} (use model=dlrm)"
     )
+
+
+def fields_of(top_inputs: int, dim: int) -> int:
+    """The categorical fields whose dot products (with the bottom output) make ``top_inputs`` inputs with it.
+
+    A framework's ctr trainer shapes its gathered rows with this count rather
+    than inferring it from them: a batch of no examples has no rows to infer
+    it from (JAX refuses a ``-1`` beside a zero-size axis).
+    """
+    products = top_inputs - dim
+    vectors = (1 + math.isqrt(1 + 8 * products)) // 2 if products > 0 else 0
+    if vectors < 2 or vectors * (vectors - 1) // 2 != products:
+        raise ConfigError(
+            "model",
+            f"top0 takes {top_inputs} inputs: not the bottom output ({dim}) plus the dot products of the bottom "
+            "output and some fields' rows",
+        )
+    return vectors - 1
