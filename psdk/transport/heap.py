@@ -89,7 +89,7 @@ class Heap:
         self._data = np.frombuffer(buffer, np.uint8, nbytes - PREFIX_BYTES, offset=offset + PREFIX_BYTES)
         self._base = _address(self._data)
         self._lent: tuple[int, int] | None = None
-        """The room :meth:`lend` gave (start and end offsets in the data), until a write sends it."""
+        """The rooms :meth:`lend` gave (start and end offsets in the data), until the writer's next push ends them."""
 
     def fits(self, arrays: list[np.ndarray]) -> bool:
         """Whether ``arrays`` can be written here (kinds, count and bytes); else they go as frames."""
