@@ -9,7 +9,9 @@ its own process, over TCP on 127.0.0.1:
 * **sparse**: each round trip pushes one click batch's rows (``--batch`` x 26
   ids of :class:`~psdk.workloads.ctr.data.ClickLog` over ``--vocab``, made
   unique and sorted, one float32 row of 16 each) and pulls the next batch's
-  rows, as a ctr worker's step does (:meth:`~psdk.api.DistributedOptimizer.start_step`).
+  rows, as a ctr worker's step does (:meth:`~psdk.api.DistributedOptimizer.start_step`):
+  the push's ids are those the step before pulled, so it names that pull
+  and sends only the rows (``pulled``, :mod:`psdk.ps.tables.requests`).
   Each step writes its row gradients where the push sends them from
   (:meth:`~psdk.client.ParameterClient.row_room`: over shared memory, room
   in the worker's memory lent to the ps), as the dense side writes its
@@ -32,8 +34,8 @@ client's and the ps's process time (every thread: ZeroMQ's I/O threads too)
 per round trip, medians over ``--reps`` alternated runs. Both run on each
 transport: ZeroMQ frames (``transport.shared_memory=false``, as between
 hosts) and, as a worker and its ps on one host do by default, shared memory
-(the dense array in its lent region, a push's ids and rows and the pulled
-rows in its heaps: :mod:`psdk.transport.heap`).
+(the dense array in its lent region, a push's rows, the pulled ids and
+their rows in its heaps: :mod:`psdk.transport.heap`).
 
 What a sparse round trip costs besides moving bytes is subtracted to give
 **sparse transport**; those are the index's costs, not the wire's. The
@@ -199,24 +201,30 @@ def index_work(batches: list[Batch], vocab: int, count: int, warmup: int) -> tup
     """CPU microseconds per round trip of a sparse step's work that is not the wire: (worker's, ps's).
 
     The same calls as the real path makes, on the same batches, in this
-    process: the worker's ``plan_tables`` and the pulled rows put back in
-    order; the ps's id checks, update around the no-op rule, and pull.
+    process: the worker's ``plan_tables`` (its push naming the last pull)
+    and the pulled rows put back in order; the ps's id checks (a push's ids
+    were checked when they were pulled), update around the no-op rule, and
+    pull.
     """
     spec = TableSpec(TABLE, DIM, capacity=vocab, max_ids=max(len(ids) for ids, _ in batches))
     rule = NoOp()
     table = ServedTable(spec, 0, 1, rule)
     tables = {TABLE: spec}
     worker = ps = 0.0
+    plans: dict[str, Any] = {}
+    checked = table.check_ids(batches[0][0], "a pull")
     for i in range(warmup + count):
         ids, grads = batches[i % len(batches)]
         following = batches[(i + 1) % len(batches)][0]
         started = time.process_time()
-        _, plans = plan_tables(tables, 1, push={TABLE: (ids, grads)}, pull={TABLE: following})
+        _, plans = plan_tables(tables, 1, push={TABLE: (ids, grads)}, pull={TABLE: following}, previous=plans)
         planned = time.process_time()
-        table.commit(table.stage_update(table.check_grad(ids, grads), rule, i))
-        rows = table.pull(table.check_ids(following, "a pull"))
+        table.commit(table.stage_update(table.check_rows(checked, grads), rule, i))
+        checked = table.check_ids(following, "a pull")
+        rows = table.pull(checked)
         pulled = time.process_time()
         plans[TABLE].assemble({0: rows})
+        plans[TABLE].answered = {0: i}  # as the reply's rows taken in (pulled_rows) records it
         if i >= warmup:
             worker += planned - started + time.process_time() - pulled
             ps += pulled - planned
@@ -249,7 +257,7 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
 
     out: dict[str, Any] = {
         "batch": batch, "vocab": vocab, "unique_ids": unique, "count": count, "reps": reps,
-        "bytes": {"sparse_up": int(unique * (8 + 4 * DIM + 8)), "sparse_down": int(unique * 4 * DIM),
+        "bytes": {"sparse_up": int(unique * (4 * DIM + 8)), "sparse_down": int(unique * 4 * DIM),
                   "dense_each_way": int(unique * 4 * DIM)},
     }  # fmt: skip
     for kind in KINDS:

@@ -91,9 +91,17 @@ class PullPlan:
     """Where each id the caller gave is in ``unique``; ``None``: they were ``unique`` already."""
     masks: dict[int, Part]
     """Per shard, which of ``unique`` it was asked for."""
-    split: tuple[np.ndarray, dict[int, np.ndarray]] | None = None
-    """Where the shards' parts are masks (a hash table's): a private copy of ``unique`` and each shard's part
-    of it, for a push of these same ids (a training step's, the step after) to take instead of hashing them."""
+    read: bool = False
+    """A plain read: the shards keep nothing of it, so no push may name it."""
+    sent: np.ndarray | None = None
+    """A training pull's: a private copy of ``unique`` (the caller may rewrite its own array), which a push of
+    the same ids (a training step's, the step after) is compared with, to take this plan's parts and names."""
+    parts: dict[int, np.ndarray] | None = None
+    """Where the shards' parts are masks (a hash table's): each shard's part of ``unique`` (private copies), for
+    that push to take instead of hashing the ids again."""
+    answered: dict[int, int] = field(default_factory=dict)
+    """Per shard, the request whose reply brought these rows (a training pull's): a push of these same ids
+    names it instead of sending them (the ``pulled`` entry of :mod:`psdk.ps.tables.requests`)."""
 
     @property
     def ids(self) -> np.ndarray:
@@ -186,6 +194,8 @@ class ShardTables:
 
     entries: list[dict[str, Any]] = field(default_factory=list)
     arrays: list[np.ndarray] = field(default_factory=list)
+    pulled: int | None = None
+    """The request whose pulled ids the entries marked ``pulled`` push the rows of."""
 
 
 def plan_tables(
@@ -202,7 +212,8 @@ def plan_tables(
     A shard's part may be a view of the caller's ids and row gradients (a run of
     them): the request carries them as they are until its reply, unless ``copy``.
     ``previous``: the plans of the last request's pulls, whose split a push of the
-    same ids reuses.
+    same ids reuses, and whose answered pulls (a ``read`` is none) it names
+    instead of sending the ids again.
     """
 
     def cut(array: np.ndarray, part: Part) -> np.ndarray:
@@ -221,12 +232,16 @@ def plan_tables(
     for name in tables:
         spec = tables[name]
         pushing: dict[int, RowPush] = {}
+        named: dict[int, int] = {}  # shard -> the request whose pull of these ids it answered
         if name in push:
             ids, grads = sum_duplicates(spec, *push[name])
             known = previous.get(name) if previous else None
-            if known is not None and known.split is not None and np.array_equal(ids, known.split[0]):
-                parted = known.split[1]  # the ids the last pull named: cut as then, not hashed again
-                pushing = {s: (parted[s], cut(grads, m)) for s, m in known.masks.items()}
+            if known is not None and known.sent is not None and np.array_equal(ids, known.sent):
+                if known.parts is not None:  # the ids the last pull named: cut as then, not hashed again
+                    pushing = {s: (known.parts[s], cut(grads, m)) for s, m in known.masks.items()}
+                else:
+                    pushing = {s: (cut(ids, m), cut(grads, m)) for s, m in known.masks.items()}
+                named = known.answered
             else:
                 pushing = {s: (cut(ids, m), cut(grads, m)) for s, m in split_by_shard(spec, ids, num_ps).items()}
         pulling: dict[int, np.ndarray] = {}
@@ -235,13 +250,19 @@ def plan_tables(
             masks = split_by_shard(spec, unique, num_ps)
             pulling = {s: cut(unique, m) for s, m in masks.items()}
             spread = any(not isinstance(m, slice) for m in masks.values())
-            plans[name] = PullPlan(spec, unique, inverse, masks, (unique.copy(), pulling) if spread else None)
+            plans[name] = PullPlan(spec, unique, inverse, masks, read, None if read else unique.copy(),
+                                   pulling if spread else None)  # fmt: skip
         for shard in sorted(set(pushing) | set(pulling)):
             part = parts[shard]
             entry: dict[str, Any] = {"table": name}
             if shard in pushing:
                 entry["push"] = True
-                part.arrays += [*pushing[shard]]
+                if shard in named:  # the shard holds these ids from the pull it answered: only the rows go
+                    entry["pulled"] = True
+                    part.pulled = named[shard]
+                    part.arrays.append(pushing[shard][1])
+                else:
+                    part.arrays += [*pushing[shard]]
             if shard in pulling:
                 entry["pull"] = True
                 if read:
@@ -255,12 +276,18 @@ def with_tables(message: Message, part: ShardTables | None) -> Message:
     """``message`` with a shard's table entries and their arrays after its own (nothing when it has none)."""
     if part is not None and part.entries:
         message.fields["tables"] = part.entries
+        if part.pulled is not None:
+            message.fields["pulled"] = part.pulled
         message.arrays = [*message.arrays, *part.arrays]
     return message
 
 
 def pulled_rows(plans: Mapping[str, PullPlan], replies: Mapping[int, Any]) -> dict[str, np.ndarray]:
-    """Every pulled table's rows, in the caller's order, from the shards' replies (arrays after the dense one)."""
+    """Every pulled table's rows, in the caller's order, from the shards' replies (arrays after the dense one).
+
+    Each plan then records which request every shard answered with its
+    rows (:attr:`PullPlan.answered`), for the push of those ids to name.
+    """
     by_shard: dict[str, dict[int, np.ndarray]] = {name: {} for name in plans}
     for shard, reply in replies.items():
         at = 1
@@ -270,7 +297,10 @@ def pulled_rows(plans: Mapping[str, PullPlan], replies: Mapping[int, Any]) -> di
                     raise PsdkError(f"ps {shard} sent fewer row arrays than were pulled")
                 by_shard[name][shard] = reply.arrays[at]
                 at += 1
-    return {name: plan.assemble(by_shard[name]) for name, plan in plans.items()}
+    rows = {name: plan.assemble(by_shard[name]) for name, plan in plans.items()}
+    for plan in plans.values():
+        plan.answered = {} if plan.read else {shard: replies[shard].rid for shard in plan.masks}
+    return rows
 
 
 def table_specs(

@@ -139,7 +139,7 @@ VERSION = Field("version", NATURAL, "the shard version the gradient was computed
 LAYOUT_FIELDS = ("version", "done", "epoch", "boot", "job", "names", "shapes", "tables")
 TABLES = Field(
     "tables", LIST, "the embedding tables this request pushes rows of or pulls rows from, in array order: "
-    "[{table, push, pull, read}] (docs/tables.md)", required=False, nullable=True,
+    "[{table, push, pull, read, pulled}] (docs/tables.md)", required=False, nullable=True,
 )  # fmt: skip
 FINISHED = Field(
     "finished", OBJECT, "workers known to have finished, with their reports ({id: report}): a restored shard "
@@ -186,9 +186,12 @@ OPS: dict[str, Op] = {
                       label="sequence number"),
                 Field("epoch", NATURAL, "the restore epoch the gradient belongs to (else: resync)", required=False),
                 TABLES,
+                Field("pulled", NATURAL, "the request of this worker whose pulled ids the tables entries marked "
+                      "pulled push rows of (sent without them): its last answered training pull", required=False),
             ),
             "one flat float32 gradient of the shard's size (a frame, or memory the transport lent); then per "
-            "tables entry: pushed ids (int64, strictly increasing) and their rows (float32), pulled ids",
+            "tables entry: pushed ids (int64, strictly increasing; none if pulled) and their rows (float32), "
+            "pulled ids",
             ("params", "resync"),
             parks="in a sync round, behind the staleness bound (ssp), or while a checkpoint pause holds it",
         ),

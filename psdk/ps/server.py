@@ -268,6 +268,7 @@ class ParameterServer:
         if not self.done:  # a worker that left early and is started again trains again
             self.membership.rejoin(worker)
         self.stats.worker(worker).last_seq = -1  # a new process counts its pushes from 1 again
+        self.shard.named_pulls.forget(worker)  # the old process's pulls: no push of the new one names them
         self.endpoint.forget(old)  # what the old process lent the transport; the new one lends its own
 
     def _housekeeping(self, now: float) -> None:

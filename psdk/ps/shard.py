@@ -17,6 +17,7 @@ import logging
 import math
 import secrets
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from psdk.ps.sessions import Sessions
 from psdk.ps.stats import ShardStats
 from psdk.ps.store import ParameterStore, RestoreState
 from psdk.ps.tables.chunks import ChunkedRestore, chunk_bytes, restores_of
-from psdk.ps.tables.requests import TablePull, pulled_rows, pulled_shapes, table_request
+from psdk.ps.tables.requests import NamedPulls, TablePull, pulled_rows, pulled_shapes, table_request
 from psdk.ps.tables.setup import fill_tables, place_tables, tables_bytes
 from psdk.runtime.failpoints import PS_UPDATE, failpoint
 from psdk.transport import ServerEndpoint
@@ -107,6 +108,8 @@ class ServedShard:
         self.failure: str | None = None
         self.init_waiters: list[tuple[bytes, int, int]] = []  # peer, rid, worker
         self._reply_buffers: dict[int, np.ndarray] = {}
+        self.named_pulls = NamedPulls()
+        """Each worker's last training pull per table: its next push may name the ids instead of sending them."""
         self.table_restores: dict[str, ChunkedRestore] = {}
         """Tables the chief's init announced it restores (``table_restore``): ``wait_init`` waits for them."""
         self._grad_copy = np.zeros(0, np.float32)
@@ -186,6 +189,7 @@ class ServedShard:
             rows = pulled_rows(pulls, room)
             if outcome != "pulled":  # a step's pull (a plain pull's, evaluation's, is no push's)
                 self.stats.index_s += time.perf_counter() - looking
+                self.named_pulls.answered(worker, peer, rid, pulls)  # the next step's push may name them
         if lent:  # written into the worker's memory (rows too): no copy of ours
             self.outbox.deliver(peer, Message("params", fields, [self.store.params(), *rows], rid, in_place=True))
             return
@@ -291,7 +295,9 @@ class ServedShard:
         grad, rest, checking = message.arrays[0], message.arrays[1:], time.perf_counter()
         if message.borrowed and self._keeps_pushes():  # rows read in place: copied before they are checked
             rest = [array.copy() if array.dtype == np.float32 else array for array in rest]
-        tables = table_request(message.fields.get("tables"), rest, self.store.tables, pushes=True)
+        pulled = message.fields.get("pulled")
+        named = None if pulled is None else partial(self.named_pulls.ids, worker, peer, pulled)
+        tables = table_request(message.fields.get("tables"), rest, self.store.tables, pushes=True, named=named)
         self.stats.index_s += time.perf_counter() - checking
         if message.borrowed and self.store.needs_stable_gradient():
             grad = self._stable(grad)

@@ -134,7 +134,10 @@ class ServedTable:
 
     def check_grad(self, ids: np.ndarray, rows: np.ndarray) -> RowGrad:
         """A push's (ids, rows) once both are shown to be what this table takes."""
-        ids = self.check_ids(ids, "a push")
+        return self.check_rows(self.check_ids(ids, "a push"), rows)
+
+    def check_rows(self, ids: np.ndarray, rows: np.ndarray) -> RowGrad:
+        """A push's (ids, rows), its ids checked already (by :meth:`check_ids`), once its rows are shown fit."""
         expected = (len(ids), self.spec.dim)
         if rows.dtype != np.float32 or rows.shape != expected:
             raise RefusedError(

@@ -1,0 +1,143 @@
+"""A step's push names the pull whose ids it answers: the ids stay on the ps, and only a pull it holds is named.
+
+A ctr step pushes the rows of exactly the ids it pulled a step before. The
+worker then sends only the rows (``pulled`` entries, :mod:`psdk.ps.tables.requests`)
+and the shard takes the ids it checked for that pull. These tests run two
+real ps shards and real clients, look at what each push carried, and check
+every update lands on the right rows; and that a push naming a pull the
+shard does not hold for that worker's connection is refused, changing nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from psdk.client import ParameterClient
+from psdk.errors import RemoteError
+from psdk.protocol.tables import shard_of_ids
+from psdk.ps.rules import SGD
+from psdk.transport.wire import Message
+
+from .test_tables_served import USERS, initial, job
+
+pytestmark = pytest.mark.timeout(60)
+
+LR = 0.5
+
+
+@contextmanager
+def sent_by(client: ParameterClient) -> Iterator[list[dict[int, Message]]]:
+    """Every request ``client`` starts, by shard, as it left (its arrays listed before the transport took them,
+    its request id as the transport gave it)."""
+    seen: list[dict[int, Message]] = []
+    real = client.endpoint.start_many
+
+    def spy(messages: dict[int, Message]):  # type: ignore[no-untyped-def]
+        copies = {i: Message(m.op, dict(m.fields), list(m.arrays)) for i, m in messages.items()}
+        pending = real(messages)
+        for i, copy in copies.items():
+            copy.rid = messages[i].rid  # the transport numbers each request as it leaves
+        seen.append(copies)
+        return pending
+
+    client.endpoint.start_many = spy  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        client.endpoint.start_many = real  # type: ignore[method-assign]
+
+
+def on_each_shard(count: int) -> np.ndarray:
+    """``count`` ids of USERS on each of the two shards, sorted."""
+    ids = np.arange(1, 400, dtype=np.int64)
+    where = shard_of_ids(USERS, ids, 2)
+    return np.sort(np.concatenate([ids[where == 0][:count], ids[where == 1][:count]]))
+
+
+def test_a_steps_push_names_the_pull_it_answers_and_its_rows_land_on_those_ids() -> None:
+    a, b = on_each_shard(3), on_each_shard(5)[1::2]
+    grads_a = np.arange(len(a) * 4, dtype=np.float32).reshape(-1, 4) / 10
+    with job(rule=SGD(lr=LR)) as (client,):
+        client.push_pull(pull={"users": a})
+        with sent_by(client) as sent:
+            client.push_pull(rows={"users": (a, grads_a)}, pull={"users": b})
+            client.push_pull(rows={"users": (b, np.ones((len(b), 4), np.float32))})
+        for step in sent:
+            for shard, message in step.items():
+                assert message.fields["tables"][0] == {"table": "users", "push": True, "pulled": True} | (
+                    {"pull": True} if step is sent[0] else {}
+                )
+                assert isinstance(message.fields["pulled"], int)
+                pushed = [array for array in message.arrays[1:] if array.dtype == np.int64]
+                assert len(pushed) == (1 if step is sent[0] else 0), f"shard {shard} was sent the push's ids"
+        after = client.pull_rows({"users": np.union1d(a, b)}, read=True)["users"]
+        both = np.union1d(a, b)
+        expected = initial(USERS, both.tolist())  # rows start from the seed and id
+        expected[np.searchsorted(both, a)] -= LR * grads_a
+        expected[np.searchsorted(both, b)] -= LR
+        np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_ids_rewritten_in_place_after_their_pull_are_sent_not_named() -> None:
+    """The client compares a push's ids with its own copy of the pulled ones: the caller's array may change."""
+    a = on_each_shard(3)
+    with job(rule=SGD(lr=LR)) as (client,):
+        client.push_pull(pull={"users": a})
+        original = a.copy()
+        client.pull_rows({"users": a + 400})  # their rows exist (a plain pull: the step's pull stays the named one)
+        a += 400  # the caller's array now holds other ids (still sorted, still spread over both shards)
+        before = client.pull_rows({"users": np.concatenate([original, a])}, read=True)["users"]
+        with sent_by(client) as sent:
+            client.push_pull(rows={"users": (a, np.ones((len(a), 4), np.float32))})
+        assert all("pulled" not in m.fields and m.fields["tables"][0] == {"table": "users", "push": True}
+                   for m in sent[0].values())  # fmt: skip
+        after = client.pull_rows({"users": np.concatenate([original, a])}, read=True)["users"]
+        np.testing.assert_allclose(after[: len(a)], before[: len(a)], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(after[len(a) :], before[len(a) :] - LR, rtol=1e-6, atol=1e-6)
+
+
+def test_a_plain_pull_or_a_read_between_two_steps_leaves_the_pull_the_next_push_names() -> None:
+    a, c = on_each_shard(2), on_each_shard(6)[-3:]
+    with job(rule=SGD(lr=LR)) as (client,):
+        client.push_pull(pull={"users": a})
+        before = client.pull_rows({"users": a}, read=True)["users"]
+        client.pull_rows({"users": c})  # a training pull between: rows of c created, counted
+        with sent_by(client) as sent:
+            client.push_pull(rows={"users": (a, np.ones((len(a), 4), np.float32))})
+        assert all(m.fields["tables"][0].get("pulled") for m in sent[0].values())
+        np.testing.assert_allclose(client.pull_rows({"users": a}, read=True)["users"], before - LR, rtol=1e-6,
+                                   atol=1e-6)  # fmt: skip
+
+
+def raw_named(client: ParameterClient, shard: int, rows: np.ndarray, **fields: object) -> None:
+    """A push_pull of ``rows`` naming a pull, built by hand as a hostile or buggy peer would send it."""
+    grad = np.zeros(client.shards[shard].size, np.float32)
+    message = client.message("push_pull", [grad, rows], version=0, seq=20_000, epoch=0, **fields)
+    message.fields["tables"] = [{"table": "users", "push": True, "pulled": True}]
+    reply = client.request({shard: message}, "a raw push")[shard]
+    raise AssertionError(f"accepted: {reply.op}")
+
+
+def test_a_push_naming_a_pull_the_shard_does_not_hold_for_it_is_refused_and_changes_nothing() -> None:
+    a = on_each_shard(2)
+    mine = a[shard_of_ids(USERS, a, 2) == 0]
+    ones = np.ones((len(mine), 4), np.float32)
+    with job(rule=SGD(lr=LR), workers=2) as (chief, other):
+        with sent_by(chief) as sent:
+            chief.push_pull(pull={"users": a})
+        rid = sent[0][0].rid
+        before, version = chief.pull_rows({"users": a}, read=True)["users"], chief.pull()
+        with pytest.raises(RemoteError, match="does not hold"):
+            raw_named(other, 0, ones, pulled=rid)  # another worker naming the chief's pull
+        with pytest.raises(RemoteError, match="does not hold"):
+            raw_named(chief, 0, ones, pulled=rid + 1000)  # a pull it never made
+        with pytest.raises(RemoteError, match="no pulled field"):
+            raw_named(chief, 0, ones)
+        with pytest.raises(RemoteError, match="expected float32"):
+            raw_named(chief, 0, ones[:1], pulled=rid)  # rows for fewer ids than it pulled
+        np.testing.assert_array_equal(chief.pull_rows({"users": a}, read=True)["users"], before)
+        assert chief.pull() == version  # nothing applied
