@@ -170,8 +170,7 @@ def row_room(
     checked here: the push checks them (and sorts them, copying the rows,
     if they were not sorted).
     """
-    if name not in tables:
-        raise PsdkError(f"no table {name!r} in this job (its tables: {sorted(tables) or 'none'})")
+    _known(tables, {name})
     spec, flat = tables[name], np.asarray(ids).reshape(-1)
     shape = (len(flat), spec.dim)
     shard = 0 if num_ps == 1 else _only_shard(spec, flat, num_ps)
@@ -180,12 +179,23 @@ def row_room(
 
 
 def _only_shard(spec: TableSpec, ids: np.ndarray, num_ps: int) -> int | None:
-    """The shard holding all of ``ids`` (sorted) if it is one: a ``range`` table's, whose ends tell; else None."""
+    """The shard holding all of ``ids`` (sorted) if it is one: a ``range`` table's, whose ends tell; else None
+    (ids the table cannot hold too: the push refuses them)."""
     if spec.sharding != "range" or not len(ids) or ids.dtype.kind not in "iu":
         return None
-    per = spec.shard_capacity(num_ps)
-    first, last = int(ids[0]) // per, int(ids[-1]) // per
+    try:
+        first, last = (int(shard) for shard in shard_of_ids(spec, ids[[0, -1]].astype(np.int64), num_ps))
+    except ValueError:
+        return None
     return first if first == last else None
+
+
+def _known(tables: Mapping[str, TableSpec], names: set[str]) -> None:
+    """A PsdkError naming any of ``names`` the job has no table of."""
+    unknown = names - set(tables)
+    if unknown:
+        shown = repr(next(iter(unknown))) if len(unknown) == 1 else str(sorted(unknown))
+        raise PsdkError(f"no table {shown} in this job (its tables: {sorted(tables) or 'none'})")
 
 
 @dataclass
@@ -224,9 +234,7 @@ def plan_tables(
         return np.compress(part, array, axis=0)
 
     push, pull = push or {}, pull or {}
-    unknown = (set(push) | set(pull)) - set(tables)
-    if unknown:
-        raise PsdkError(f"no table {sorted(unknown)} in this job (its tables: {sorted(tables) or 'none'})")
+    _known(tables, set(push) | set(pull))
     parts: dict[int, ShardTables] = {i: ShardTables() for i in range(num_ps)}
     plans: dict[str, PullPlan] = {}
     for name in tables:

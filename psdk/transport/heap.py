@@ -72,6 +72,16 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, at
 
 
+def _float_rooms(shapes: list[tuple[int, int]]) -> tuple[list[int], list[int], int] | None:
+    """Float32 arrays of ``shapes`` one after another: their offsets, sizes and the bytes taken; None if a heap
+    cannot hold them (too many, or a shape without columns)."""
+    if len(shapes) > MAX_ARRAYS or any(cols < 1 for _, cols in shapes):
+        return None
+    sizes = [rows * cols * _DTYPES[0].itemsize for rows, cols in shapes]
+    offsets, end = _offsets(sizes)
+    return offsets, sizes, end
+
+
 def heap_bytes(arrays_bytes: int, count: int) -> int:
     """The heap size that holds ``count`` arrays of ``arrays_bytes`` bytes in all, whatever their alignment."""
     return PREFIX_BYTES + aligned(arrays_bytes) + count * ALIGN if arrays_bytes else 0
@@ -130,10 +140,10 @@ class Heap:
         From now on the heap reads as torn for any other request: a reader
         still copying an earlier one's arrays sees it changed under it.
         """
-        sizes = [rows * cols * _DTYPES[0].itemsize for rows, cols in shapes]
-        offsets, end = _offsets(sizes)
-        if len(shapes) > MAX_ARRAYS or end > self._data.size or any(cols < 1 for _, cols in shapes):
+        planned = _float_rooms(shapes)
+        if planned is None or planned[2] > self._data.size:
             return None
+        offsets, sizes, _ = planned
         self._seq[0] = rid
         return self._views(offsets, sizes, shapes)
 
@@ -148,10 +158,10 @@ class Heap:
         no reader is left (every request that used the heap was answered):
         from now on the heap reads as torn for any request.
         """
-        sizes = [rows * cols * _DTYPES[0].itemsize for rows, cols in shapes]
-        offsets, end = _offsets(sizes)
-        if len(shapes) > MAX_ARRAYS or any(cols < 1 for _, cols in shapes):
+        planned = _float_rooms(shapes)
+        if planned is None:
             return None
+        offsets, sizes, end = planned
         low, high = self._lent or (self._data.size, self._data.size)
         if end > low:  # never over a room still lent: the caller may hold it yet
             return None

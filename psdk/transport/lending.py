@@ -259,12 +259,12 @@ class ClientLinks:
             lent.awaited.append(message.rid)
         del lent.awaited[:-AWAITED_KEPT]
         slot = lent.memory.slot_of(message.arrays[0]) if lent.attached and message.arrays else None
-        # A step's push (from the shard's long-lived buffers) is the request any rooms lent were for: it ends them.
-        if slot is None or len(message.arrays) == 1:
-            if message.stable:
-                lent.memory.end_rooms()
-            if slot is None:
-                return message, None
+        # A step's push (from the shard's long-lived buffers) is the request any rooms lent were for: it ends them
+        # (here if it leaves without the heap; else its write into the heap does).
+        if message.stable and (slot is None or len(message.arrays) == 1):
+            lent.memory.end_rooms()
+        if slot is None:
+            return message, None
         names = [slot] if len(message.arrays) == 1 else [slot, HEAP]
         if len(names) > 1 and not lent.memory.put_arrays(message.rid, message.arrays[1:], message.stable):
             return message, None  # arrays the heap cannot hold: the whole message goes in frames
