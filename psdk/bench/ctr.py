@@ -104,14 +104,15 @@ def psdk_system(backend: str, plaintext: bool = False, lazy: bool = False) -> st
 def psdk_command(
     ctr: DictConfig, backend: str, seed: int, run_dir: str, plaintext: bool = False, lazy: bool = False
 ) -> list[str]:
-    """``python -m psdk run workload=ctr`` with the recipe; a log line per step gives the window its steps."""
+    """``python -m psdk run workload=ctr`` with the recipe; each worker's step ends (``report.step_ends``), kept in
+    memory as the peers keep theirs, give the window its steps."""
     table = [*PREALLOCATED_TABLE, *BUSY_PS_TIMEOUTS] if preallocates(ctr) and not lazy else []
     return [
         sys.executable, "-m", "psdk", "run", "workload=ctr", f"backend={backend}", "sync=async",
         f"seed={seed}", f"workload.seed={seed}", f"workload.vocab={ctr.vocab}", f"workload.test_size={ctr.test_size}",
         f"model.capacity={ctr.capacity}", f"model.dim={ctr.dim}", f"optimizer.lr={ctr.lr}",
         f"optimizer.initial_accumulator_value={ctr.init_acc}", f"train.steps={ctr.steps}",
-        f"train.batch_size={ctr.batch_size}", "train.threads=1", "train.validate_every=0", "train.log_every=1",
+        f"train.batch_size={ctr.batch_size}", "train.threads=1", "train.validate_every=0", "report.step_ends=true",
         f"topology.num_workers={ctr.workers}", f"topology.num_ps={ctr.num_ps}", "checkpoint.final=false",
         "checkpoint.every_seconds=0", "progress.mode=off", "report.plot=false", *table, *ctr.psdk_overrides,
         *(["transport.secure=false"] if plaintext else []), f"hydra.run.dir={run_dir}",
@@ -180,7 +181,7 @@ def run_psdk(cfg: DictConfig, backend: str, plaintext: bool = False, lazy: bool 
         summary = json.loads(summary_path.read_text())
         try:
             measured = window.measure(
-                window.step_ends(run_dir / "metrics.jsonl"), int(ctr.warmup) // int(ctr.workers),
+                window.step_ends(run_dir / "step_ends.jsonl"), int(ctr.warmup) // int(ctr.workers),
                 int(ctr.batch_size), sampler, names,
             )  # fmt: skip
         except ValueError as exc:

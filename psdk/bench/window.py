@@ -6,9 +6,10 @@ still runs. The examples counted are those of every worker step that ended
 inside it, and the CPU is every process of the job (the launcher, each ps,
 each worker) between its two ends, read from ``/proc``.
 
-psdk needs no marker files for this: a job run with ``train.log_every=1``
-writes one ``metrics.jsonl`` line per step with its end time (what a user's
-job writes too), so the window is found after the job, and a thread samples
+psdk needs no marker files for this: a job run with ``report.step_ends=true``
+keeps each worker's step end times in memory, as the peers do, and writes
+them once at its end (``step_ends.jsonl``), so the window is found after the
+job, and a thread samples
 the job's CPU meanwhile (:class:`CpuSampler`, every 20 ms); the CPU at each
 end is interpolated between the two samples around it. The 10 ms ticks of
 ``/proc`` and the interpolation cost well under 0.1 CPU-seconds on windows
@@ -111,13 +112,14 @@ class CpuSampler:
         return result
 
 
-def step_ends(metrics: Path) -> dict[str, list[float]]:
-    """Each worker's step end times from a job's ``metrics.jsonl`` (one line per step: ``train.log_every=1``)."""
+def step_ends(path: Path) -> dict[str, list[float]]:
+    """Each worker's step end times, in local-step order, from a job's ``step_ends.jsonl`` (``report.step_ends``):
+    a line per worker and training call, ``{task, first_local_step, ends}``."""
     ends: dict[str, list[tuple[int, float]]] = {}
-    for line in read_jsonl(metrics):
-        task = str(line.get("task", ""))
-        if task.startswith("worker") and line.get("local_step") is not None and line.get("time") is not None:
-            ends.setdefault(task, []).append((int(line["local_step"]), float(line["time"])))
+    for line in read_jsonl(path) if path.exists() else []:  # none: the job wrote no step (measure says so)
+        task, first, times = str(line.get("task", "")), line.get("first_local_step"), line.get("ends")
+        if task.startswith("worker") and isinstance(first, int) and isinstance(times, list):
+            ends.setdefault(task, []).extend((first + i, float(t)) for i, t in enumerate(times))
     return {task: [t for _, t in sorted(points)] for task, points in sorted(ends.items())}
 
 
@@ -155,7 +157,7 @@ def measure(
     """
     chief = ends.get("worker0", [])
     if warm_steps < 1 or len(chief) <= warm_steps:
-        raise ValueError(f"the chief logged {len(chief)} steps: none after its warm-up step {warm_steps}")
+        raise ValueError(f"the chief recorded {len(chief)} step ends: none after its warm-up step {warm_steps}")
     start = chief[warm_steps - 1]
     end = min(times[-1] for times in ends.values() if times)
     if end <= start:

@@ -238,6 +238,7 @@ class ReportConfig:
 
     plot: bool = True
     tensorboard: bool = False
+    step_ends: bool = False
     target: float | None = None
     target_accuracy: float | None = None
 

@@ -55,6 +55,8 @@ class WorkerSetup:
     """The ``data`` group, as the dataset plugins take it."""
     validation_size: int
     tensorboard: bool
+    step_ends: bool
+    """Keep each step's end time and write them at the end (``report.step_ends``)."""
     ps_hosts_from: str | None
     fingerprint: str
     config: DictConfig
@@ -102,6 +104,7 @@ def worker_setup(cfg: DictConfig) -> WorkerSetup:
         data=cfg.data,
         validation_size=int(cfg.data.validation_size),
         tensorboard=bool(cfg.report.tensorboard),
+        step_ends=bool(cfg.report.get("step_ends", False)),
         ps_hosts_from=str(cfg.ps_hosts_from) if cfg.get("ps_hosts_from") else None,
         fingerprint=build.fingerprint(cfg),
         config=cfg,

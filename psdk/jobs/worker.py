@@ -270,6 +270,8 @@ class WorkerJob:
         in_flight: PendingStep | None = None
         clock, cpu_clock = time.perf_counter, time.thread_time
         loop_began, times = clock(), self.optimizer.times
+        ends: list[float] | None = [] if self.setup.step_ends else None  # report.step_ends: kept, written at the end
+        first_step = self.report.local_steps + 1
         before = (self.report.compute_s, times.lookup_s, times.wire_s)  # this call's parts are added at its end
         while True:
             beat()  # a step: the launcher takes a worker whose steps and waits stop for hung (psdk.runtime.liveness)
@@ -307,6 +309,8 @@ class WorkerJob:
                 result = pending.wait()
             self.report.wait_s += clock() - waited
             self.report.local_steps += 1
+            if ends is not None:
+                ends.append(time.time())
             self.report.last_loss = loss
             self.report.pushed += result.outcome != "done"
             window_steps += 1
@@ -334,6 +338,8 @@ class WorkerJob:
         for part, seconds in spent.items():
             parts[part] = parts.get(part, 0.0) + seconds
         self.report.train_time_s = time.time() - began
+        if ends is not None:
+            self._write_step_ends(first_step, ends)
         self.report.shard_passes = self.data.passes
         self.report.recoveries = list(self.session.client.recoveries)
         log.info(
@@ -343,6 +349,15 @@ class WorkerJob:
             self.report.local_steps,
             self.report.local_steps / max(self.report.train_time_s, 1e-9),
         )
+
+    def _write_step_ends(self, first_step: int, ends: list[float]) -> None:
+        """One line of ``step_ends.jsonl``: when each of this call's steps ended (a restarted worker adds one)."""
+        record = MetricsLog(self.setup.output_dir / "step_ends.jsonl")
+        try:
+            record.write({"task": f"worker{self.task}", "first_local_step": first_step,
+                          "ends": [round(t, 4) for t in ends]})  # fmt: skip
+        finally:
+            record.close()
 
     def _cut(self, upcoming: Iterator[Batch], with_ids: bool) -> tuple[Batch, dict[str, np.ndarray]]:
         """The next batch (and its unique ids by table, if asked), its time counted as the step's generation."""
