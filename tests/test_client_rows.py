@@ -76,7 +76,8 @@ def test_each_shard_gets_exactly_the_ids_it_holds_and_a_range_tables_parts_are_v
             assert pushed.tolist() == held.tolist() == pulled.tolist()
             np.testing.assert_array_equal(rows, grads[where == shard])
             if sharding == "range" or num_ps == 1:
-                assert np.shares_memory(rows, grads) and np.shares_memory(pulled, ids)
+                assert np.shares_memory(rows, grads) and np.shares_memory(pulled, plans["emb"].sent)
+            assert not np.shares_memory(pulled, ids)  # a training pull's ids go from the plan's own copy
         copied, _ = plan_tables({"emb": spec}, num_ps, push={"emb": (ids, grads)}, pull={"emb": ids}, copy=True)
         for part in copied.values():  # the caller may change its arrays before the reply: none is theirs
             assert not any(np.shares_memory(a, b) for a in part.arrays for b in (ids, grads))

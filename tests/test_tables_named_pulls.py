@@ -10,19 +10,28 @@ shard does not hold for that worker's connection is refused, changing nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import zmq
 
-from psdk.client import ParameterClient
+from psdk.client import ClientOptions, ParameterClient
+from psdk.config.options import TransportOptions
 from psdk.errors import RemoteError
-from psdk.protocol.tables import shard_of_ids
+from psdk.protocol.cluster import ClusterSpec
+from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.tables import TableSpec, shard_of_ids
+from psdk.ps.consistency import SyncSpec
 from psdk.ps.rules import SGD
 from psdk.transport.wire import Message
+from psdk.transport.zeromq import ZmqOptions, ZmqTransport
 
-from .test_tables_served import USERS, initial, job
+from .conftest import running_ps
+from .test_recovery import Shard
+from .test_tables_served import DENSE, FAST, USERS, initial, job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -141,3 +150,100 @@ def test_a_push_naming_a_pull_the_shard_does_not_hold_for_it_is_refused_and_chan
             raw_named(chief, 0, ones[:1], pulled=rid)  # rows for fewer ids than it pulled
         np.testing.assert_array_equal(chief.pull_rows({"users": a}, read=True)["users"], before)
         assert chief.pull() == version  # nothing applied
+
+
+def test_over_inproc_frames_the_ps_keeps_the_clients_own_copy_of_pulled_ids_not_the_callers_array() -> None:
+    """inproc ZeroMQ hands big frames over without a copy: the ids a shard keeps for a push to name must be
+    the client's own copy, or a caller rewriting its array after the pull moves the rows of other ids."""
+    big = TableSpec("big", dim=4, capacity=100_000, seed=7, sharding="range")
+    with running_ps(1, scheme="inproc", shared_memory=False) as ps:
+        client = ParameterClient(ps.transport, ps.cluster(1), 0, FAST)
+        try:
+            assert client.initialize(DENSE, JobSpec(SyncSpec("async").resolved(1), 1000, 1), SGD(lr=1.0),
+                                     tables=(big,))  # fmt: skip
+            client.pull()
+            ids = np.arange(0, 20_000, dtype=np.int64) * 2  # 160 KB: a frame ZeroMQ does not copy
+            client.push_pull(pull={"big": ids})
+            pulled = ids.copy()
+            ids += 1  # the caller reuses its array for the next batch's ids
+            client.pull_rows({"big": ids})  # their rows exist
+            both = np.concatenate([pulled, ids])
+            before = client.pull_rows({"big": both}, read=True)["big"]
+            client.push_pull(rows={"big": (pulled, np.ones((len(pulled), 4), np.float32))})
+            moved = client.pull_rows({"big": both}, read=True)["big"] - before
+            np.testing.assert_allclose(moved[: len(pulled)], -1.0, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(moved[len(pulled) :], 0.0, rtol=1e-6, atol=1e-6)
+        finally:
+            client.close()
+
+
+def test_a_recovery_outside_a_step_forgets_the_pull_the_next_push_would_have_named() -> None:
+    """The chief recovers from a lost ps while checkpointing (not in a step): the restarted shard never saw
+    the last step's pull, so the next push sends its ids, and every shard applies it."""
+    options = ClientOptions(transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5,
+                            request_timeout_s=10.0, init_timeout_s=10.0), recovery_timeout_s=20.0)  # fmt: skip
+    transport = ZmqTransport(
+        ZmqOptions(transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5)), context=zmq.Context()
+    )
+    shards = [Shard(transport, 0), Shard(transport, 1)]
+    client = ParameterClient(transport, ClusterSpec({"ps": [s.address for s in shards], "worker": ["localhost"]}), 0,
+                             options)  # fmt: skip
+    try:
+        assert client.initialize(DENSE, JobSpec(SyncSpec("async").resolved(1), 1000, 1), SGD(lr=LR), tables=(USERS,))
+        client.pull()
+        a = on_each_shard(3)
+        client.push_pull(pull={"users": a})
+        address = shards[1].address
+        shards[1].kill()
+        shards[1] = Shard(transport, 1, address)  # lost and started again, empty
+        client.recover("ps 1 was lost during a checkpoint")  # as the chief's save_checkpoint does
+        before = client.pull_rows({"users": a})["users"]  # the restored job's rows of a (a plain pull)
+        with sent_by(client) as sent:
+            client.push_pull(rows={"users": (a, np.ones((len(a), 4), np.float32))})
+        assert all("pulled" not in m.fields for m in sent[0].values())
+        after = client.pull_rows({"users": a}, read=True)["users"]
+        np.testing.assert_allclose(after, before - LR, rtol=1e-6, atol=1e-6)
+    finally:
+        client.close()
+        for shard in shards:
+            shard.kill()
+        transport.context.destroy(linger=0)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_dead_processs_push_answered_late_leaves_its_replacements_named_pull() -> None:
+    """Sync mode: a worker's push waits in the round, its process dies, a new one steps (dropped: that version
+    waits already) and pulls; the round closes and answers the dead process's push. The shard keeps the new
+    process's pull, so the new process's next push, naming it, is applied."""
+    a = on_each_shard(3)
+    with running_ps(2, heartbeat_timeout_s=1.0) as ps:
+        chief = ParameterClient(ps.transport, ps.cluster(2), 0, FAST)
+        old = ParameterClient(ps.transport, ps.cluster(2), 1, FAST)
+        new: ParameterClient | None = None
+        try:
+            assert chief.initialize(DENSE, JobSpec(SyncSpec("sync").resolved(2), 1000, 2), SGD(lr=LR), tables=(USERS,))
+            old.wait_initialized()
+            old.pull()
+            chief.pull()
+            old.start_push_pull(pull={"users": a})  # version 0's push of worker 1: it waits in the round
+            wait_for(lambda: all(s.shard._pushes_waiting(1) == 1 for s in ps.servers), "the push to wait")
+            old.close()  # ... and its process dies
+            wait_for(lambda: all(s.membership.gone(1, time.monotonic()) for s in ps.servers), "worker 1 gone")
+            new = ParameterClient(ps.transport, ps.cluster(2), 1, FAST)
+            new.wait_initialized()
+            new.pull()
+            assert new.push_pull(pull={"users": a}).outcome == "dropped"  # version 0 waits already; rows pulled
+            chief.push_pull(pull={"users": a})  # closes the round: the dead process's push is answered too
+            with sent_by(new) as sent:
+                new.push_pull(rows={"users": (a, np.ones((len(a), 4), np.float32))})
+            assert all(m.fields["tables"][0].get("pulled") for m in sent[0].values())
+        finally:
+            chief.close()
+            if new is not None:
+                new.close()

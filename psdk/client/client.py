@@ -438,7 +438,8 @@ class ParameterClient:
         shard.version = int(reply.fields["version"])
 
     def recover(self, why: str) -> StepResult:
-        """Get back onto the job after a ps was lost or the chief restored it."""
+        """Get back onto the job after a ps was lost or the chief restored it; no push names a pull from before."""
+        self._row_plans = {}
         return recovery.recover(self, why)
 
     # -------------------------------------------------------------- the end

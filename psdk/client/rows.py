@@ -256,10 +256,12 @@ def plan_tables(
         if name in pull:
             unique, inverse = unique_ids(as_ids(spec, pull[name]))
             masks = split_by_shard(spec, unique, num_ps)
-            pulling = {s: cut(unique, m) for s, m in masks.items()}
+            # A training pull's ids go from the plan's own copy: a shard keeps them past its reply (a push may
+            # name them), and ZeroMQ may hand it the very memory sent (inproc), which the caller may rewrite.
+            sent = None if read else unique.copy()
+            pulling = {s: cut(unique if sent is None else sent, m) for s, m in masks.items()}
             spread = any(not isinstance(m, slice) for m in masks.values())
-            plans[name] = PullPlan(spec, unique, inverse, masks, read, None if read else unique.copy(),
-                                   pulling if spread else None)  # fmt: skip
+            plans[name] = PullPlan(spec, unique, inverse, masks, read, sent, pulling if spread else None)
         for shard in sorted(set(pushing) | set(pulling)):
             part = parts[shard]
             entry: dict[str, Any] = {"table": name}

@@ -139,7 +139,7 @@ VERSION = Field("version", NATURAL, "the shard version the gradient was computed
 LAYOUT_FIELDS = ("version", "done", "epoch", "boot", "job", "names", "shapes", "tables")
 TABLES = Field(
     "tables", LIST, "the embedding tables this request pushes rows of or pulls rows from, in array order: "
-    "[{table, push, pull, read, pulled}] (docs/tables.md)", required=False, nullable=True,
+    "[{table, push, pull, read, pulled}] (docs/tables.md; pulled: push_pull only)", required=False, nullable=True,
 )  # fmt: skip
 FINISHED = Field(
     "finished", OBJECT, "workers known to have finished, with their reports ({id: report}): a restored shard "

@@ -189,7 +189,8 @@ class ServedShard:
             rows = pulled_rows(pulls, room)
             if outcome != "pulled":  # a step's pull (a plain pull's, evaluation's, is no push's)
                 self.stats.index_s += time.perf_counter() - looking
-                self.named_pulls.answered(worker, peer, rid, pulls)  # the next step's push may name them
+                if self.sessions.current(worker, peer):  # not a dead process's parked push, answered late
+                    self.named_pulls.answered(worker, peer, rid, pulls)  # the next step's push may name them
         if lent:  # written into the worker's memory (rows too): no copy of ours
             self.outbox.deliver(peer, Message("params", fields, [self.store.params(), *rows], rid, in_place=True))
             return

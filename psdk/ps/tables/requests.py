@@ -63,7 +63,7 @@ class NamedPulls:
         """The ids ``worker``'s request ``rid`` pulled of ``table`` (checked then); RefusedError if not held."""
         held = self.kept.get((worker, table))
         if held is None or held[0] != peer or held[1] != rid:
-            holds = "none" if held is None else f"request {held[1]}'s, of this or another connection"
+            holds = "none" if held is None else f"request {held[1]}'s" if held[0] == peer else "another connection's"
             raise RefusedError(
                 f"a push of table {table!r} names the ids of request {rid}'s pull, which this shard does not hold "
                 f"for worker {worker} (it holds {holds}): not applied; push the ids"
