@@ -20,7 +20,7 @@ import zmq
 
 from psdk.client import ClientOptions, ParameterClient
 from psdk.config.options import TransportOptions
-from psdk.errors import RemoteError
+from psdk.errors import PsdkError, RemoteError
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
 from psdk.protocol.tables import TableSpec, shard_of_ids
@@ -196,7 +196,9 @@ def test_a_recovery_outside_a_step_forgets_the_pull_the_next_push_would_have_nam
         address = shards[1].address
         shards[1].kill()
         shards[1] = Shard(transport, 1, address)  # lost and started again, empty
+        assert shards[0].server.shard.named_pulls.kept  # the live shard holds the step's pull ...
         client.recover("ps 1 was lost during a checkpoint")  # as the chief's save_checkpoint does
+        assert not shards[0].server.shard.named_pulls.kept  # ... and forgets it when the chief restores it
         before = client.pull_rows({"users": a})["users"]  # the restored job's rows of a (a plain pull)
         with sent_by(client) as sent:
             client.push_pull(rows={"users": (a, np.ones((len(a), 4), np.float32))})
@@ -247,3 +249,73 @@ def test_a_dead_processs_push_answered_late_leaves_its_replacements_named_pull()
             chief.close()
             if new is not None:
                 new.close()
+
+
+@pytest.mark.parametrize("scheme", ["inproc", "tcp"])
+def test_a_shard_that_no_longer_holds_the_named_pull_is_sent_the_push_again_with_its_ids(scheme: str) -> None:
+    """Shard 1 loses what it kept of the step's pull (as no known path does): it refuses the named push,
+    applying nothing, while shard 0 applies its part; the client sends shard 1 the same push (same seq) with
+    its ids, and every row moves once."""
+    a = on_each_shard(3)
+    grads = np.arange(len(a) * 4, dtype=np.float32).reshape(-1, 4) / 10
+    with running_ps(2, scheme=scheme) as ps:
+        client = ParameterClient(ps.transport, ps.cluster(1), 0, FAST)
+        try:
+            assert client.initialize(DENSE, JobSpec(SyncSpec("async").resolved(1), 1000, 1), SGD(lr=LR),
+                                     tables=(USERS,))  # fmt: skip
+            client.pull()
+            client.push_pull(pull={"users": a})
+            before, version = client.pull_rows({"users": a}, read=True)["users"], client.pull()
+            ps.servers[1].shard.named_pulls.kept.clear()  # the ps is idle: the client waits for nothing
+            with sent_by(client) as sent:
+                client.push_pull(rows={"users": (a, grads)})
+            assert [sorted(step) for step in sent] == [[0, 1], [1]]  # shard 1 was sent the push again
+            first, again = sent[0][1], sent[1][1]
+            assert first.fields["tables"][0].get("pulled") and "pulled" not in again.fields
+            assert again.fields["tables"] == [{"table": "users", "push": True}]
+            assert again.fields["seq"] == first.fields["seq"] and again.fields["version"] == first.fields["version"]
+            np.testing.assert_array_equal(again.arrays[1], a[shard_of_ids(USERS, a, 2) == 1])  # its ids
+            after = client.pull_rows({"users": a}, read=True)["users"]
+            np.testing.assert_allclose(after, before - LR * grads, rtol=1e-6, atol=1e-6)  # each row moved once
+            assert client.pull() == version + 1
+        finally:
+            client.close()
+
+
+def test_one_push_and_pull_at_a_time_each_finished_once() -> None:
+    """Two in flight would take each other's row plans (the next push names the wrong pulls): refused."""
+    with job(rule=SGD(lr=LR)) as (client,):
+        pending = client.start_push_pull(pull={"users": on_each_shard(2)})
+        with pytest.raises(PsdkError, match="in flight"):
+            client.start_push_pull()
+        client.finish_push_pull(pending)
+        with pytest.raises(PsdkError, match="started last, once"):
+            client.finish_push_pull(pending)
+        client.finish_push_pull(client.start_push_pull())  # and the next one goes
+
+
+def test_rows_written_in_the_lent_room_go_again_with_their_ids_after_a_refused_name() -> None:
+    """One shard holds every id (a range table): the rows lie in the room lent to it (shared memory), and the
+    push sent again carries them with the ids laid beside them, not over them."""
+    big = TableSpec("big", dim=4, capacity=100_000, seed=7, sharding="range")
+    with running_ps(1, scheme="tcp") as ps:
+        client = ParameterClient(ps.transport, ps.cluster(1), 0, FAST)
+        try:
+            assert client.initialize(DENSE, JobSpec(SyncSpec("async").resolved(1), 1000, 1), SGD(lr=1.0),
+                                     tables=(big,))  # fmt: skip
+            client.pull()
+            ids = np.arange(0, 20_000, dtype=np.int64) * 2
+            client.push_pull(pull={"big": ids})
+            before = client.pull_rows({"big": ids}, read=True)["big"]
+            room = client.row_room("big", ids)
+            assert room.base is not None  # lent memory, not a private array
+            room[:] = np.arange(len(ids) * 4, dtype=np.float32).reshape(-1, 4) / 1000
+            expected = before - room
+            ps.servers[0].shard.named_pulls.kept.clear()
+            with sent_by(client) as sent:
+                client.push_pull(rows={"big": (ids, room)})
+            assert len(sent) == 2 and sent[1][0].fields["tables"] == [{"table": "big", "push": True}]
+            after = client.pull_rows({"big": ids}, read=True)["big"]
+            np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
+        finally:
+            client.close()

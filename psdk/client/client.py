@@ -23,23 +23,19 @@ from psdk.client import recovery, wrapup
 from psdk.client.checkpoint import Checkpoint
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
+from psdk.client.inflight import InFlight, resend_with_ids
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from, tables_of
 from psdk.client.options import ClientOptions
 from psdk.client.partitions import Joined, chosen_plan
 from psdk.client.rows import PullPlan, RowPush, plan_tables, pulled_rows, row_room, with_tables
-from psdk.client.shards import Basis, Shard, StepResult
+from psdk.client.shards import Basis, Shard, StepResult, round_versions
 from psdk.client.tablestate import announce, check_tables, finish_restore
 from psdk.client.waiting import ReplyWait, rejoining
-from psdk.errors import (
-    PeerDeadError,
-    PeerRestartedError,
-    PeerTimeoutError,
-    PsdkError,
-    RemoteError,
-)
+from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, PsdkError, RemoteError
 from psdk.protocol import ops as protocol
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
+from psdk.protocol.ops import PULL_NOT_HELD
 from psdk.protocol.partitions import Partitioning
 from psdk.protocol.tables import TableSpec
 from psdk.rules import UpdateRule
@@ -81,6 +77,7 @@ class ParameterClient:
         """The job's embedding tables, from the shards' layouts (rows live on the ps only)."""
         self._row_plans: dict[str, PullPlan] = {}
         """How the rows the push-and-pull in flight pulls are put back together."""
+        self._in_flight: InFlight | None = None
         self.epoch = 0
         self.boots: list[str | None] = [None] * cluster.num_ps
         """Each shard's boot id as of the last layout: a different one means it restarted."""
@@ -207,8 +204,8 @@ class ParameterClient:
             self.message, variables, job, rule, self.cluster.num_ps, sharding, restore, epoch, tables, plan=plan
         )
         announce(messages, restored, self.options.table_chunk_rows)
-        replies = self._rejoining(
-            lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
+        replies = rejoining(
+            self, lambda: self.request(messages, "initialising the variables", self.options.transport.init_timeout_s)
         )
         fresh = {reply.op == "ok" for reply in replies.values()}
         if len(fresh) > 1 and self.options.recovery_timeout_s is None:
@@ -226,19 +223,16 @@ class ParameterClient:
 
     def wait_initialized(self) -> None:
         """Non-chief workers: wait (bounded) until the chief has initialised every shard."""
-        replies = self._rejoining(
+        replies = rejoining(
+            self,
             lambda: self.request(
                 self.to_all("wait_init"),
                 "the chief (worker 0) to initialise the variables",
                 self.options.transport.init_timeout_s,
                 watch=False,
-            )
+            ),
         )
         self._set_layout(replies)
-
-    def _rejoining(self, request: Callable[[], dict[int, Message]]) -> dict[int, Message]:
-        """``request``, retried while a ps holds this worker's previous connection (see :func:`rejoining`)."""
-        return rejoining(self, request)
 
     def _set_layout(self, replies: Mapping[int, Message]) -> None:
         self.shards, params, grads = shards_from(replies, self.endpoint, self.cluster.num_ps)
@@ -342,7 +336,10 @@ class ParameterClient:
         :attr:`params`, nor :attr:`grads` or the arrays of ``rows`` and ``pull`` unless ``copy``: then they are copied
         as they leave and the next gradient may be computed into them at once. ``basis`` says which parameters the
         gradients were computed from (default: the current ones). ``rows`` and ``pull``: see :meth:`push_pull`.
+        One at a time: the next starts once this one finished.
         """
+        if self._in_flight is not None:
+            raise PsdkError("a push-and-pull is in flight: finish_push_pull it before the next starts")
         parts, self._row_plans = plan_tables(
             self.tables, self.cluster.num_ps, push=rows, pull=pull, copy=copy, previous=self._row_plans
         )
@@ -352,36 +349,26 @@ class ParameterClient:
                     np.copyto(view, grads[name], casting="same_kind")
         self._joined.scatter()
         basis = basis or self.basis()
-        versions = self._round_versions(basis) if self._rounds else basis.versions
+        versions = round_versions(basis, self._live()) if self._rounds else basis.versions
         self._seq += 1
-        messages = {}
+        messages, fields, grads_sent = {}, {}, {}
         for i in self._live():
             shard = self.shards[i]
             grad = shard.grads
             if copy:  # the next gradient may be computed into grads while this one travels
                 np.copyto(shard.outbox, grad)
                 grad = shard.outbox
-            fields = {"version": versions[i], "seq": self._seq, "epoch": basis.epoch}
-            messages[i] = with_tables(self.message("push_pull", [grad], **fields), parts.get(i))
+            fields[i] = {"version": versions[i], "seq": self._seq, "epoch": basis.epoch}
+            messages[i] = with_tables(self.message("push_pull", [grad], **fields[i]), parts.get(i))
             messages[i].stable = True  # one of the shard's long-lived buffers (which the transport may have lent)
-        return self.endpoint.start_many(messages)
+            grads_sent[i] = grad
+        pending = self.endpoint.start_many(messages)
+        self._in_flight = InFlight(pending, grads_sent, fields, parts)
+        return pending
 
     @property
     def _rounds(self) -> bool:
         return self.job is not None and self.job.sync.waits_for_rounds
-
-    def _round_versions(self, basis: Basis) -> tuple[int, ...]:
-        """In sync mode, one version for every shard: the lowest of the basis.
-
-        Every shard runs its own rounds, in lockstep as TensorFlow's one ``global_step`` kept every
-        accumulator: the pushes that close a round on one shard were sent, for that round, to every shard.
-        Pushing each shard its own version let the shards drift apart with backup workers, and a lagging
-        shard's last round, or a checkpoint pause at the leading one's version, then waited for pushes that
-        never came. A shard already past the lowest version drops the push as stale, as any late push.
-        """
-        live = self._live()
-        floor = min((basis.versions[i] for i in live), default=0)
-        return tuple(floor if i in live else v for i, v in enumerate(basis.versions))
 
     def finish_push_pull(self, pending: Pending) -> StepResult:
         """Wait for every shard's reply and take in the fresh parameters (and the rows it pulled).
@@ -390,17 +377,20 @@ class ParameterClient:
         chief restores the shards from its latest checkpoint, the others wait
         for it, and every worker pulls the restored parameters (and rows).
         """
+        step, self._in_flight = self._in_flight, None
+        if step is None or step.pending is not pending:
+            raise PsdkError("finish_push_pull takes the push-and-pull this client started last, once")
         plans = self._row_plans  # kept: the next push, of these ids, takes their split
-        result, replies = self._finish(pending)
+        result, replies = self._finish(step)
         if not plans:
             return result
         if replies is None:  # recovered: the rows are pulled again from the restored shards
             return dataclasses.replace(result, rows=self._pull({name: plan.ids for name, plan in plans.items()}))
         return dataclasses.replace(result, rows=pulled_rows(plans, replies))
 
-    def _finish(self, pending: Pending) -> tuple[StepResult, dict[int, Message] | None]:
+    def _finish(self, step: InFlight) -> tuple[StepResult, dict[int, Message] | None]:
         try:
-            replies = self.collect(pending, "a push-and-pull")
+            replies = self._collect_step(step)
         except (PeerDeadError, PeerRestartedError) as exc:
             if self.options.recovery_timeout_s is None:
                 raise
@@ -408,7 +398,7 @@ class ParameterClient:
         except PeerTimeoutError as exc:
             if self.options.recovery_timeout_s is None:
                 raise
-            outcome = recovery.after_timeout(self, pending, exc)
+            outcome = recovery.after_timeout(self, step.pending, exc)
             if isinstance(outcome, StepResult):
                 return outcome, None
             replies = outcome
@@ -428,6 +418,15 @@ class ParameterClient:
             self.global_step, done, str(head.get("outcome", "")), int(slowest) if slowest is not None else None
         )
         return result, replies
+
+    def _collect_step(self, step: InFlight) -> dict[int, Message]:
+        """The step's replies; a shard no longer holding a pull the push named is sent it again, with its ids."""
+        try:
+            return self.collect(step.pending, "a push-and-pull")
+        except RemoteError as exc:
+            if exc.kind != PULL_NOT_HELD:
+                raise
+            return resend_with_ids(self, step)
 
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]

@@ -206,6 +206,9 @@ class ShardTables:
     arrays: list[np.ndarray] = field(default_factory=list)
     pulled: int | None = None
     """The request whose pulled ids the entries marked ``pulled`` push the rows of."""
+    named_ids: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """Per ``pulled`` entry, where in :attr:`arrays` its ids would go and the ids: sent if the shard refuses
+    the name (:func:`without_names`)."""
 
 
 def plan_tables(
@@ -270,6 +273,7 @@ def plan_tables(
                 if shard in named:  # the shard holds these ids from the pull it answered: only the rows go
                     entry["pulled"] = True
                     part.pulled = named[shard]
+                    part.named_ids.append((len(part.arrays), pushing[shard][0]))
                     part.arrays.append(pushing[shard][1])
                 else:
                     part.arrays += [*pushing[shard]]
@@ -280,6 +284,16 @@ def plan_tables(
                 part.arrays.append(pulling[shard])
             part.entries.append(entry)
     return parts, plans
+
+
+def without_names(part: ShardTables | None) -> ShardTables | None:
+    """``part`` with each named push's ids sent after all, for a shard that no longer holds the named pull."""
+    if part is None or part.pulled is None:
+        return part
+    arrays = list(part.arrays)
+    for at, ids in reversed(part.named_ids):
+        arrays.insert(at, ids)
+    return ShardTables([{k: v for k, v in entry.items() if k != "pulled"} for entry in part.entries], arrays)
 
 
 def with_tables(message: Message, part: ShardTables | None) -> Message:

@@ -85,3 +85,16 @@ class Shard:
     @property
     def size(self) -> int:
         return int(self.params.size)
+
+
+def round_versions(basis: Basis, live: list[int]) -> tuple[int, ...]:
+    """In sync mode, one version for every shard a step talks to (``live``): the lowest of the basis.
+
+    Every shard runs its own rounds, in lockstep as TensorFlow's one ``global_step`` kept every
+    accumulator: the pushes that close a round on one shard were sent, for that round, to every shard.
+    Pushing each shard its own version let the shards drift apart with backup workers, and a lagging
+    shard's last round, or a checkpoint pause at the leading one's version, then waited for pushes that
+    never came. A shard already past the lowest version drops the push as stale, as any late push.
+    """
+    floor = min((basis.versions[i] for i in live), default=0)
+    return tuple(floor if i in live else v for i, v in enumerate(basis.versions))

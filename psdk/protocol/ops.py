@@ -308,6 +308,9 @@ BUSY = "busy"
 """The error kind of a request refused because as many of its kind already wait as the ps holds for it."""
 NON_FINITE = NonFiniteError.kind
 """The error kind of a push whose update would leave NaN or Inf in the store: refused, the store unchanged."""
+PULL_NOT_HELD = "pull_not_held"
+"""The error kind of a push naming a pull the shard does not hold: nothing applied; the worker sends it again
+with its ids (same seq: the name is checked before the seq is recorded)."""
 
 ERROR_KINDS: dict[str, str] = {
     "protocol": "the message could not be decoded",
@@ -316,6 +319,7 @@ ERROR_KINDS: dict[str, str] = {
     ID_HELD: "the worker id is held by a connection not yet taken for dead (heartbeat timeout): retry",
     BUSY: "as many such requests already wait as the ps holds (nothing changed; those waiting stay)",
     NON_FINITE: "the push's update would leave NaN or Inf in the store: refused, the store unchanged",
+    PULL_NOT_HELD: "a push named a pull the shard does not hold (nothing applied): send it again with its ids",
     "failed": "the job has failed: the reason follows",
     "internal": "a bug in the ps (logged there); the ps goes on",
     "not_paused": "state or table_state without a held pause: the chief skips that checkpoint",

@@ -43,6 +43,7 @@ def on_restore(shard: ServedShard, peer: bytes, message: Message) -> None:
     shard.limit_incoming()
     take_finished(shard.membership, message.fields.get("finished"), shard.job.num_workers)
     shard.epoch = message.fields["epoch"]
+    shard.named_pulls.forget()  # pulled from the abandoned timeline: no push after the restore names them
     why = f"the chief restored the job at version {restore.version} (restore epoch {shard.epoch})"
     stale = [(p.peer, p.rid) for p in [*shard.policy.release_parked(), *pause.pushes]]
     pause.pushes.clear()

@@ -14,7 +14,8 @@ entry then carries only the row gradients, and the shard takes the ids it
 checked for that pull (:class:`NamedPulls`), so they are neither sent,
 copied out nor checked again. A push naming a pull the shard does not hold
 (another process of the worker pulled since, or the shard restarted) is
-refused, applying nothing; a worker names only a pull whose answer it took.
+refused, applying nothing (kind ``pull_not_held``: the worker sends the push
+again with its ids); a worker names only a pull whose answer it took.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from psdk.errors import ProtocolError, RefusedError
+from psdk.protocol.ops import PULL_NOT_HELD
 from psdk.ps.tables.served import RowGrad, ServedTable
 
 ENTRY_KEYS = frozenset({"table", "push", "pull", "read", "pulled"})
@@ -66,13 +68,14 @@ class NamedPulls:
             holds = "none" if held is None else f"request {held[1]}'s" if held[0] == peer else "another connection's"
             raise RefusedError(
                 f"a push of table {table!r} names the ids of request {rid}'s pull, which this shard does not hold "
-                f"for worker {worker} (it holds {holds}): not applied; push the ids"
+                f"for worker {worker} (it holds {holds}): not applied; push the ids",
+                PULL_NOT_HELD,
             )
         return held[2]
 
-    def forget(self, worker: int) -> None:
-        """A worker's process went: its pulls are no next push's."""
-        for key in [key for key in self.kept if key[0] == worker]:
+    def forget(self, worker: int | None = None) -> None:
+        """A worker's process went (``None``: the shard was rolled back): its pulls are no next push's."""
+        for key in [key for key in self.kept if worker is None or key[0] == worker]:
             del self.kept[key]
 
 
