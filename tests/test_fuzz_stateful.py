@@ -60,6 +60,8 @@ def test_sequences_with_tables_keep_the_rows_the_models_and_refuse_bad_row_reque
     assert any(key.startswith("rows: push_pull") for key in refused) and any(
         key.startswith("rows: pull") for key in refused
     )
+    named = {key for key in reached if key.startswith("named: ")}  # pushes naming their pull, valid and not
+    assert "named: a pull the shard holds" in named and len(named) >= 3, named
 
 
 def test_a_real_job_trains_to_the_end_while_a_workers_key_is_fuzzed() -> None:

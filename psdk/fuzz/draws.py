@@ -116,6 +116,9 @@ ROW_FAULTS = [
 """What makes a table request one the ps must refuse, pushes and pulls alike."""
 PUSH_FAULTS = [*ROW_FAULTS, "rows of the wrong shape", "NaN rows", "a NaN dense gradient"]
 PULL_FAULTS = [*ROW_FAULTS, "read without pull", "a push in a pull"]
+NAMED_FAULTS = ["another worker's name", "a pull never made", "a read named", "rows of the wrong shape",
+                "no pulled field"]  # fmt: skip
+"""What a push naming the pull of its ids may get wrong (:meth:`psdk.fuzz.table_rules.TableRules.named_push`)."""
 
 
 def half_faulty(faults: list[str]) -> st.SearchStrategy[str | None]:

@@ -28,10 +28,12 @@ class ModelFollowing:
     model: Model
     saved: Message | None
     bounded: dict[tuple[int | None, int], tuple[int, int]]
+    naming: dict[str, np.ndarray] | None = None
+    """By table, the ids of the pull the next push names (a ``pulled`` entry carries its rows only)."""
 
     def send(self, actor: Actor, message: Message, must_fail: bool = False) -> None:
         """Send ``message`` through the harness, then let the reference model follow what the ps did with it."""
-        grad, rows = None, row_request(message.fields.get("tables"), message.arrays[1:])
+        grad, rows = None, row_request(message.fields.get("tables"), message.arrays[1:], self.naming)
         if message.op == "push_pull":
             if message.arrays:
                 grad = message.arrays[0]

@@ -21,6 +21,7 @@ and of the right shape.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,11 +55,14 @@ class RowRequest:
     """(table, ids, create): ``create`` for a training pull, not for a read."""
 
 
-def row_request(entries: Any, arrays: list[np.ndarray]) -> RowRequest | None:
+def row_request(
+    entries: Any, arrays: list[np.ndarray], named: Mapping[str, np.ndarray] | None = None
+) -> RowRequest | None:
     """The table part of a request whose arrays after the dense gradient are ``arrays``; ``None`` if unreadable.
 
     Lenient on purpose: a request the ps took must be readable here, and the
     model is told what the ps was sent, not what it should have checked.
+    ``named``: by table, the ids of the pull a ``pulled`` entry names (its rows come without them).
     """
     request, at = RowRequest(), 0
     if entries is None:
@@ -69,7 +73,12 @@ def row_request(entries: Any, arrays: list[np.ndarray]) -> RowRequest | None:
         if not isinstance(entry, dict) or not isinstance(entry.get("table"), str):
             return None
         name = entry["table"]
-        if entry.get("push"):
+        if entry.get("push") and entry.get("pulled"):
+            if named is None or name not in named or at >= len(arrays):
+                return None
+            request.pushes[name] = (np.asarray(named[name], np.int64), np.asarray(arrays[at], np.float64))
+            at += 1
+        elif entry.get("push"):
             if at + 2 > len(arrays):
                 return None
             request.pushes[name] = (np.asarray(arrays[at], np.int64), np.asarray(arrays[at + 1], np.float64))

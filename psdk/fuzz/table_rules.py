@@ -7,7 +7,10 @@ or read rows back), ``pull_rows`` a ``pull`` of rows (a training pull or a
 ``read``). About half of each are valid: strictly increasing int64 ids,
 float32 rows of the table's ``dim``; the reference model applies them
 (:mod:`psdk.fuzz.rows`) and the rows every reply carries are compared with
-the model's. The others carry one fault the ps must refuse (int32,
+the model's. ``named_push`` sends a step that pulls rows, then the next
+one, pushing their rows by naming that pull (only the rows travel): the ps
+must apply them to the ids it pulled, and refuse, changing nothing, a name
+another worker, an unknown request or a read made. The others of each carry one fault the ps must refuse (int32,
 unsorted, duplicate or negative ids, more than ``max_ids``, an unknown table,
 an extra or missing frame, rows of the wrong shape, NaN rows, ...): the
 reply must be an error, and the ps's tables must be bit for bit what they
@@ -24,9 +27,11 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import zmq
 
 from psdk.fuzz.draws import (
     BAD_TABLES,
+    NAMED_FAULTS,
     PULL_FAULTS,
     PUSH_FAULTS,
     ROW_IDS,
@@ -195,6 +200,51 @@ class TableRules(ModelFollowing):
         fields = actor.fields(tables=[entry])
         must_fail = actor.worker is None or not self.ps.server.store.initialized or not self._holds(spec["name"])
         self._send_faulty(actor, Message("pull", fields, arrays, actor.rid()), fault, must_fail)
+
+    @precondition(lambda self: self.ps.serving and self.ps.server.store.tables)
+    @rule(
+        who=st.integers(0, WORKERS - 1),
+        table=st.integers(0, 1),
+        ids=ROW_IDS,
+        fault=half_faulty(NAMED_FAULTS),
+    )
+    def named_push(self, who: int, table: int, ids: list[int], fault: str | None) -> None:
+        """A step that pulls a batch's rows, then the next one, pushing their rows by naming that pull."""
+        actor, spec = self.actors[who], self._table(table)
+        name, pulled = spec["name"], self._ids(spec, ids)
+        entry: dict[str, Any] = {"table": name, "pull": True}
+        if fault == "a read named" or self.model.mode == "ssp":  # ssp: a training pull's reply may be held
+            entry["read"] = True
+        seq, rid = actor.next_seq, actor.rid()
+        actor.next_seq += 1
+        dense = (0.01 * self._pattern(3 * (actor.worker or 0) + seq)).astype(np.float32)
+        fields = actor.fields(version=self.ps.server.store.version, seq=seq, epoch=self.harness.epoch, tables=[entry])
+        must_fail = actor.worker is None or not self.ps.server.store.initialized or not self._holds(name)
+        self._send_faulty(actor, Message("push_pull", fields, [dense, pulled], rid), None, must_fail)
+        namer = self.actors[(who + 1) % WORKERS] if fault == "another worker's name" else actor
+        named = rid + 1000 if fault == "a pull never made" else rid
+        held = self.ps.server.shard.named_pulls.kept.get((namer.worker, name))  # type: ignore[arg-type]
+        ours = held is not None and held[:2] == (namer.sock.getsockopt(zmq.ROUTING_ID), named)
+        if ours and (namer is not actor or named != rid):
+            return  # by chance the namer's own last pull had that request id: a valid name, not this fault
+        if ours and held is not None and not np.array_equal(held[2], pulled):
+            self._disagree(f"the ps keeps ids {held[2].tolist()} of a pull of {pulled.tolist()}")
+        rows = self._row_grads(pulled, int(spec["dim"]), 1.0, seq + 1)
+        if fault == "rows of the wrong shape":
+            rows = np.zeros((len(pulled) + 1, int(spec["dim"])), np.float32)
+        seq = namer.next_seq
+        namer.next_seq += 1
+        dense = (0.01 * self._pattern(3 * (namer.worker or 0) + seq)).astype(np.float32)
+        names = {} if fault == "no pulled field" else {"pulled": named}
+        fields = namer.fields(version=self.ps.server.store.version, seq=seq, epoch=self.harness.epoch,
+                              tables=[{"table": name, "push": True, "pulled": True}], **names)  # fmt: skip
+        refused = fault or (None if ours else "a pull the shard does not hold")
+        self.harness.coverage[f"named: {refused or 'a pull the shard holds'}"] += 1
+        self.naming = {name: pulled}
+        try:
+            self._send_faulty(namer, Message("push_pull", fields, [dense, rows], namer.rid()), refused, must_fail)
+        finally:
+            self.naming = None
 
 
 class TablesMachine(PsMachine, TableRules):
