@@ -18,8 +18,12 @@ its own process, over TCP on 127.0.0.1:
   gradient into its buffer, and that write is timed apart and taken off the
   same way. For reference, the rows handed to the push in an array of their
   own, which the push copies into the heap ("rows copied in by the push");
-* **dense**: one float32 variable of as many values as the pushed rows
-  (unique ids x 16) pushed, and as many pulled back. Each step writes a new
+* **dense**: one float32 variable of the same bytes pushed, and as many
+  pulled back: as many values as the sparse round trip moves bytes up and
+  down, over 8 (the rows both ways and the ids the push carries up: unique
+  ids x 17 values). For reference, a dense variable of the rows alone
+  (unique ids x 16 values, "dense-rows"): the ids' bytes then count
+  against the sparse side, a stricter baseline. Each step writes a new
   gradient into the client's gradient buffer first (the batches' row
   gradients, cycled), as a trainer's step leaves one (over shared memory
   that buffer is the lent region), and the write itself is timed apart and
@@ -168,8 +172,8 @@ def _run(kind: str, batches: list[Batch], vocab: int, count: int, warmup: int) -
                     client.push_pull(rows={TABLE: (ids, grads)}, pull={TABLE: batches[(i + 1) % len(batches)][0]})
                     return wrote
 
-            else:
-                size = int(np.mean([len(ids) for ids, _ in batches])) * DIM
+            else:  # the same bytes as the sparse round trip (rows and ids); "dense-rows": the rows' alone
+                size = int(np.mean([len(ids) for ids, _ in batches])) * (DIM if "rows" in kind else DIM + 1)
                 client.initialize({"w": np.zeros(size, np.float32)}, job, NoOp())
                 client.pull()
                 client.status()  # the ps's answer to the offer of shared memory is in
@@ -235,7 +239,8 @@ TRANSPORTS = (("", "frames"), ("-shm", "shared memory"))
 """Each kind's suffix, and the transport it names."""
 SIDES = (("sparse", "sparse push + pull, rows written where they go"),
          ("sparse-copied", "sparse push + pull, rows copied in by the push"),
-         ("dense", "dense push + pull, a new gradient each step"),
+         ("dense", "dense push + pull of the same bytes, a new gradient each step"),
+         ("dense-rows", "dense push + pull of the rows' bytes alone, a new gradient each step"),
          ("dense-unchanged", "dense push + pull, one unchanged gradient"))  # fmt: skip
 """Each kind of round trip without its transport's suffix, and how the table names it."""
 KINDS = tuple(side + suffix for suffix, _ in TRANSPORTS for side, _ in SIDES)
@@ -258,7 +263,7 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
     out: dict[str, Any] = {
         "batch": batch, "vocab": vocab, "unique_ids": unique, "count": count, "reps": reps,
         "bytes": {"sparse_up": int(unique * (4 * DIM + 8)), "sparse_down": int(unique * 4 * DIM),
-                  "dense_each_way": int(unique * 4 * DIM)},
+                  "dense_each_way": int(unique * 4 * (DIM + 1)), "dense_rows_each_way": int(unique * 4 * DIM)},
     }  # fmt: skip
     for kind in KINDS:
         out[kind] = {f: round(median(kind, f), 1) for f in ("client_us", "ps_us", "total_us")}
@@ -278,6 +283,8 @@ def compare(batch: int, vocab: int, count: int, warmup: int, reps: int, pool: in
         # The dense transport: each run's round trip of a new gradient, less that run's write of it into the
         # buffer (the backend's work, which psdk's step books as such), as the sparse rows' write.
         dense = max(statistics.median(r.total_us - r.write_us for r in runs["dense" + suffix]), 1e-9)
+        rows_only = max(statistics.median(r.total_us - r.write_us for r in runs["dense-rows" + suffix]), 1e-9)
+        out[f"ratio_rows_only{key}"] = round(moved / rows_only, 3)  # the ids' bytes counted against sparse
         with_write = max(out["dense" + suffix]["total_us"], 1e-9)  # a tiny run's process time may read 0
         unchanged = max(out["dense-unchanged" + suffix]["total_us"], 1e-9)
         out[f"dense_transport{key}_us"] = round(dense, 1)
@@ -298,7 +305,8 @@ def table(out: dict[str, Any]) -> str:
         "less its write into the buffer)",
         f"{out['reps']} x {out['count']} round trips; batches of {out['batch']} x 26 ids over {out['vocab']:,} "
         f"(median {out['unique_ids']:.0f} unique), dim {DIM}; sparse {b['sparse_up']:,} B up, "
-        f"{b['sparse_down']:,} B down; dense {b['dense_each_way']:,} B each way",
+        f"{b['sparse_down']:,} B down; dense {b['dense_each_way']:,} B each way (rows alone: "
+        f"{b['dense_rows_each_way']:,} B)",
         "| round trip | client µs | ps µs | CPU µs | ÷ dense |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -328,6 +336,8 @@ def table(out: dict[str, Any]) -> str:
                      f"{out[f'sparse_transport_copied{key}_us']:.0f} | {out[f'ratio_copied{key}']:.2f}× |")  # fmt: skip
     for suffix, where in TRANSPORTS:
         key = suffix.replace("-", "_")
+        lines.append(f"| sparse transport ÷ the dense transport of the rows' bytes alone ({where}) | | | | "
+                     f"{out[f'ratio_rows_only{key}']:.2f}× |")  # fmt: skip
         lines.append(f"| sparse transport ÷ the dense round trip, both with their writes ({where}) | | | | "
                      f"{out[f'ratio_with_write{key}']:.2f}× |")  # fmt: skip
         lines.append(f"| sparse transport, rows copied in ÷ the unchanged dense gradient ({where}) | | | | "

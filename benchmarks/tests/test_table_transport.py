@@ -23,10 +23,13 @@ def test_prints_the_sparse_and_dense_round_trips_and_the_ratio() -> None:
     assert [r[0].strip() for r in rows] == [
         "sparse push + pull, rows written where they go (frames)",
         "sparse push + pull, rows copied in by the push (frames)",
-        "dense push + pull, a new gradient each step (frames)", "dense push + pull, one unchanged gradient (frames)",
+        "dense push + pull of the same bytes, a new gradient each step (frames)",
+        "dense push + pull of the rows' bytes alone, a new gradient each step (frames)",
+        "dense push + pull, one unchanged gradient (frames)",
         "sparse push + pull, rows written where they go (shared memory)",
         "sparse push + pull, rows copied in by the push (shared memory)",
-        "dense push + pull, a new gradient each step (shared memory)",
+        "dense push + pull of the same bytes, a new gradient each step (shared memory)",
+        "dense push + pull of the rows' bytes alone, a new gradient each step (shared memory)",
         "dense push + pull, one unchanged gradient (shared memory)",
         "dense: the new gradient written into its buffer (frames)", "sparse: the rows written where they go (frames)",
         "dense: the new gradient written into its buffer (shared memory)",
@@ -39,19 +42,23 @@ def test_prints_the_sparse_and_dense_round_trips_and_the_ratio() -> None:
         "dense transport, shared memory (a new gradient, its write not counted)",
         "sparse transport, shared memory (encode to decode, the rows' write not counted)",
         "sparse transport, shared memory, rows copied in by the push",
+        "sparse transport ÷ the dense transport of the rows' bytes alone (frames)",
         "sparse transport ÷ the dense round trip, both with their writes (frames)",
         "sparse transport, rows copied in ÷ the unchanged dense gradient (frames)",
+        "sparse transport ÷ the dense transport of the rows' bytes alone (shared memory)",
         "sparse transport ÷ the dense round trip, both with their writes (shared memory)",
         "sparse transport, rows copied in ÷ the unchanged dense gradient (shared memory)",
     ]  # fmt: skip
-    assert all(r[-1].strip().endswith("×") for r in rows[-10:])
+    assert all(r[-1].strip().endswith("×") for r in rows[-12:])
     out = json.loads(lines[-1])
     assert isinstance(out["ratio_shm"], float) and isinstance(out["sparse_transport_shm_us"], float)
-    for kind in ("sparse", "sparse-copied", "dense", "dense-unchanged", "sparse-shm", "sparse-copied-shm",
-                 "dense-shm", "dense-unchanged-shm"):  # fmt: skip
+    for kind in ("sparse", "sparse-copied", "dense", "dense-rows", "dense-unchanged", "sparse-shm",
+                 "sparse-copied-shm", "dense-shm", "dense-rows-shm", "dense-unchanged-shm"):  # fmt: skip
         assert out[kind]["total_us"] == pytest.approx(out[kind]["client_us"] + out[kind]["ps_us"], abs=0.2)
         assert out[kind]["client_us"] >= 0 and out[kind]["ps_us"] >= 0
-    assert 0 < out["unique_ids"] <= 128 * 26 and out["bytes"]["dense_each_way"] == out["bytes"]["sparse_down"]
+    assert 0 < out["unique_ids"] <= 128 * 26 and out["bytes"]["dense_rows_each_way"] == out["bytes"]["sparse_down"]
+    b = out["bytes"]  # the dense round trip moves what the sparse one does, rows and ids
+    assert 2 * b["dense_each_way"] == b["sparse_up"] + b["sparse_down"]
     assert out["sorting_us"] >= 0 and out["ps_table_alone_us"] >= 0 and isinstance(out["ratio"], float)
     assert out["ps_table_us"] > 0 and out["ps_table_shm_us"] > 0  # the ps timed its tables in the sparse runs
     # Each dense step wrote a new gradient of ~200 KB (at least 1 µs even at 200 GB/s; a bare clock read is 0.2).
@@ -60,3 +67,4 @@ def test_prints_the_sparse_and_dense_round_trips_and_the_ratio() -> None:
     for key in ("", "_shm"):
         assert isinstance(out[f"ratio_with_write{key}"], float) and isinstance(out[f"ratio_unchanged{key}"], float)
         assert out[f"dense_transport{key}_us"] > 0 and isinstance(out[f"ratio_copied{key}"], float)
+        assert isinstance(out[f"ratio_rows_only{key}"], float)
