@@ -10,6 +10,7 @@ shard does not hold for that worker's connection is refused, changing nothing.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from psdk.client import ClientOptions, ParameterClient
+from psdk.client import ClientOptions, ParameterClient, recovery
 from psdk.config.options import TransportOptions
 from psdk.errors import PsdkError, RemoteError
 from psdk.protocol.cluster import ClusterSpec
@@ -319,3 +320,51 @@ def test_rows_written_in_the_lent_room_go_again_with_their_ids_after_a_refused_n
             np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
         finally:
             client.close()
+
+
+def test_a_push_sent_again_after_the_steps_wait_timed_out_in_a_sync_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sync mode: worker 0's push waits in shard 0's round past its request timeout while shard 1 refused the pull
+    it named. Worker 1 pushes once worker 0's wait gave up: the round closes and its reply reaches worker 0 while
+    it asks the shards' status; it is kept for the step, and shard 1 is sent the push again with its ids, as the
+    first wait would have. Both workers' steps land on both shards."""
+    a = on_each_shard(3)
+    options = ClientOptions(transport=TransportOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0,
+                            request_timeout_s=1.0, init_timeout_s=20.0), recovery_timeout_s=20.0)  # fmt: skip
+    ones = np.ones((len(a), 4), np.float32)
+    real_after_timeout = recovery.after_timeout
+    with running_ps(2) as ps:
+        clients = [ParameterClient(ps.transport, ps.cluster(2), i, options) for i in range(2)]
+        second: list[threading.Thread] = []
+
+        def after_timeout(*args):  # type: ignore[no-untyped-def]
+            """Worker 0's wait gave up: worker 1 pushes, and shard 0 answers both before the status check."""
+            second.append(threading.Thread(target=clients[1].push_pull, kwargs={"rows": {"users": (a, ones)}}))
+            second[0].start()
+            wait_for(lambda: ps.servers[0].shard.store.version == version + 1, "shard 0's round to close")
+            return real_after_timeout(*args)
+
+        try:
+            spec = JobSpec(SyncSpec("sync").resolved(2), 1000, 2)
+            assert clients[0].initialize(DENSE, spec, SGD(lr=LR), tables=(USERS,))
+            clients[1].wait_initialized()
+            for client in clients:
+                client.pull()
+            first = [threading.Thread(target=c.push_pull, kwargs={"pull": {"users": a}}) for c in clients]
+            for step in first:
+                step.start()
+            for step in first:
+                step.join(timeout=20)
+            assert not any(step.is_alive() for step in first)
+            before = clients[0].pull_rows({"users": a}, read=True)["users"]
+            version = clients[0].pull()
+            ps.servers[1].shard.named_pulls.kept.clear()  # every shard idle: both workers' steps answered
+            monkeypatch.setattr(recovery, "after_timeout", after_timeout)
+            clients[0].push_pull(rows={"users": (a, ones)})
+            second[0].join(timeout=30)
+            assert not second[0].is_alive()
+            after = clients[0].pull_rows({"users": a}, read=True)["users"]
+            np.testing.assert_allclose(after, before - LR, rtol=1e-6, atol=1e-6)  # the round's mean, on each shard
+            assert clients[0].pull() == version + 1
+        finally:
+            for client in clients:
+                client.close()

@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from psdk.client import recovery, wrapup
 from psdk.client.checkpoint import Checkpoint
 from psdk.client.cut import checkpoint_cut
 from psdk.client.heartbeat import Heartbeat
-from psdk.client.inflight import InFlight, resend_with_ids
+from psdk.client.inflight import InFlight, collect_step
 from psdk.client.layout import checked_variables, init_requests, initial_state, job_of, shards_from, tables_of
 from psdk.client.options import ClientOptions
 from psdk.client.partitions import Joined, chosen_plan
@@ -35,7 +36,6 @@ from psdk.errors import PeerDeadError, PeerRestartedError, PeerTimeoutError, Psd
 from psdk.protocol import ops as protocol
 from psdk.protocol.cluster import ClusterSpec
 from psdk.protocol.jobspec import JobSpec
-from psdk.protocol.ops import PULL_NOT_HELD
 from psdk.protocol.partitions import Partitioning
 from psdk.protocol.tables import TableSpec
 from psdk.rules import UpdateRule
@@ -377,9 +377,10 @@ class ParameterClient:
         chief restores the shards from its latest checkpoint, the others wait
         for it, and every worker pulls the restored parameters (and rows).
         """
-        step, self._in_flight = self._in_flight, None
+        step = self._in_flight
         if step is None or step.pending is not pending:
             raise PsdkError("finish_push_pull takes the push-and-pull this client started last, once")
+        self._in_flight = None
         plans = self._row_plans  # kept: the next push, of these ids, takes their split
         result, replies = self._finish(step)
         if not plans:
@@ -389,19 +390,21 @@ class ParameterClient:
         return dataclasses.replace(result, rows=pulled_rows(plans, replies))
 
     def _finish(self, step: InFlight) -> tuple[StepResult, dict[int, Message] | None]:
-        try:
-            replies = self._collect_step(step)
+        outcome: StepResult | dict[int, Message]
+        try:  # a refused named pull is sent again with its ids wherever the replies are collected (collect_step)
+            try:
+                outcome = collect_step(self, step, lambda: self.collect(step.pending, "a push-and-pull"))
+            except PeerTimeoutError as exc:
+                if self.options.recovery_timeout_s is None:
+                    raise
+                outcome = collect_step(self, step, partial(recovery.after_timeout, self, step.pending, exc))
         except (PeerDeadError, PeerRestartedError) as exc:
             if self.options.recovery_timeout_s is None:
                 raise
             return self.recover(str(exc)), None
-        except PeerTimeoutError as exc:
-            if self.options.recovery_timeout_s is None:
-                raise
-            outcome = recovery.after_timeout(self, step.pending, exc)
-            if isinstance(outcome, StepResult):
-                return outcome, None
-            replies = outcome
+        if isinstance(outcome, StepResult):
+            return outcome, None
+        replies = outcome
         resync = [r for r in replies.values() if r.op == "resync"]
         if resync:
             if self.options.recovery_timeout_s is None:
@@ -419,15 +422,6 @@ class ParameterClient:
         )
         return result, replies
 
-    def _collect_step(self, step: InFlight) -> dict[int, Message]:
-        """The step's replies; a shard no longer holding a pull the push named is sent it again, with its ids."""
-        try:
-            return self.collect(step.pending, "a push-and-pull")
-        except RemoteError as exc:
-            if exc.kind != PULL_NOT_HELD:
-                raise
-            return resend_with_ids(self, step)
-
     def _take_params(self, index: int, reply: Message) -> None:
         shard = self.shards[index]
         if not reply.arrays or reply.arrays[0].shape != shard.params.shape:
@@ -438,7 +432,7 @@ class ParameterClient:
 
     def recover(self, why: str) -> StepResult:
         """Get back onto the job after a ps was lost or the chief restored it; no push names a pull from before."""
-        self._row_plans = {}
+        self._row_plans, self._in_flight = {}, None
         return recovery.recover(self, why)
 
     # -------------------------------------------------------------- the end

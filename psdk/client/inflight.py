@@ -12,19 +12,21 @@ is known that leads there; were one found, it costs a resend, not the worker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from psdk.client.rows import ShardTables, with_tables, without_names
 from psdk.client.view import ClientView
-from psdk.errors import RemoteError
+from psdk.errors import PeerTimeoutError, PsdkError, RemoteError
 from psdk.protocol.ops import PULL_NOT_HELD
 from psdk.transport import Pending
 from psdk.transport.wire import Message
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,6 +46,17 @@ def refused_names(replies: dict[int, Message]) -> list[int]:
     return [i for i, reply in replies.items() if reply.op == "error" and reply.fields.get("kind") == PULL_NOT_HELD]
 
 
+def collect_step(client: ClientView, step: InFlight, wait: Callable[[], T]) -> T | dict[int, Message]:
+    """What ``wait`` collects of the step's replies; if one is a ``pull_not_held`` refusal, the replies once the
+    refusing shards answered the push sent again with its ids (:func:`resend_with_ids`)."""
+    try:
+        return wait()
+    except RemoteError as exc:
+        if exc.kind != PULL_NOT_HELD:
+            raise
+        return resend_with_ids(client, step)
+
+
 def resend_with_ids(client: ClientView, step: InFlight) -> dict[int, Message]:
     """The step's replies, with each ``pull_not_held`` refusal replaced by the answer to the push sent again
     with its ids. Any other refusal is raised, as the first collect would have."""
@@ -58,5 +71,10 @@ def resend_with_ids(client: ClientView, step: InFlight) -> dict[int, Message]:
         request = client.message("push_pull", [step.grads[i]], **step.fields[i])
         again[i] = with_tables(request, without_names(step.parts.get(i)))
         again[i].stable = True
-    replies.update(client.collect(client.endpoint.start_many(again), "a push sent again with its ids"))
+    options = client.options
+    timeout_s = options.transport.request_timeout_s + (options.recovery_timeout_s or 0.0)
+    try:  # one wait, as long as a timeout and its wait after: the step's own timeout path has waited already
+        replies.update(client.collect(client.endpoint.start_many(again), "a push sent again with its ids", timeout_s))
+    except PeerTimeoutError as exc:
+        raise PsdkError(f"{exc}: the push sent again with its ids was not answered; nothing was rolled back") from exc
     return replies

@@ -32,6 +32,9 @@ class HeartbeatOptions(Protocol):
     @property
     def heartbeat_timeout_s(self) -> float: ...
 
+    @property
+    def request_timeout_s(self) -> float: ...
+
 
 class TimeoutOptions(Protocol):
     """The client's options its parts read."""

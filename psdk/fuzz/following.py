@@ -30,6 +30,8 @@ class ModelFollowing:
     bounded: dict[tuple[int | None, int], tuple[int, int]]
     naming: dict[str, np.ndarray] | None = None
     """By table, the ids of the pull the next push names (a ``pulled`` entry carries its rows only)."""
+    last_answer: Message | None = None
+    """The reply to the last request sent, if it came while the fuzzer waited (a push may be held)."""
 
     def send(self, actor: Actor, message: Message, must_fail: bool = False) -> None:
         """Send ``message`` through the harness, then let the reference model follow what the ps did with it."""
@@ -41,6 +43,7 @@ class ModelFollowing:
                 grad = actor.buffers.grads.copy()
         pauses_ended = self._pauses_ended()
         self.harness.send(actor, message, must_fail=must_fail)
+        self.last_answer = self.harness.answers.get((actor.worker, message.rid))
         if self._pauses_ended() > pauses_ended:  # the chief's id from a new connection: the ps resumed by itself
             self.model.resume()
         if message.op == "push_pull":

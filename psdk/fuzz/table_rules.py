@@ -46,6 +46,7 @@ from psdk.fuzz.draws import (
 from psdk.fuzz.following import ModelFollowing
 from psdk.fuzz.harness import WORKERS, Actor
 from psdk.fuzz.stateful import PsMachine
+from psdk.protocol.ops import PULL_NOT_HELD
 from psdk.transport.wire import Message
 
 try:
@@ -221,6 +222,13 @@ class TableRules(ModelFollowing):
         fields = actor.fields(version=self.ps.server.store.version, seq=seq, epoch=self.harness.epoch, tables=[entry])
         must_fail = actor.worker is None or not self.ps.server.store.initialized or not self._holds(name)
         self._send_faulty(actor, Message("push_pull", fields, [dense, pulled], rid), None, must_fail)
+        answer = self.last_answer  # a training pull answered with its rows: the shard holds it for a push to name
+        answered = answer is not None and answer.op == "params" and answer.fields.get("outcome") != "pulled"
+        kept = self.ps.server.shard.named_pulls.kept.get((actor.worker, name))  # type: ignore[arg-type]
+        holds = kept is not None and kept[:2] == (actor.sock.getsockopt(zmq.ROUTING_ID), rid)
+        if (answered and not entry.get("read")) != holds:
+            said = f"answered {answer.op if answer else 'later'}{', a read' if entry.get('read') else ''}"
+            self._disagree(f"the ps {'holds' if holds else 'does not hold'} the pull of request {rid} ({said})")
         namer = self.actors[(who + 1) % WORKERS] if fault == "another worker's name" else actor
         named = rid + 1000 if fault == "a pull never made" else rid
         held = self.ps.server.shard.named_pulls.kept.get((namer.worker, name))  # type: ignore[arg-type]
@@ -245,6 +253,9 @@ class TableRules(ModelFollowing):
             self._send_faulty(namer, Message("push_pull", fields, [dense, rows], namer.rid()), refused, must_fail)
         finally:
             self.naming = None
+        answer = self.last_answer
+        if refused is None and answer is not None and answer.fields.get("kind") == PULL_NOT_HELD:
+            self._disagree(f"a push naming the pull of request {rid}, which the ps holds, was refused as not held")
 
 
 class TablesMachine(PsMachine, TableRules):

@@ -11,6 +11,7 @@ these classes rather than patching sockets.
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,23 @@ class ClientEndpoint(ABC):
 
     def __init__(self) -> None:
         self._next_rid = 1
+        self._waiting: weakref.WeakSet[Pending] = weakref.WeakSet()
+        self._strays: dict[tuple[int, int], Message] = {}
+        """Replies that arrived while another request was waited for, kept for the pending that still waits for
+        them (a slow step's reply during the status check after its timeout); none for an abandoned one."""
+
+    def keep_stray(self, index: int, message: Message) -> None:
+        """A reply the current wait did not ask for: kept if a pending still alive waits for it, else dropped."""
+        awaited = {(i, rid) for p in self._waiting for i, rid in p.expected.items() if i not in p.replies}
+        self._strays = {key: kept for key, kept in self._strays.items() if key in awaited}
+        if (index, message.rid) in awaited:
+            self._strays[(index, message.rid)] = message
+
+    def take_strays(self, pending: Pending) -> None:
+        """Into ``pending``, the replies it waits for that arrived while another request was waited for."""
+        for index, rid in pending.expected.items():
+            if index not in pending.replies and (index, rid) in self._strays:
+                pending.replies[index] = self._strays.pop((index, rid))
 
     def buffers(self, index: int, size: int, extra_bytes: int = 0, extra_arrays: int = 0) -> ShardBuffers:
         """Buffers for server ``index``'s arrays of ``size`` floats, replacing any it had.
@@ -211,7 +229,9 @@ class ClientEndpoint(ABC):
             message.rid = self.new_rid()
             expected[index] = message.rid
             self.send(index, message)
-        return Pending(self, expected)
+        pending = Pending(self, expected)
+        self._waiting.add(pending)
+        return pending
 
     def request(self, index: int, message: Message, timeout_s: float, what: str) -> Message:
         return self.request_many({index: message}, timeout_s, what)[index]
@@ -246,6 +266,7 @@ class Pending:
         for once that lasts (see :mod:`psdk.runtime.waits`).
         """
         endpoint, expected, replies = self.endpoint, self.expected, self.replies
+        endpoint.take_strays(self)
         start = time.monotonic()
         deadline = start + timeout_s
         while len(replies) < len(expected):
@@ -268,6 +289,8 @@ class Pending:
             for index, message in endpoint.receive(min(WAIT_SLICE_S, deadline - now)):
                 if expected.get(index) == message.rid and index not in replies:
                     replies[index] = message
+                else:
+                    endpoint.keep_stray(index, message)
         return replies
 
 
