@@ -119,8 +119,8 @@ def test_a_plain_pull_or_a_read_between_two_steps_leaves_the_pull_the_next_push_
         with sent_by(client) as sent:
             client.push_pull(rows={"users": (a, np.ones((len(a), 4), np.float32))})
         assert all(m.fields["tables"][0].get("pulled") for m in sent[0].values())
-        np.testing.assert_allclose(client.pull_rows({"users": a}, read=True)["users"], before - LR, rtol=1e-6,
-                                   atol=1e-6)  # fmt: skip
+        after = client.pull_rows({"users": a}, read=True)["users"]
+        np.testing.assert_allclose(after, before - LR, rtol=1e-6, atol=1e-6)
 
 
 def raw_named(client: ParameterClient, shard: int, rows: np.ndarray, **fields: object) -> None:

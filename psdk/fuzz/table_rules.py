@@ -81,6 +81,17 @@ class TableRules(ModelFollowing):
         pattern = (ids[:, None] % 101) * 3 + np.arange(dim)[None, :] * 7 + key * 5
         return (scale * (0.25 + 0.075 * (pattern % 11))).astype(np.float32).reshape(len(ids), dim)
 
+    def _next_push(self, actor: Actor) -> tuple[int, np.ndarray]:
+        """``actor``'s next push's seq, and a dense gradient that differs by worker and push."""
+        seq = actor.next_seq
+        actor.next_seq += 1
+        return seq, (0.01 * self._pattern(3 * (actor.worker or 0) + seq)).astype(np.float32)
+
+    def _kept(self, actor: Actor, name: str, rid: int) -> np.ndarray | None:
+        """The ids the ps keeps of ``actor``'s request ``rid``'s pull of table ``name`` for a push to name, if any."""
+        held = self.ps.server.shard.named_pulls.kept.get((actor.worker, name))  # type: ignore[arg-type]
+        return held[2] if held is not None and held[:2] == (actor.sock.getsockopt(zmq.ROUTING_ID), rid) else None
+
     def _holds(self, name: str) -> bool:
         return name in self.ps.server.store.tables
 
@@ -146,8 +157,7 @@ class TableRules(ModelFollowing):
         actor, spec = self.actors[who], self._table(table)
         if fault is None:  # as a worker does: pull the batch's rows first (half of them: the others are dropped)
             self.pull_rows(who, table, ids[::2], False, None)
-        seq = actor.next_seq
-        actor.next_seq += 1
+        seq, dense = self._next_push(actor)
         push_ids = self._fault_ids(fault, self._ids(spec, ids), spec) if fault else self._ids(spec, ids)
         grads = self._row_grads(push_ids.astype(np.int64), int(spec["dim"]), scale, seq)
         if fault == "rows of the wrong shape":
@@ -156,7 +166,6 @@ class TableRules(ModelFollowing):
             push_ids = push_ids if len(push_ids) else np.array([1], np.int64)
             grads = np.full((len(push_ids), int(spec["dim"])), np.nan, np.float32)
         entry: dict[str, Any] = {"table": "nope" if fault == "an unknown table" else spec["name"], "push": True}
-        dense = (0.01 * self._pattern(3 * (actor.worker or 0) + seq)).astype(np.float32)
         if fault == "a NaN dense gradient":
             dense[0] = np.nan
         arrays = [dense, push_ids, grads]
@@ -216,33 +225,28 @@ class TableRules(ModelFollowing):
         entry: dict[str, Any] = {"table": name, "pull": True}
         if fault == "a read named" or self.model.mode == "ssp":  # ssp: a training pull's reply may be held
             entry["read"] = True
-        seq, rid = actor.next_seq, actor.rid()
-        actor.next_seq += 1
-        dense = (0.01 * self._pattern(3 * (actor.worker or 0) + seq)).astype(np.float32)
+        (seq, dense), rid = self._next_push(actor), actor.rid()
         fields = actor.fields(version=self.ps.server.store.version, seq=seq, epoch=self.harness.epoch, tables=[entry])
         must_fail = actor.worker is None or not self.ps.server.store.initialized or not self._holds(name)
         self._send_faulty(actor, Message("push_pull", fields, [dense, pulled], rid), None, must_fail)
         answer = self.last_answer  # a training pull answered with its rows: the shard holds it for a push to name
         answered = answer is not None and answer.op == "params" and answer.fields.get("outcome") != "pulled"
-        kept = self.ps.server.shard.named_pulls.kept.get((actor.worker, name))  # type: ignore[arg-type]
-        holds = kept is not None and kept[:2] == (actor.sock.getsockopt(zmq.ROUTING_ID), rid)
+        holds = self._kept(actor, name, rid) is not None
         if (answered and not entry.get("read")) != holds:
             said = f"answered {answer.op if answer else 'later'}{', a read' if entry.get('read') else ''}"
             self._disagree(f"the ps {'holds' if holds else 'does not hold'} the pull of request {rid} ({said})")
         namer = self.actors[(who + 1) % WORKERS] if fault == "another worker's name" else actor
         named = rid + 1000 if fault == "a pull never made" else rid
-        held = self.ps.server.shard.named_pulls.kept.get((namer.worker, name))  # type: ignore[arg-type]
-        ours = held is not None and held[:2] == (namer.sock.getsockopt(zmq.ROUTING_ID), named)
+        kept = self._kept(namer, name, named)
+        ours = kept is not None
         if ours and (namer is not actor or named != rid):
             return  # by chance the namer's own last pull had that request id: a valid name, not this fault
-        if ours and held is not None and not np.array_equal(held[2], pulled):
-            self._disagree(f"the ps keeps ids {held[2].tolist()} of a pull of {pulled.tolist()}")
+        if kept is not None and not np.array_equal(kept, pulled):
+            self._disagree(f"the ps keeps ids {kept.tolist()} of a pull of {pulled.tolist()}")
         rows = self._row_grads(pulled, int(spec["dim"]), 1.0, seq + 1)
         if fault == "rows of the wrong shape":
             rows = np.zeros((len(pulled) + 1, int(spec["dim"])), np.float32)
-        seq = namer.next_seq
-        namer.next_seq += 1
-        dense = (0.01 * self._pattern(3 * (namer.worker or 0) + seq)).astype(np.float32)
+        seq, dense = self._next_push(namer)
         names = {} if fault == "no pulled field" else {"pulled": named}
         fields = namer.fields(version=self.ps.server.store.version, seq=seq, epoch=self.harness.epoch,
                               tables=[{"table": name, "push": True, "pulled": True}], **names)  # fmt: skip

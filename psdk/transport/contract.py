@@ -150,6 +150,8 @@ class ClientEndpoint(ABC):
 
     def take_strays(self, pending: Pending) -> None:
         """Into ``pending``, the replies it waits for that arrived while another request was waited for."""
+        if not self._strays:  # the usual case: every wait takes its own replies
+            return
         for index, rid in pending.expected.items():
             if index not in pending.replies and (index, rid) in self._strays:
                 pending.replies[index] = self._strays.pop((index, rid))
